@@ -1,0 +1,1 @@
+"""Triton kernels, each beside its PyTorch reference (Triton attention comes in a later issue)."""

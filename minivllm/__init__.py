@@ -1,0 +1,9 @@
+"""minivllm: a compact, readable vLLM-style inference engine for the precision course."""
+
+from minivllm.config import EngineArgs
+from minivllm.llm import LLM
+from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
+from minivllm.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "EngineArgs", "RequestOutput", "CompletionOutput", "Logprob"]

@@ -1,0 +1,59 @@
+"""Reference paged attention with ``torch.nn.functional.scaled_dot_product_attention``.
+
+K/V are always read back from the paged cache (also in prefill, as vLLM v1's
+FlashAttention backend does), so the cache's storage dtype affects every token.
+Decodes are batched: their keys are gathered into a padded ``[B, heads, max_len, D]``
+tensor and masked. Prefills run one sequence at a time (causal, or with an explicit mask
+when earlier chunks / cached prefix blocks precede the new tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from minivllm.attention.metadata import AttentionMetadata
+from minivllm.quantization.kv_cache import dequantize_kv, read_kv_slots
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
+                v_scale: float = 1.0) -> torch.Tensor:
+        """Attention for a flat batch.
+
+        Args:
+            q: [num_tokens, num_heads, head_dim], compute dtype, rotary applied.
+            k_cache, v_cache: [num_slots, num_kv_heads, head_dim], storage dtype, already
+                holding this step's keys and values.
+            meta: slots and masks for this step.
+            scale: softmax scale (head_dim ** -0.5).
+        Returns:
+            [num_tokens, num_heads, head_dim] in q's dtype.
+        """
+        out = torch.empty_like(q)
+        dtype = q.dtype
+        if meta.decode_rows is not None and meta.decode_rows.numel() > 0:
+            qd = q[meta.decode_rows].unsqueeze(2)  # [B, H, 1, D]
+            k = dequantize_kv(read_kv_slots(k_cache, meta.decode_kv_slots), dtype, k_scale)
+            v = dequantize_kv(read_kv_slots(v_cache, meta.decode_kv_slots), dtype, v_scale)
+            o = F.scaled_dot_product_attention(
+                qd, k.transpose(1, 2), v.transpose(1, 2), attn_mask=meta.decode_mask,
+                scale=scale, enable_gqa=True)
+            out[meta.decode_rows] = o.squeeze(2)
+        for p in meta.prefills:
+            qp = q[p.start:p.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            k = dequantize_kv(read_kv_slots(k_cache, p.kv_slots), dtype, k_scale)
+            v = dequantize_kv(read_kv_slots(v_cache, p.kv_slots), dtype, v_scale)
+            k = k.transpose(0, 1).unsqueeze(0)
+            v = v.transpose(0, 1).unsqueeze(0)
+            if p.mask is None:
+                o = F.scaled_dot_product_attention(qp, k, v, is_causal=True, scale=scale,
+                                                   enable_gqa=True)
+            else:
+                o = F.scaled_dot_product_attention(qp, k, v, attn_mask=p.mask, scale=scale,
+                                                   enable_gqa=True)
+            out[p.start:p.end] = o.squeeze(0).transpose(0, 1)
+        return out

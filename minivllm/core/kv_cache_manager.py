@@ -1,0 +1,142 @@
+"""KV-cache manager: which blocks each request owns, prefix-cache lookups, and block hashes.
+
+Mirrors vLLM v1's ``vllm/v1/core/kv_cache_manager.py`` (single attention type, so the
+"coordinator" layer of vLLM is folded in here).
+
+Prefix caching: a full block is identified by a *chained* hash,
+``hash(parent_block_hash, token ids of this block, extra keys)``, so equal hashes mean
+equal whole prefixes, not just equal blocks. Anything that changes the K/V numbers of
+the block must be part of the key; engine-wide settings (model, dtype, kv_cache_dtype)
+are the same for every request of one engine, so only per-request inputs matter here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from typing import Optional
+
+from minivllm.core.block_pool import BlockPool, KVCacheBlock
+from minivllm.engine.request import Request
+
+BlockHash = bytes
+_ROOT_HASH = b"minivllm-prefix-root"
+
+
+def hash_block_tokens(parent_hash: Optional[BlockHash], token_ids: list[int],
+                      extra_keys: tuple = ()) -> BlockHash:
+    """Chained sha256 of (parent hash, token ids, extra keys). 32 bytes."""
+    h = hashlib.sha256()
+    h.update(parent_hash if parent_hash is not None else _ROOT_HASH)
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    if extra_keys:
+        h.update(repr(extra_keys).encode())
+    return h.digest()
+
+
+class KVCacheManager:
+    """Owns the BlockPool and the request -> blocks table.
+
+    Args:
+        num_blocks: total KV blocks.
+        block_size: tokens per block.
+        enable_caching: prefix caching on/off.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # Prefix-cache statistics in tokens (vLLM's prefix_cache_queries / hits).
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # --- hashing ------------------------------------------------------------------
+    def update_block_hashes(self, request: Request) -> None:
+        """Extend ``request.block_hashes`` to cover all of its full blocks."""
+        bs = self.block_size
+        tokens = request.all_token_ids
+        hashes = request.block_hashes
+        while (len(hashes) + 1) * bs <= len(tokens):
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs]))
+
+    # --- lookups ------------------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of a request that has no blocks yet.
+
+        Returns (blocks, num_computed_tokens). At least the last token is always left
+        to compute, because the engine needs its logits. Requests that ask for
+        prompt_logprobs skip the cache (their prompt must be run to get the logits).
+        """
+        if not self.enable_caching or request.params.prompt_logprobs is not None:
+            return [], 0
+        self.update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        num_hit_tokens = len(hits) * self.block_size
+        # Count queries/hits once per (re)admission, in tokens.
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += num_hit_tokens
+        return hits, num_hit_tokens
+
+    # --- allocation ---------------------------------------------------------------
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: Optional[list[KVCacheBlock]] = None) -> bool:
+        """Make room for ``num_new_tokens`` more tokens of ``request``.
+
+        ``new_computed_blocks`` are prefix-cache hits for a newly admitted request; they
+        are shared (ref count +1), not copied. Returns False, changing nothing, when the
+        pool has too few free blocks.
+        """
+        new_computed_blocks = new_computed_blocks or []
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        total_needed = self.num_blocks_needed(num_computed + num_new_tokens)
+        num_new_blocks = total_needed - len(blocks) - len(new_computed_blocks)
+        # Cached hits that sit in the free queue must also come out of it.
+        num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks + num_revived > self.block_pool.get_num_free_blocks():
+            return False
+        if new_computed_blocks:
+            self.block_pool.touch(new_computed_blocks)
+        blocks = blocks + new_computed_blocks
+        if num_new_blocks > 0:
+            blocks = blocks + self.block_pool.get_new_blocks(num_new_blocks)
+        self.req_to_blocks[request.request_id] = blocks
+        return True
+
+    def cache_blocks(self, request: Request) -> None:
+        """Register the request's full, computed blocks in the prefix cache."""
+        if not self.enable_caching:
+            return
+        self.update_block_hashes(request)
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
+        for i in range(num_full):
+            self.block_pool.cache_block(blocks[i], request.block_hashes[i])
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first (so prefix heads are evicted last)."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.block_pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()

@@ -1,0 +1,157 @@
+"""Continuous-batching scheduler (vLLM v1: ``vllm/v1/core/sched/scheduler.py``).
+
+There is no separate "prefill phase" and "decode phase". Each step, every request is
+given some number of new tokens to compute, ``num_tokens - num_computed_tokens`` or a
+chunk of it, under two limits:
+
+* ``max_num_batched_tokens``: the token budget of one forward pass;
+* ``max_num_seqs``: how many requests may be running at once.
+
+Order (FCFS): running requests first (decodes and unfinished chunked prefills), then
+waiting requests in arrival order. When a running request needs a new block and the
+pool is empty, the scheduler *preempts* the most recently admitted running request:
+its blocks are freed and it goes back to the front of the waiting queue with
+``num_computed_tokens = 0``; when it is admitted again its prompt *and* the tokens it
+had generated are recomputed in a prefill (preemption by recompute).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from minivllm.config import SchedulerConfig
+from minivllm.core.kv_cache_manager import KVCacheManager
+from minivllm.engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """What to run in one step.
+
+    Attributes:
+        scheduled: (request, num_new_tokens) in batch order.
+        num_batched_tokens: sum of num_new_tokens.
+        preempted: requests preempted while building this step.
+    """
+
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """FCFS continuous batching with chunked prefill and recompute preemption."""
+
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # --- queue management ---------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        """Mark finished, free its blocks, drop it from the queues (idempotent)."""
+        if request.request_id not in self.requests:
+            return
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # --- the schedule -------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        kv = self.kv_cache_manager
+        scheduled_ids: set[str] = set()
+
+        # 1) Running requests, oldest first.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = request.num_tokens - request.num_computed_tokens
+            num_new = min(num_new, budget)
+            assert num_new > 0, request
+            while not kv.allocate_slots(request, num_new):
+                # Out of blocks: preempt the newest running request (maybe this one).
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append((request, num_new))
+                scheduled_ids.add(request.request_id)
+                budget -= num_new
+                i += 1
+                continue
+            break  # the current request was preempted itself: nothing newer can run
+
+        # 2) Waiting requests, FCFS, unless something was preempted this step.
+        while self.waiting and budget > 0 and not out.preempted:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            request = self.waiting[0]
+            hits, num_hit_tokens = kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit_tokens
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break  # a whole prompt must fit in one step
+                num_new = budget
+            if not kv.allocate_slots(request, num_new, hits):
+                # Undo the query count for this attempt; it will be asked again.
+                kv.prefix_cache_queries -= request.num_tokens
+                kv.prefix_cache_hits -= num_hit_tokens
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_hit_tokens
+            if request.status == RequestStatus.WAITING:
+                request.num_cached_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append((request, num_new))
+            budget -= num_new
+
+        out.num_batched_tokens = sum(n for _, n in out.scheduled)
+        return out
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update_after_step(self, scheduled: list[tuple[Request, int]]) -> None:
+        """Advance num_computed_tokens and register newly full blocks in the cache."""
+        for request, num_new in scheduled:
+            request.num_computed_tokens += num_new
+            self.kv_cache_manager.cache_blocks(request)

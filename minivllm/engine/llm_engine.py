@@ -1,0 +1,351 @@
+"""LLMEngine: add_request / step / abort_request (vLLM: ``vllm/v1/engine/llm_engine.py``).
+
+One ``step()`` = schedule -> run the model on the batch -> sample -> append tokens,
+check stop conditions, free finished requests' blocks -> return outputs of requests
+that finished (or all updated requests when ``stream=True`` is used by a server).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch
+
+from minivllm.config import (DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig, EngineArgs, ModelConfig,
+                             SchedulerConfig, parse_dtype, parse_kv_cache_dtype)
+from minivllm.core.kv_cache_manager import KVCacheManager
+from minivllm.core.scheduler import Scheduler
+from minivllm.engine.request import Request, RequestStatus
+from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
+from minivllm.sampling_params import SamplingParams
+from minivllm.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
+
+
+@dataclass
+class EngineStats:
+    """Engine counters, readable as ``llm.stats`` (vLLM metric names in comments).
+
+    Attributes:
+        num_preemptions: vllm:num_preemptions_total.
+        prefix_cache_queries, prefix_cache_hits: in tokens (vllm:prefix_cache_*_total).
+        num_free_blocks, num_total_blocks: block pool occupancy now.
+        kv_cache_usage: fraction of blocks in use now (vllm:kv_cache_usage_perc).
+        num_running, num_waiting: queue lengths now.
+        num_steps, num_prompt_tokens, num_generation_tokens: totals.
+        num_corrupted_requests: requests whose logits held NaN/inf.
+        history: per step (step, num_running, num_waiting, kv_cache_usage, num_batched_tokens).
+    """
+
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    kv_cache_usage: float = 0.0
+    num_running: int = 0
+    num_waiting: int = 0
+    num_steps: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_corrupted_requests: int = 0
+    history: list = field(default_factory=list)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+class LLMEngine:
+    """The engine. Build with ``LLMEngine.from_engine_args(EngineArgs(...))``.
+
+    Raises (at construction):
+        ValueError: invalid arguments, unknown model, or a KV cache too small to hold
+            one sequence of max_model_len tokens.
+    """
+
+    def __init__(self, args: EngineArgs):
+        from minivllm.models.loader import (checkpoint_dtype, load_hf_config, load_model,
+                                            resolve_model_path)
+        from minivllm.tokenizer import get_tokenizer
+
+        args.validate()
+        self.args = args
+        path = resolve_model_path(args.model)
+        cfg = load_hf_config(path)
+        dtype = parse_dtype(args.dtype, checkpoint_dtype(cfg))
+        cache_dtype = parse_kv_cache_dtype(args.kv_cache_dtype, dtype)
+        max_pos = int(cfg.get("max_position_embeddings", 2048))
+        max_model_len = args.max_model_len or max_pos
+        if max_model_len > max_pos:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
+                             f"max_position_embeddings={max_pos}")
+        self.tokenizer = get_tokenizer(args.tokenizer or str(path))
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos_ids:
+            eos_ids = eos_ids + (self.tokenizer.eos_token_id,)
+        num_heads = cfg["num_attention_heads"]
+        self.model_config = ModelConfig(
+            model=args.model, path=str(path), dtype=dtype, max_model_len=max_model_len,
+            vocab_size=cfg["vocab_size"], num_layers=cfg["num_hidden_layers"],
+            num_kv_heads=cfg.get("num_key_value_heads", num_heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            eos_token_ids=eos_ids)
+        self.cache_config = self._make_cache_config(cache_dtype)
+        self.scheduler_config = self._make_scheduler_config()
+        device = "cuda" if args.device == "cuda" else args.device
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was requested but torch.cuda.is_available() is False")
+        model = load_model(path, cfg, dtype, max_model_len, device, args.attention_backend)
+        self.kv_cache_manager = KVCacheManager(self.cache_config.num_blocks,
+                                               self.cache_config.block_size,
+                                               self.cache_config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
+        self.model_runner = ModelRunner(model, self.model_config, self.cache_config, device,
+                                        args.seed)
+        self._counter = itertools.count()
+        self._stats = EngineStats()
+        self._history: deque = deque(maxlen=100_000)
+        self.finished_outputs: dict[str, RequestOutput] = {}
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        return cls(args)
+
+    # --- configuration ----------------------------------------------------------------
+    def _make_cache_config(self, cache_dtype: torch.dtype) -> CacheConfig:
+        a, mc = self.args, self.model_config
+        per_block = kv_cache_bytes_per_block(mc, a.block_size, cache_dtype)
+        if a.num_gpu_blocks_override is not None:
+            num_blocks = a.num_gpu_blocks_override
+        elif a.kv_cache_memory_bytes is not None:
+            num_blocks = a.kv_cache_memory_bytes // per_block
+        elif str(a.device).startswith("cuda"):
+            free, _ = torch.cuda.mem_get_info()
+            num_blocks = int(free * a.gpu_memory_utilization * 0.8) // per_block
+        else:
+            # Enough for max_num_seqs full-length sequences, capped at the CPU default.
+            wanted = a.max_num_seqs * -(-mc.max_model_len // a.block_size)
+            num_blocks = min(wanted, DEFAULT_CPU_KV_CACHE_BYTES // per_block)
+        if num_blocks * a.block_size < mc.max_model_len:
+            raise ValueError(
+                f"The KV cache holds {num_blocks} blocks x {a.block_size} tokens = "
+                f"{num_blocks * a.block_size} tokens, fewer than max_model_len="
+                f"{mc.max_model_len}, so one full-length request could never run. Give "
+                f"more blocks (num_gpu_blocks_override / kv_cache_memory_bytes) or lower "
+                f"max_model_len (needs >= {-(-mc.max_model_len // a.block_size)} blocks, "
+                f"{per_block} bytes each).")
+        k_scale, v_scale = a.kv_scale or (1.0, 1.0)
+        return CacheConfig(block_size=a.block_size, num_blocks=num_blocks,
+                           cache_dtype=cache_dtype, kv_cache_dtype=a.kv_cache_dtype,
+                           k_scale=k_scale, v_scale=v_scale,
+                           enable_prefix_caching=a.enable_prefix_caching)
+
+    def _make_scheduler_config(self) -> SchedulerConfig:
+        a, max_len = self.args, self.model_config.max_model_len
+        budget = a.max_num_batched_tokens
+        if budget is None:
+            budget = 8192 if a.enable_chunked_prefill else max(8192, max_len)
+        if not a.enable_chunked_prefill and budget < max_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({budget}) is smaller than max_model_len ({max_len}); "
+                "without chunked prefill a whole prompt must fit in one step. Raise "
+                "max_num_batched_tokens, lower max_model_len, or enable_chunked_prefill=True.")
+        return SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=budget,
+                               max_model_len=max_len,
+                               enable_chunked_prefill=a.enable_chunked_prefill)
+
+    # --- requests ---------------------------------------------------------------------
+    def add_request(self, prompt: Union[str, list[int]], params: Optional[SamplingParams] = None,
+                    request_id: Optional[str] = None) -> str:
+        """Queue a prompt (text or token ids). Returns the request id.
+
+        Raises:
+            ValueError: empty prompt, token ids outside the vocabulary, or a prompt
+                longer than max_model_len (both lengths are named).
+            TypeError: prompt of the wrong type.
+        """
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            text: Optional[str] = prompt
+            token_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            text = None
+            token_ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            for t in token_ids:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                    raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {t!r}")
+        else:
+            raise TypeError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError("prompt is empty (0 tokens); give at least one token")
+        max_len = self.model_config.max_model_len
+        if len(token_ids) >= max_len:
+            raise ValueError(
+                f"The prompt is {len(token_ids)} tokens long, but max_model_len is {max_len} "
+                f"(the prompt plus at least one generated token must fit); shorten the prompt "
+                f"or raise max_model_len.")
+        rid = request_id if request_id is not None else str(next(self._counter))
+        req = Request(rid, token_ids, params, prompt=text,
+                      eos_token_ids=self.model_config.eos_token_ids, max_model_len=max_len)
+        self.scheduler.add_request(req)
+        self._stats.num_prompt_tokens += len(token_ids)
+        return rid
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request and free its blocks (no-op for unknown/finished ids)."""
+        req = self.scheduler.requests.get(request_id)
+        if req is not None:
+            self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
+            req.finish_time = time.monotonic()
+            self.finished_outputs[request_id] = self._make_output(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # --- the step ---------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step. Returns outputs of requests that finished in it.
+
+        If the model raises, every scheduled request is aborted (its blocks freed) and
+        the error is re-raised.
+        """
+        sched = self.scheduler.schedule()
+        self._stats.num_steps += 1
+        if sched.is_empty:
+            self._record(0)
+            return []
+        kv = self.kv_cache_manager
+        tables = {req.request_id: kv.get_block_ids(req.request_id) for req, _ in sched.scheduled}
+        try:
+            result = self.model_runner.execute_model(sched.scheduled, tables)
+        except BaseException:
+            for req, _ in sched.scheduled:
+                self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
+            raise
+        self.scheduler.update_after_step(sched.scheduled)
+        finished: list[RequestOutput] = []
+        by_id = {req.request_id: req for req, _ in sched.scheduled}
+        self._stats.num_corrupted_requests += len(result.nonfinite_request_ids)
+        for rid, chunk in result.prompt_logprobs.items():
+            self._append_prompt_logprobs(by_id[rid], chunk)
+        so = result.sampler_output
+        now = time.monotonic()
+        for i, rid in enumerate(result.sampled_request_ids):
+            req = by_id[rid]
+            token = int(so.sampled[i])
+            req.append_output_token(token)
+            self._stats.num_generation_tokens += 1
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if req.logprobs is not None:
+                self._append_logprobs(req, so, i, token)
+            status = self._check_stop(req, token)
+            if status is not None:
+                self.scheduler.finish_request(req, status)
+                req.finish_time = now
+                out = self._make_output(req)
+                finished.append(out)
+        self._record(sched.num_batched_tokens)
+        return finished
+
+    def _record(self, num_batched_tokens: int) -> None:
+        self._history.append((self._stats.num_steps, self.scheduler.num_running,
+                              self.scheduler.num_waiting, self.kv_cache_manager.usage,
+                              num_batched_tokens))
+
+    def _check_stop(self, req: Request, token: int) -> Optional[RequestStatus]:
+        p = req.params
+        if req.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in req.eos_token_ids:
+                req.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if token in p.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+            if p.stop_strings:
+                text = self._decode(req)
+                # Only look where the new token could have completed a stop string.
+                for s in p.stop_strings:
+                    idx = text.find(s)
+                    if idx != -1:
+                        req.stop_reason = s
+                        req.output_text = text[:idx + (len(s) if p.include_stop_str_in_output else 0)]
+                        return RequestStatus.FINISHED_STOPPED
+        if req.num_tokens >= req.max_total_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _decode(self, req: Request) -> str:
+        return self.tokenizer.decode(req.output_token_ids,
+                                     skip_special_tokens=req.params.skip_special_tokens)
+
+    def _logprob_dict(self, ids: list[int], lps: list[float], ranks: list[int]) -> dict[int, Logprob]:
+        d: dict[int, Logprob] = {}
+        for t, lp, r in zip(ids, lps, ranks):
+            if t not in d:
+                d[t] = Logprob(lp, r, self.tokenizer.decode([t]))
+        return d
+
+    def _append_logprobs(self, req: Request, so, i: int, token: int) -> None:
+        n = req.params.logprobs
+        lp = float(so.sampled_logprobs[i])
+        ids, lps, ranks = [token], [lp], [int(so.sampled_ranks[i])]
+        if n:
+            ids += so.topk_ids[i, :n].tolist()
+            lps += so.topk_logprobs[i, :n].tolist()
+            ranks += list(range(1, n + 1))
+        req.logprobs.append(self._logprob_dict(ids, lps, ranks))
+        req.cumulative_logprob += lp
+
+    def _append_prompt_logprobs(self, req: Request, chunk) -> None:
+        n = req.params.prompt_logprobs
+        for j, tok in enumerate(chunk.token_ids):
+            ids, lps, ranks = [tok], [float(chunk.token_logprobs[j])], [int(chunk.ranks[j])]
+            if n:
+                ids += chunk.topk_ids[j].tolist()
+                lps += chunk.topk_logprobs[j].tolist()
+                ranks += list(range(1, n + 1))
+            req.prompt_logprobs.append(self._logprob_dict(ids, lps, ranks))
+
+    def _make_output(self, req: Request) -> RequestOutput:
+        if req.stop_reason is None or not isinstance(req.stop_reason, str):
+            req.output_text = self._decode(req)
+        finish = req.status.value if req.status.finished else None
+        comp = CompletionOutput(
+            index=0, text=req.output_text, token_ids=list(req.output_token_ids),
+            cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
+            logprobs=req.logprobs, finish_reason=finish, stop_reason=req.stop_reason)
+        metrics = {"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
+                   "finish_time": req.finish_time, "num_preemptions": req.num_preemptions}
+        return RequestOutput(request_id=req.request_id, prompt=req.prompt,
+                             prompt_token_ids=req.prompt_token_ids,
+                             prompt_logprobs=req.prompt_logprobs, outputs=[comp],
+                             finished=req.status.finished, num_cached_tokens=req.num_cached_tokens,
+                             metrics=metrics)
+
+    # --- statistics -------------------------------------------------------------------
+    @property
+    def stats(self) -> EngineStats:
+        s = self._stats
+        kv = self.kv_cache_manager
+        s.num_preemptions = self.scheduler.num_preemptions
+        s.prefix_cache_queries = kv.prefix_cache_queries
+        s.prefix_cache_hits = kv.prefix_cache_hits
+        s.num_free_blocks = kv.block_pool.get_num_free_blocks()
+        s.num_total_blocks = kv.block_pool.num_blocks
+        s.kv_cache_usage = kv.usage
+        s.num_running = self.scheduler.num_running
+        s.num_waiting = self.scheduler.num_waiting
+        s.history = list(self._history)
+        return s
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()

@@ -1,0 +1,91 @@
+"""Per-request state tracked by the scheduler and the engine (vLLM: ``vllm/v1/request.py``)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Optional
+
+import torch
+
+from minivllm.outputs import Logprob
+from minivllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again after its blocks were taken (recompute)
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+class Request:
+    """One sequence moving through the engine.
+
+    The central counter is ``num_computed_tokens``: how many of ``all_token_ids`` already
+    have K/V in the paged cache. The scheduler schedules ``num_tokens -
+    num_computed_tokens`` more (all of them, or a chunk); a decode step is simply the
+    case where that difference is 1. Preemption by recompute resets it to 0.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 prompt: Optional[str] = None, eos_token_ids: tuple[int, ...] = (),
+                 max_model_len: int = 0, arrival_time: Optional[float] = None):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.eos_token_ids = eos_token_ids
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens that hit the prefix cache (first schedule)
+        self.status = RequestStatus.WAITING
+        self.stop_reason: Optional[object] = None
+        self.num_preemptions = 0
+        # Prefix-cache hashes of this request's full blocks (filled by the KV manager).
+        self.block_hashes: list[int] = []
+        # Limit on total length: max_model_len, or prompt + max_tokens.
+        max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len
+        self.max_total_tokens = min(max_model_len, len(prompt_token_ids) + max_tokens)
+        # Sampling state. The seeded generator is created by the model runner on its
+        # device at first use and then kept across steps (and across preemption).
+        self.generator: Optional[torch.Generator] = None
+        self.logprobs: Optional[list[dict[int, Logprob]]] = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.prompt_logprobs: Optional[list] = [None] if params.prompt_logprobs is not None else None
+        self.output_text = ""
+        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.first_token_time: Optional[float] = None
+        self.finish_time: Optional[float] = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request(id={self.request_id}, status={self.status.value}, "
+                f"tokens={self.num_tokens}, computed={self.num_computed_tokens})")

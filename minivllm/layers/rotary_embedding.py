@@ -1,0 +1,63 @@
+"""Rotary position embedding (RoPE; Su et al. 2021, arXiv:2104.09864), HF "rotate_half" layout.
+
+The cos/sin tables are computed in float32 from ``inv_freq = 1 / theta^(2i/d)`` and cast
+to the activation dtype, exactly as HF ``LlamaRotaryEmbedding`` does, so float32 results
+match transformers bit for bit. vLLM: ``vllm/model_executor/layers/rotary_embedding``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, num_heads, head_dim]; cos, sin: [num_tokens, head_dim] (x's dtype)."""
+    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
+
+
+class RotaryEmbedding(nn.Module):
+    """Default (unscaled) RoPE.
+
+    Args:
+        head_dim: rotary dimension (the whole head).
+        max_position: size of the precomputed table (positions >= it raise IndexError).
+        base: rope_theta.
+    """
+
+    def __init__(self, head_dim: int, max_position: int, base: float):
+        super().__init__()
+        self.head_dim = head_dim
+        self.base = base
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        t = torch.arange(max_position, dtype=torch.int64).float()
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos_cached", emb.cos(), persistent=False)
+        self.register_buffer("sin_cached", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """positions: [num_tokens] int64; q: [T, Hq, D]; k: [T, Hkv, D]. Returns (q, k)."""
+        cos = self.cos_cached[positions].to(q.dtype)
+        sin = self.sin_cached[positions].to(q.dtype)
+        return apply_rotary_ref(q, cos, sin), apply_rotary_ref(k, cos, sin)
+
+
+def get_rope(head_dim: int, max_position: int, base: float, rope_scaling: dict | None) -> RotaryEmbedding:
+    """Build the rotary embedding; only the default (unscaled) type is implemented.
+
+    Raises:
+        NotImplementedError: for any rope_scaling other than None / {"rope_type": "default"}.
+    """
+    if rope_scaling:
+        rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+        if rope_type != "default":
+            raise NotImplementedError(
+                f"rope_scaling type {rope_type!r} is not supported yet (supported: default); "
+                f"got rope_scaling={rope_scaling}")
+    return RotaryEmbedding(head_dim, max_position, base)

@@ -1,0 +1,131 @@
+"""``LLM``: the offline entry point, with vLLM's signature (``vllm/entrypoints/llm.py``).
+
+    from minivllm import LLM, SamplingParams
+    llm = LLM(model="smollm2-135m-instruct", kv_cache_dtype="fp8_e4m3")
+    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=16))
+    print(out[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+from tqdm.auto import tqdm
+
+from minivllm.config import EngineArgs
+from minivllm.engine.llm_engine import EngineStats, LLMEngine
+from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import SamplingParams
+
+Prompt = Union[str, list[int]]
+Conversation = list[dict[str, str]]
+
+
+class LLM:
+    """An engine plus a tokenizer, driven to completion by ``generate``/``chat``.
+
+    Keyword arguments are :class:`minivllm.config.EngineArgs` fields (vLLM names):
+    ``model, dtype, kv_cache_dtype, block_size, num_gpu_blocks_override,
+    kv_cache_memory_bytes, max_num_seqs, max_num_batched_tokens, max_model_len,
+    enable_prefix_caching, enable_chunked_prefill, seed, device`` ...
+
+    Raises:
+        TypeError: an unknown keyword argument.
+        ValueError: an invalid value (the message lists what is allowed).
+    """
+
+    def __init__(self, model: str = "smollm2-135m-instruct", **kwargs):
+        fields = EngineArgs.__dataclass_fields__
+        unknown = sorted(set(kwargs) - set(fields))
+        if unknown:
+            raise TypeError(f"Unknown LLM argument(s) {unknown}; allowed: {sorted(fields)}")
+        self.engine_args = EngineArgs(model=model, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    @property
+    def stats(self) -> EngineStats:
+        """Preemptions, KV usage, prefix-cache queries/hits, free blocks, per-step history."""
+        return self.llm_engine.stats
+
+    def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order.
+
+        Args:
+            prompts: a string, a list of token ids, or a list of either.
+            sampling_params: one for all prompts, or one per prompt (default: SamplingParams()).
+            use_tqdm: show a progress bar over finished requests.
+        Raises:
+            ValueError: bad prompts or a sampling_params list of the wrong length. When one
+                prompt is invalid, no request is run and no blocks are held.
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts; "
+                                 "give one, or one per prompt")
+        engine = self.llm_engine
+        ids = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                ids.append(engine.add_request(prompt, params))
+        except BaseException:
+            for rid in ids:  # do not leave half a batch queued
+                engine.abort_request(rid)
+                engine.finished_outputs.pop(rid, None)
+            raise
+        return self._run_engine(ids, use_tqdm)
+
+    def chat(self, messages: Union[Conversation, Sequence[Conversation]],
+             sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+             use_tqdm: bool = False, add_generation_prompt: bool = True,
+             chat_template: Optional[str] = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then
+        generate. Messages are dicts with "role" and "content"."""
+        if messages and isinstance(messages[0], dict):
+            conversations = [messages]
+        else:
+            conversations = list(messages)
+        tok = self.get_tokenizer()
+        prompts = []
+        for conv in conversations:
+            if not conv:
+                raise ValueError("a conversation must have at least one message")
+            text = tok.apply_chat_template(conv, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt,
+                                           chat_template=chat_template)
+            prompts.append(tok.encode(text, add_special_tokens=False))
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
+        wanted = set(ids)
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    results[out.request_id] = out
+                    bar.update(1)
+        except BaseException:
+            for rid in ids:  # KeyboardInterrupt or a model error: free everything
+                engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        for rid in wanted - set(results):
+            if rid in engine.finished_outputs:
+                results[rid] = engine.finished_outputs.pop(rid)
+        return [results[rid] for rid in ids]

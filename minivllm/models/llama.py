@@ -1,0 +1,204 @@
+"""The Llama architecture, written here (SmolLM2, Llama 2/3 and Llama-like checkpoints).
+
+vLLM: ``vllm/model_executor/models/llama.py``. As in vLLM, q/k/v projections are fused
+into one ``qkv_proj`` and gate/up into ``gate_up_proj`` (``load_weights`` stacks the HF
+tensors), and the model works on a *flat* batch of tokens from many sequences; the
+paged-attention metadata says which tokens belong together.
+
+Shapes: ``input_ids``/``positions`` [num_tokens]; hidden states [num_tokens, hidden];
+logits [num_rows, vocab] float32.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minivllm.attention.backends import get_attention_backend
+from minivllm.attention.metadata import AttentionMetadata
+from minivllm.layers.rms_norm import RMSNorm
+from minivllm.layers.rotary_embedding import get_rope
+from minivllm.quantization.kv_cache import quantize_kv, write_kv_slots
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query attention over the paged KV cache.
+
+    ``k_cache``/``v_cache`` ([num_slots, num_kv_heads, head_dim], storage dtype) are
+    bound by the model runner after the cache is allocated.
+    """
+
+    def __init__(self, cfg: dict, layer_idx: int, max_position: int, backend: str = "torch"):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.hidden_size = cfg["hidden_size"]
+        self.num_heads = cfg["num_attention_heads"]
+        self.num_kv_heads = cfg.get("num_key_value_heads", self.num_heads)
+        self.head_dim = cfg.get("head_dim") or self.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scaling = self.head_dim ** -0.5
+        bias = bool(cfg.get("attention_bias", False))
+        self.qkv_proj = nn.Linear(self.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, self.hidden_size, bias=bias)
+        self.rotary_emb = get_rope(self.head_dim, max_position, cfg["rope_theta"],
+                                   cfg.get("rope_scaling"))
+        self.backend = get_attention_backend(backend)
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+        self.k_scale = 1.0
+        self.v_scale = 1.0
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata):
+        n = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(positions, q, k)
+        cache_dtype = self.k_cache.dtype
+        write_kv_slots(self.k_cache, meta.slot_mapping, quantize_kv(k, cache_dtype, self.k_scale))
+        write_kv_slots(self.v_cache, meta.slot_mapping, quantize_kv(v, cache_dtype, self.v_scale))
+        o = self.backend.forward(q, self.k_cache, self.v_cache, meta, self.scaling,
+                                 self.k_scale, self.v_scale)
+        return self.o_proj(o.reshape(n, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)) (Shazeer 2020, arXiv:2002.05202)."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: dict, layer_idx: int, max_position: int, backend: str):
+        super().__init__()
+        eps = cfg.get("rms_norm_eps", 1e-6)
+        self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
+        self.self_attn = LlamaAttention(cfg, layer_idx, max_position, backend)
+        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
+        self.mlp = LlamaMLP(cfg["hidden_size"], cfg["intermediate_size"],
+                            bool(cfg.get("mlp_bias", False)))
+
+    def forward(self, positions, x, meta):
+        h = x + self.self_attn(positions, self.input_layernorm(x), meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama decoder stack plus (tied or separate) LM head.
+
+    Args:
+        cfg: the HF config.json as a dict (``rope_theta`` resolved, see loader).
+        max_position: rotary table size (>= max_model_len).
+        backend: attention backend name.
+    Raises:
+        NotImplementedError: unsupported activation or rope scaling.
+    """
+
+    def __init__(self, cfg: dict, max_position: int, backend: str = "torch"):
+        super().__init__()
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise NotImplementedError(f"hidden_act {act!r} is not supported (supported: silu)")
+        self.cfg = cfg
+        self.vocab_size = cfg["vocab_size"]
+        self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, i, max_position, backend)
+            for i in range(cfg["num_hidden_layers"]))
+        self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
+        self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Returns final-norm hidden states [num_tokens, hidden] in the model dtype."""
+        h = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            h = layer(positions, h, meta)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [rows, hidden] -> logits [rows, vocab] in float32 (the LM head runs in
+        the model dtype, as in vLLM; the sampler works in float32)."""
+        weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    # --- weights ----------------------------------------------------------------------
+    _stacked = {  # HF name piece -> (fused param piece, shard index)
+        ".q_proj.": (".qkv_proj.", 0), ".k_proj.": (".qkv_proj.", 1),
+        ".v_proj.": (".qkv_proj.", 2), ".gate_proj.": (".gate_up_proj.", 0),
+        ".up_proj.": (".gate_up_proj.", 1),
+    }
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors (``model.layers.0.self_attn.q_proj.weight``...) in.
+
+        Raises:
+            ValueError: an unexpected name, a shape mismatch, or a missing tensor.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            target, shard = name, None
+            for piece, (fused, idx) in self._stacked.items():
+                if piece in name:
+                    target, shard = name.replace(piece, fused), (piece, idx)
+                    break
+            if target not in params:
+                raise ValueError(f"Unexpected weight {hf_name!r} for this Llama model")
+            param = params[target]
+            with torch.no_grad():
+                if shard is None:
+                    _check_shape(hf_name, param.shape, tensor.shape)
+                    param.copy_(tensor)
+                else:
+                    rows = self._shard_rows(shard[0], param.shape[0])
+                    lo, hi = rows[shard[1]]
+                    _check_shape(hf_name, (hi - lo, *param.shape[1:]), tensor.shape)
+                    param[lo:hi].copy_(tensor)
+                    target = f"{target}#{shard[1]}"
+            loaded.add(target)
+        expected = set()
+        for name, p in params.items():
+            if ".qkv_proj." in name:
+                expected.update(f"{name}#{i}" for i in range(3))
+            elif ".gate_up_proj." in name:
+                expected.update(f"{name}#{i}" for i in range(2))
+            else:
+                expected.add(name)
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"Checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+    def _shard_rows(self, piece: str, total: int) -> list[tuple[int, int]]:
+        if piece in (".gate_proj.", ".up_proj."):
+            half = total // 2
+            return [(0, half), (half, total)]
+        attn = self.layers[0].self_attn
+        q, kv = attn.q_size, attn.kv_size
+        return [(0, q), (q, q + kv), (q + kv, q + 2 * kv)]
+
+
+def _check_shape(name, expected, got) -> None:
+    if tuple(expected) != tuple(got):
+        raise ValueError(f"Weight {name!r} has shape {tuple(got)}, expected {tuple(expected)}")

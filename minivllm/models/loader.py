@@ -1,0 +1,120 @@
+"""Find and load a model: the embedded alias, a local HF folder, or (where a hub is
+reachable) a hub id. Returns our own ``LlamaForCausalLM`` with the weights in the
+requested dtype.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from minivllm.models import embedded
+
+ALIASES = {embedded.ALIAS: embedded.ensure_embedded_model}
+SUPPORTED_MODEL_TYPES = ("llama",)
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_model_path(model: str) -> Path:
+    """Map a model argument to a local HF folder.
+
+    Accepts: an alias (``smollm2-135m-instruct``), a folder with config.json, or a hub
+    id ``org/name`` (downloaded with huggingface_hub where a hub is reachable).
+    Raises:
+        ValueError: unknown alias or path; the message lists the aliases.
+    """
+    if model in ALIASES:
+        return ALIASES[model]()
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"Model folder {model!r} has no config.json")
+        return path
+    looks_like_hub_id = model.count("/") == 1 and not model.startswith((".", "/", "~"))
+    if looks_like_hub_id:
+        try:
+            from huggingface_hub import snapshot_download
+
+            return Path(snapshot_download(model, allow_patterns=[
+                "*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]))
+        except Exception as e:  # offline, not found, ...
+            raise ValueError(
+                f"Unknown model {model!r}: not a local folder, and the hub download failed "
+                f"({type(e).__name__}). Known aliases: {', '.join(ALIASES)}; or pass a "
+                "local HF folder with config.json and *.safetensors.") from None
+    raise ValueError(
+        f"Unknown model {model!r}: not a known alias and not a local folder. Known aliases: "
+        f"{', '.join(ALIASES)}; or pass a local HF folder with config.json and *.safetensors.")
+
+
+def load_hf_config(path: Path) -> dict:
+    """Read config.json and normalise the fields the model needs.
+
+    ``rope_theta`` is taken from the top level or from transformers 5's
+    ``rope_parameters``; ``rope_scaling`` likewise (None when the type is default).
+    Raises:
+        ValueError: an unsupported architecture.
+    """
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"Unsupported model_type {model_type!r} in {path}; "
+                         f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    rope = cfg.get("rope_parameters") or {}
+    if "rope_theta" not in cfg:
+        cfg["rope_theta"] = rope.get("rope_theta", 10000.0)
+    scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    cfg["rope_scaling"] = scaling
+    return cfg
+
+
+def checkpoint_dtype(cfg: dict) -> torch.dtype:
+    """The dtype the checkpoint declares (``torch_dtype``/``dtype``), float32 if none."""
+    name = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+    return _DTYPES.get(str(name).replace("torch.", ""), torch.float32)
+
+
+def iter_checkpoint(path: Path):
+    """Yield (name, tensor) from *.safetensors (or pytorch_model*.bin) in a folder.
+
+    Raises:
+        ValueError: no weight files found.
+    """
+    from safetensors import safe_open
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if files:
+        for f in files:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():
+                    yield name, st.get_tensor(name)
+        return
+    bins = sorted(Path(path).glob("pytorch_model*.bin"))
+    if not bins:
+        raise ValueError(f"No *.safetensors or pytorch_model*.bin weights in {path}")
+    for f in bins:
+        yield from torch.load(f, map_location="cpu", weights_only=True).items()
+
+
+def load_model(path: Path, cfg: dict, dtype: torch.dtype, max_position: int,
+               device: str = "cpu", attention_backend: str = "torch"):
+    """Build our LlamaForCausalLM, load weights, cast to ``dtype``, move to ``device``."""
+    from minivllm.models.llama import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, max_position=1, backend=attention_backend)
+    model = model.to_empty(device="cpu")
+    # Rotary tables are buffers computed at init; build them for real (not on meta).
+    from minivllm.layers.rotary_embedding import get_rope
+
+    model.load_weights(iter_checkpoint(path))
+    model = model.to(dtype=dtype)
+    # Rotary tables: built after the dtype cast so they stay float32 (cast to the
+    # activation dtype at use, as HF does); one table shared by all layers.
+    head_dim = model.layers[0].self_attn.head_dim
+    rope = get_rope(head_dim, max_position, cfg["rope_theta"], cfg.get("rope_scaling"))
+    for layer in model.layers:
+        layer.self_attn.rotary_emb = rope
+    return model.to(device).eval()

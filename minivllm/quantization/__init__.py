@@ -1,0 +1,1 @@
+"""Quantization: KV-cache storage formats now; weight quantization comes later."""

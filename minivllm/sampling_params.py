@@ -1,0 +1,132 @@
+"""``SamplingParams``: per-request decoding settings with vLLM's field names and defaults.
+
+Source: ``vllm/sampling_params.py``. Every value is checked when the object is built;
+an invalid value raises ``ValueError`` that says what is allowed (nothing is clamped).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+_GREEDY_EPS = 1e-5  # vLLM treats temperature below this as greedy
+
+
+@dataclass
+class SamplingParams:
+    """Decoding settings for one request.
+
+    Attributes:
+        n: number of completions; only 1 is supported here.
+        temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+        top_p: nucleus sampling, keep the smallest set of tokens with mass >= top_p; in (0, 1].
+        top_k: keep the k most likely tokens; -1 (or 0) disables it.
+        min_p: drop tokens whose probability is below min_p * max probability; in [0, 1].
+        presence_penalty: subtracted once from logits of tokens present in the output; [-2, 2].
+        frequency_penalty: subtracted per occurrence in the output; [-2, 2].
+        repetition_penalty: CTRL-style multiplicative penalty on prompt and output tokens; > 0.
+        seed: per-request random seed; the same seed gives the same output.
+        stop: strings that end generation; the stop string is not included in the text.
+        stop_token_ids: token ids that end generation (included in token_ids, not text).
+        ignore_eos: keep generating after EOS.
+        max_tokens: maximum number of generated tokens (>= 1).
+        min_tokens: EOS and stop_token_ids are masked until this many tokens exist.
+        logprobs: number of top log-probs to return per generated token, plus the
+            sampled token's (computed from the raw model logits, as in vLLM v1).
+        prompt_logprobs: the same for every prompt token (the first has none).
+        skip_special_tokens: drop special tokens when detokenizing.
+        include_stop_str_in_output: keep the matched stop string in the text.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    max_tokens: Optional[int] = 16
+    min_tokens: int = 0
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self._stop_list = [self.stop]
+        elif self.stop is None:
+            self._stop_list = []
+        else:
+            self._stop_list = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._verify()
+
+    # --- validation -------------------------------------------------------------
+    def _verify(self) -> None:
+        _check_number("temperature", self.temperature)
+        _check_number("top_p", self.top_p)
+        _check_number("min_p", self.min_p)
+        _check_number("presence_penalty", self.presence_penalty)
+        _check_number("frequency_penalty", self.frequency_penalty)
+        _check_number("repetition_penalty", self.repetition_penalty)
+        if _not_int(self.n) or self.n != 1:
+            raise ValueError(f"n must be 1 (parallel sampling is not supported), got {self.n!r}")
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be non-negative (0 = greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if _not_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be an integer >= -1 (-1 or 0 disables), got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.max_tokens is not None and (_not_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if _not_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (_not_int(value) or value < 0):
+                raise ValueError(f"{name} must be None or an integer >= 0, got {value!r}")
+        if self.seed is not None and _not_int(self.seed):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        for s in self._stop_list:
+            if not isinstance(s, str) or s == "":
+                raise ValueError(f"stop must be non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            if _not_int(t) or t < 0:
+                raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return self._stop_list
+
+
+def _not_int(value) -> bool:
+    return isinstance(value, bool) or not isinstance(value, int)
+
+
+def _check_number(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")

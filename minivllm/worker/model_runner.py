@@ -1,0 +1,219 @@
+"""Model runner: owns the paged KV cache, turns a schedule into batch tensors, runs the
+model and the sampler (vLLM: ``vllm/v1/worker/gpu_model_runner.py``).
+
+Batch tensors for a step with requests r scheduled for n_r new tokens each:
+
+* ``input_ids``, ``positions``: [sum n_r], the new tokens of every request, concatenated;
+* ``slot_mapping``: [sum n_r], cache slot of each new token,
+  ``block_table[pos // block_size] * block_size + pos % block_size``;
+* per-request read slots for attention (see ``minivllm.attention.metadata``);
+* ``logits_rows``: the last new token of each request whose whole sequence is now
+  computed (it gets a sampled token); partial prefill chunks produce no token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from minivllm.attention.metadata import AttentionMetadata, PrefillSeq
+from minivllm.config import CacheConfig, ModelConfig
+from minivllm.engine.request import Request
+from minivllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
+
+
+@dataclass
+class PromptLogprobsChunk:
+    """Prompt log-probs for prompt positions [first_pos, first_pos + len) (the
+    distribution of token p given tokens < p). token_logprobs/ranks: [L]; topk_*: [L, N]."""
+
+    first_pos: int
+    token_ids: list[int]
+    token_logprobs: torch.Tensor
+    ranks: torch.Tensor
+    topk_ids: Optional[torch.Tensor]
+    topk_logprobs: Optional[torch.Tensor]
+
+
+@dataclass
+class ModelRunnerOutput:
+    """sampled_request_ids[i] got token sampler_output.sampled[i]."""
+
+    sampled_request_ids: list[str] = field(default_factory=list)
+    sampler_output: Optional[SamplerOutput] = None
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+    nonfinite_request_ids: list[str] = field(default_factory=list)
+
+
+def kv_cache_bytes_per_block(model_config: ModelConfig, block_size: int,
+                             cache_dtype: torch.dtype) -> int:
+    """K and V, all layers, one block."""
+    elem = torch.empty((), dtype=cache_dtype).element_size()
+    return 2 * model_config.num_layers * block_size * model_config.num_kv_heads \
+        * model_config.head_dim * elem
+
+
+class ModelRunner:
+    """Runs the model on a scheduled batch.
+
+    Args:
+        model: our LlamaForCausalLM.
+        model_config, cache_config: engine configs.
+        device: torch device string.
+        seed: seeds the generator used by unseeded random requests.
+    """
+
+    def __init__(self, model, model_config: ModelConfig, cache_config: CacheConfig,
+                 device: str = "cpu", seed: int = 0):
+        self.model = model
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.device = torch.device(device)
+        self.block_size = cache_config.block_size
+        num_slots = cache_config.num_blocks * cache_config.block_size
+        shape = (num_slots, model_config.num_kv_heads, model_config.head_dim)
+        # Zero-filled: padded (masked) reads then never meet NaN garbage.
+        self.kv_caches = []
+        for layer in model.layers:
+            k = torch.zeros(shape, dtype=cache_config.cache_dtype, device=self.device)
+            v = torch.zeros(shape, dtype=cache_config.cache_dtype, device=self.device)
+            layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
+            layer.self_attn.k_scale = cache_config.k_scale
+            layer.self_attn.v_scale = cache_config.v_scale
+            self.kv_caches.append((k, v))
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(seed)
+        self.sampler = Sampler(gen)
+
+    # --- inputs ---------------------------------------------------------------------
+    def _prepare(self, scheduled: list[tuple[Request, int]], block_tables: dict[str, list[int]]):
+        bs = self.block_size
+        dev = self.device
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_chunks: list[torch.Tensor] = []
+        decode_rows, decode_tables, decode_lens = [], [], []
+        prefills: list[PrefillSeq] = []
+        logits_rows: list[int] = []
+        sample_reqs: list[Request] = []
+        prompt_rows: dict[str, tuple[int, int, int]] = {}  # req -> (row0, pos0, count)
+        row = 0
+        for req, n in scheduled:
+            start = req.num_computed_tokens
+            seq_len = start + n
+            input_ids.extend(req.all_token_ids[start:seq_len])
+            positions.extend(range(start, seq_len))
+            table = torch.tensor(block_tables[req.request_id], dtype=torch.int64)
+            pos = torch.arange(start, seq_len)
+            slot_chunks.append(table[pos // bs] * bs + pos % bs)
+            if n == 1:
+                decode_rows.append(row)
+                decode_tables.append(table)
+                decode_lens.append(seq_len)
+            else:
+                all_pos = torch.arange(seq_len)
+                kv_slots = (table[all_pos // bs] * bs + all_pos % bs).to(dev)
+                mask = None
+                if start > 0:
+                    mask = (all_pos[None, :] <= pos[:, None]).to(dev)
+                prefills.append(PrefillSeq(row, row + n, kv_slots, mask))
+            if req.params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
+                count = min(seq_len, req.num_prompt_tokens - 1) - start
+                prompt_rows[req.request_id] = (row, start, count)
+            if seq_len == req.num_tokens:
+                logits_rows.append(row + n - 1)
+                sample_reqs.append(req)
+            row += n
+
+        meta = AttentionMetadata(slot_mapping=torch.cat(slot_chunks).to(dev), prefills=prefills)
+        if decode_rows:
+            max_len = max(decode_lens)
+            max_blocks = -(-max_len // bs)
+            tables = torch.zeros(len(decode_rows), max_blocks, dtype=torch.int64)
+            for i, t in enumerate(decode_tables):
+                m = min(len(t), max_blocks)
+                tables[i, :m] = t[:m]
+            j = torch.arange(max_len)
+            meta.decode_rows = torch.tensor(decode_rows, dtype=torch.int64, device=dev)
+            meta.decode_kv_slots = (tables[:, j // bs] * bs + j % bs).to(dev)
+            lens = torch.tensor(decode_lens)
+            meta.decode_mask = (j[None, :] < lens[:, None])[:, None, None, :].to(dev)
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
+        return ids, pos_t, meta, logits_rows, sample_reqs, prompt_rows
+
+    def _sampling_metadata(self, reqs: list[Request]) -> SamplingMetadata:
+        dev = self.device
+        ps = [r.params for r in reqs]
+
+        def vec(values, dtype=torch.float32):
+            return torch.tensor(values, dtype=dtype, device=dev)
+
+        meta = SamplingMetadata(temperature=vec([p.temperature for p in ps]))
+        if any(p.top_k > 0 for p in ps):
+            meta.top_k = vec([p.top_k for p in ps], torch.int64)
+        if any(p.top_p < 1.0 for p in ps):
+            meta.top_p = vec([p.top_p for p in ps])
+        if any(p.min_p > 0.0 for p in ps):
+            meta.min_p = vec([p.min_p for p in ps])
+        if any(p.presence_penalty != 0.0 for p in ps):
+            meta.presence_penalty = vec([p.presence_penalty for p in ps])
+        if any(p.frequency_penalty != 0.0 for p in ps):
+            meta.frequency_penalty = vec([p.frequency_penalty for p in ps])
+        if any(p.repetition_penalty != 1.0 for p in ps):
+            meta.repetition_penalty = vec([p.repetition_penalty for p in ps])
+        if meta.presence_penalty is not None or meta.frequency_penalty is not None \
+                or meta.repetition_penalty is not None:
+            meta.prompt_token_ids = [r.prompt_token_ids for r in reqs]
+            meta.output_token_ids = [r.output_token_ids for r in reqs]
+        asked = [p.logprobs for p in ps if p.logprobs is not None]
+        meta.max_num_logprobs = max(asked) if asked else None
+        for i, r in enumerate(reqs):
+            if r.params.seed is not None:
+                if r.generator is None:
+                    r.generator = torch.Generator(device=dev)
+                    r.generator.manual_seed(r.params.seed)
+                meta.generators[i] = r.generator
+            if r.num_output_tokens < r.params.min_tokens:
+                block = list(r.params.stop_token_ids)
+                if not r.params.ignore_eos:
+                    block += list(r.eos_token_ids)
+                if block:
+                    meta.min_tokens_block[i] = block
+        return meta
+
+    # --- the step -------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, scheduled: list[tuple[Request, int]],
+                      block_tables: dict[str, list[int]]) -> ModelRunnerOutput:
+        ids, pos, meta, logits_rows, sample_reqs, prompt_rows = self._prepare(scheduled, block_tables)
+        hidden = self.model(ids, pos, meta)
+        out = ModelRunnerOutput()
+        if sample_reqs:
+            logits = self.model.compute_logits(hidden[logits_rows])
+            finite = torch.isfinite(logits).all(dim=-1)
+            if not bool(finite.all()):
+                out.nonfinite_request_ids = [r.request_id for r, ok in
+                                             zip(sample_reqs, finite.tolist()) if not ok]
+            out.sampler_output = self.sampler(logits, self._sampling_metadata(sample_reqs))
+            out.sampled_request_ids = [r.request_id for r in sample_reqs]
+        for req, _ in scheduled:
+            if req.request_id in prompt_rows:
+                row0, pos0, count = prompt_rows[req.request_id]
+                out.prompt_logprobs[req.request_id] = self._prompt_logprobs(
+                    req, hidden[row0:row0 + count], pos0)
+        return out
+
+    def _prompt_logprobs(self, req: Request, hidden: torch.Tensor, pos0: int) -> PromptLogprobsChunk:
+        logprobs = torch.log_softmax(self.model.compute_logits(hidden), dim=-1)
+        targets = torch.tensor(req.prompt_token_ids[pos0 + 1:pos0 + 1 + hidden.shape[0]],
+                               dtype=torch.int64, device=logprobs.device)
+        tok_lp = logprobs.gather(1, targets[:, None]).squeeze(1)
+        ranks = (logprobs > tok_lp[:, None]).sum(-1) + 1
+        n = req.params.prompt_logprobs
+        topk_lp = topk_ids = None
+        if n > 0:
+            topk_lp, topk_ids = logprobs.topk(n, dim=-1)
+        return PromptLogprobsChunk(pos0 + 1, targets.tolist(), tok_lp, ranks, topk_ids, topk_lp)
