@@ -122,6 +122,7 @@ class LLM:
         except BaseException:
             for rid in ids:  # KeyboardInterrupt or a model error: free everything
                 engine.abort_request(rid)
+                engine.finished_outputs.pop(rid, None)  # nobody will collect it
             raise
         finally:
             bar.close()

@@ -1,0 +1,135 @@
+"""Offline throughput: minivllm against HF transformers ``generate``, same prompts, one run.
+
+64 chat prompts (by default), greedy, exactly ``--max-tokens`` new tokens each on every
+side (EOS ignored: ``ignore_eos`` for minivllm, ``min_new_tokens`` for HF). Three
+measurements, wall time of generation only (model loading and a short warm-up excluded):
+
+* minivllm: all prompts in one ``LLM.generate`` call (continuous batching);
+* HF sequential: ``generate`` one prompt at a time;
+* HF batched: ``generate`` on left-padded batches of ``--hf-batch-size`` prompts.
+
+Prints a table and, as its last line, one JSON object with minivllm_tok_s,
+hf_sequential_tok_s, hf_batched_tok_s, speedup_vs_hf_sequential, speedup_vs_hf_batched.
+
+    python benchmarks/throughput.py            # the recorded configuration
+    python benchmarks/throughput.py --num-prompts 8 --max-tokens 32   # quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import torch
+
+TOPICS = ["the ocean", "volcanoes", "the moon", "honey bees", "ancient Rome", "jazz music",
+          "bicycles", "rainforests", "chess", "the printing press", "glaciers", "coffee"]
+TASKS = ["Write a short poem about {}.", "Explain {} to a ten-year-old.",
+         "Give three surprising facts about {}.", "Write a short story involving {}.",
+         "What are the main risks related to {}?", "Describe {} in the style of a news report."]
+
+
+def make_prompts(n: int) -> list[list[dict]]:
+    convs = []
+    for i in range(n):
+        task = TASKS[i % len(TASKS)]
+        topic = TOPICS[(i // len(TASKS) + i) % len(TOPICS)]
+        convs.append([{"role": "user", "content": task.format(topic)}])
+    return convs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--hf-batch-size", type=int, default=64)
+    ap.add_argument("--skip-hf-sequential", action="store_true")
+    args = ap.parse_args()
+
+    from transformers import AutoModelForCausalLM
+
+    from minivllm import LLM, SamplingParams
+    from minivllm.models.loader import resolve_model_path
+
+    model_dir = str(resolve_model_path(args.model))
+    llm = LLM(model_dir, dtype="float32", max_num_seqs=max(64, args.num_prompts),
+              max_model_len=2048, enable_prefix_caching=False)
+    tok = llm.get_tokenizer()
+    prompts = [tok.encode(tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
+                          add_special_tokens=False) for c in make_prompts(args.num_prompts)]
+    n_new = args.max_tokens
+    total = n_new * len(prompts)
+    print(f"{len(prompts)} prompts ({min(map(len, prompts))}-{max(map(len, prompts))} tokens), "
+          f"{n_new} new tokens each, torch threads={torch.get_num_threads()}, "
+          f"{platform.processor() or platform.machine()}")
+
+    # minivllm
+    params = SamplingParams(temperature=0.0, max_tokens=n_new, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=True)
+    t_ours = time.perf_counter() - t0
+    assert all(len(o.outputs[0].token_ids) == n_new for o in outs)
+    ours_tok_s = total / t_ours
+    print(f"minivllm: {t_ours:.1f} s, {ours_tok_s:.1f} tok/s")
+    del llm
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    gen_kw = dict(max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False, pad_token_id=pad)
+
+    def hf_generate(batch: list[list[int]]) -> int:
+        width = max(map(len, batch))
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, p in enumerate(batch):  # left padding
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=mask, **gen_kw)
+        new = out.shape[1] - width
+        assert new == n_new, new
+        return new * len(batch)
+
+    hf_generate(prompts[:2])  # warm-up
+    t0 = time.perf_counter()
+    done = 0
+    for i in range(0, len(prompts), args.hf_batch_size):
+        done += hf_generate(prompts[i:i + args.hf_batch_size])
+    t_batched = time.perf_counter() - t0
+    hf_batched_tok_s = done / t_batched
+    print(f"HF batched (batch {args.hf_batch_size}): {t_batched:.1f} s, {hf_batched_tok_s:.1f} tok/s")
+
+    hf_seq_tok_s = None
+    if not args.skip_hf_sequential:
+        from tqdm.auto import tqdm
+
+        t0 = time.perf_counter()
+        done = sum(hf_generate([p]) for p in tqdm(prompts, desc="HF sequential"))
+        t_seq = time.perf_counter() - t0
+        hf_seq_tok_s = done / t_seq
+        print(f"HF sequential: {t_seq:.1f} s, {hf_seq_tok_s:.1f} tok/s")
+
+    result = {
+        "num_prompts": len(prompts), "max_tokens": n_new,
+        "minivllm_tok_s": round(ours_tok_s, 2),
+        "hf_sequential_tok_s": None if hf_seq_tok_s is None else round(hf_seq_tok_s, 2),
+        "hf_batched_tok_s": round(hf_batched_tok_s, 2),
+        "speedup_vs_hf_sequential": None if hf_seq_tok_s is None else round(ours_tok_s / hf_seq_tok_s, 2),
+        "speedup_vs_hf_batched": round(ours_tok_s / hf_batched_tok_s, 2),
+    }
+    print("\n| engine | tok/s | minivllm speedup |\n|---|---|---|")
+    print(f"| minivllm (continuous batching) | {ours_tok_s:.1f} | 1.00x |")
+    print(f"| HF generate, batched x{args.hf_batch_size} | {hf_batched_tok_s:.1f} | "
+          f"{result['speedup_vs_hf_batched']:.2f}x |")
+    if hf_seq_tok_s is not None:
+        print(f"| HF generate, one prompt at a time | {hf_seq_tok_s:.1f} | "
+              f"{result['speedup_vs_hf_sequential']:.2f}x |")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""``minivllm`` command line: ``generate`` and ``demo`` (``serve``/``bench``/``compare`` later).
+
+Engine flags are generated from :class:`minivllm.config.EngineArgs`, spelled as
+``vllm serve`` spells them (``--kv-cache-dtype``, ``--max-num-seqs``,
+``--enable-prefix-caching/--no-enable-prefix-caching`` ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Optional
+
+from minivllm.config import ALLOWED_DTYPES, ALLOWED_KV_CACHE_DTYPES, EngineArgs
+
+_CHOICES = {"dtype": ALLOWED_DTYPES, "kv_cache_dtype": ALLOWED_KV_CACHE_DTYPES,
+            "device": None}
+_SKIP = {"kv_scale"}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Add one ``--flag`` per EngineArgs field (vLLM spelling)."""
+    group = parser.add_argument_group("engine arguments (as in vLLM)")
+    defaults = EngineArgs()
+    for f in dataclasses.fields(EngineArgs):
+        if f.name in _SKIP:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        if isinstance(default, bool):
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        elif f.name in ("num_gpu_blocks_override", "kv_cache_memory_bytes",
+                        "max_num_batched_tokens", "max_model_len") or isinstance(default, int):
+            group.add_argument(flag, type=int, default=default)
+        elif isinstance(default, float):
+            group.add_argument(flag, type=float, default=default)
+        else:
+            group.add_argument(flag, type=str, default=default, choices=_CHOICES.get(f.name))
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    names = {f.name for f in dataclasses.fields(EngineArgs)} - _SKIP
+    return EngineArgs(**{n: getattr(ns, n) for n in names})
+
+
+def _cmd_generate(ns: argparse.Namespace) -> int:
+    from minivllm.llm import LLM
+    from minivllm.sampling_params import SamplingParams
+
+    prompts = list(ns.prompt or [])
+    if ns.prompt_file:
+        with open(ns.prompt_file, encoding="utf-8") as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts:
+        print("error: give at least one --prompt or a --prompt-file", file=sys.stderr)
+        return 2
+    params = SamplingParams(temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
+                            min_p=ns.min_p, max_tokens=ns.max_tokens, seed=ns.sampling_seed,
+                            stop=ns.stop or None, ignore_eos=ns.ignore_eos,
+                            presence_penalty=ns.presence_penalty,
+                            frequency_penalty=ns.frequency_penalty,
+                            repetition_penalty=ns.repetition_penalty, logprobs=ns.logprobs)
+    args = engine_args_from(ns)
+    llm = LLM(**dataclasses.asdict(args))
+    if ns.chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params,
+                        use_tqdm=len(prompts) > 1)
+    else:
+        outs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
+    records = []
+    for p, o in zip(prompts, outs):
+        c = o.outputs[0]
+        records.append({"prompt": p, "text": c.text, "num_prompt_tokens": len(o.prompt_token_ids),
+                        "num_generated_tokens": len(c.token_ids), "finish_reason": c.finish_reason})
+        if not ns.json:
+            print(f"### prompt: {p}\n{c.text}\n[{len(c.token_ids)} tokens, finish_reason={c.finish_reason}]\n")
+    s = llm.stats
+    if ns.json:
+        print(json.dumps({"outputs": records, "stats": {
+            "num_preemptions": s.num_preemptions, "prefix_cache_hits": s.prefix_cache_hits,
+            "prefix_cache_queries": s.prefix_cache_queries}}))
+    return 0
+
+
+def _cmd_demo(ns: argparse.Namespace) -> int:
+    from minivllm.entrypoints.demo import run_demo
+
+    run_demo(model=ns.model, max_tokens=ns.max_tokens, out_path=ns.output)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="minivllm", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for prompts (offline, like vllm.LLM)")
+    g.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    g.add_argument("--prompt-file", help="a file with one prompt per line")
+    g.add_argument("--chat", action="store_true", help="wrap each prompt as a user chat turn")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--logprobs", type=int, default=None)
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    add_engine_args(g)
+    g.set_defaults(func=_cmd_generate)
+
+    d = sub.add_parser("demo", help="the first incident: KV-cache dtypes against the float32 "
+                                    "HF reference on the embedded model")
+    d.add_argument("--model", default=EngineArgs.model)
+    d.add_argument("--max-tokens", type=int, default=96)
+    d.add_argument("--output", default="reports/demo.md", help="markdown report path")
+    d.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        return ns.func(ns)
+    except (ValueError, TypeError, RuntimeError, NotImplementedError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
