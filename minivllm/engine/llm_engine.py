@@ -8,6 +8,7 @@ that finished (or all updated requests when ``stream=True`` is used by a server)
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -272,9 +273,13 @@ class LLMEngine:
                 return RequestStatus.FINISHED_STOPPED
             if p.stop_strings:
                 text = self._decode(req)
-                # Only look where the new token could have completed a stop string.
+                # Only look where the new token could have completed a stop string: text
+                # that existed before this step (e.g. before min_tokens) is not searched.
+                prev = self.tokenizer.decode(req.output_token_ids[:-1],
+                                             skip_special_tokens=p.skip_special_tokens)
+                start = len(os.path.commonprefix([prev, text]))
                 for s in p.stop_strings:
-                    idx = text.find(s)
+                    idx = text.find(s, max(0, start - len(s) + 1))
                     if idx != -1:
                         req.stop_reason = s
                         req.output_text = text[:idx + (len(s) if p.include_stop_str_in_output else 0)]
@@ -308,6 +313,8 @@ class LLMEngine:
     def _append_prompt_logprobs(self, req: Request, chunk) -> None:
         n = req.params.prompt_logprobs
         for j, tok in enumerate(chunk.token_ids):
+            if chunk.first_pos + j < len(req.prompt_logprobs):
+                continue  # already recorded before a preemption (the prompt was recomputed)
             ids, lps, ranks = [tok], [float(chunk.token_logprobs[j])], [int(chunk.ranks[j])]
             if n:
                 ids += chunk.topk_ids[j].tolist()
@@ -317,7 +324,12 @@ class LLMEngine:
 
     def _make_output(self, req: Request) -> RequestOutput:
         if req.stop_reason is None or not isinstance(req.stop_reason, str):
-            req.output_text = self._decode(req)
+            ids = req.output_token_ids
+            if req.status == RequestStatus.FINISHED_STOPPED \
+                    and not req.params.include_stop_str_in_output:
+                ids = ids[:-1]  # as vLLM v1: the EOS / stop token id is not in the text
+            req.output_text = self.tokenizer.decode(
+                ids, skip_special_tokens=req.params.skip_special_tokens)
         finish = req.status.value if req.status.finished else None
         comp = CompletionOutput(
             index=0, text=req.output_text, token_ids=list(req.output_token_ids),

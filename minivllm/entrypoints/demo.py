@@ -97,8 +97,21 @@ def run_demo(model: str = "smollm2-135m-instruct", max_tokens: int = 96,
             "first_divergence_median": statistics.median(hits) if hits else None,
             "tokens_per_s": sum(len(x) for x in ids) / dt,
         })
-        texts[kv] = outs[0].outputs[0].text
+        texts[kv] = ids
+        eos_ids = llm.llm_engine.model_config.eos_token_ids
         del llm
+
+    # Show the prompt where fp8_e4m3 departs from the reference earliest, each reply cut
+    # at its first EOS (generation itself ignored EOS so that lengths are equal).
+    divs = [first_divergence(r, o) for r, o in zip(ref, texts["fp8_e4m3"])]
+    show = min(range(len(divs)), key=lambda i: (divs[i] is None, divs[i] or 0))
+
+    def upto_eos(ids: list[int]) -> str:
+        cut = next((i for i, t in enumerate(ids) if t in eos_ids), len(ids))
+        return tok.decode(ids[:cut], skip_special_tokens=True)
+
+    replies = {"HF float32 reference": upto_eos(ref[show])}
+    replies.update({kv: upto_eos(texts[kv][show]) for kv in KV_DTYPES})
 
     header = ("| kv_cache_dtype | identical prefix | prompts identical | first divergence "
               "(min / median) | tokens/s |")
@@ -112,9 +125,9 @@ def run_demo(model: str = "smollm2-135m-instruct", max_tokens: int = 96,
     print("\nGreedy agreement with the HF transformers float32 reference "
           f"(model weights float32, {max_tokens} tokens per prompt):\n")
     print(table)
-    q = DEMO_CONVERSATIONS[0]
-    sample = "\n".join(f"- `{kv}`: {texts[kv][:160]!r}" for kv in KV_DTYPES)
-    print(f"\nFirst prompt ({q!r}) per KV dtype:\n{sample}")
+    q = DEMO_CONVERSATIONS[show]
+    sample = "\n".join(f"- `{kv}`: {text[:240]!r}" for kv, text in replies.items())
+    print(f"\nPrompt {q!r} (where fp8_e4m3 diverges first), reply per KV dtype:\n{sample}")
 
     report = f"""# minivllm demo: KV-cache precision against the float32 reference
 
@@ -127,7 +140,7 @@ Every number below was measured when this report was written.
 *identical prefix*: generated tokens before the first divergence, over all generated
 tokens. *first divergence*: 0-based index of the first differing generated token.
 
-First prompt ({q!r}):
+Prompt {q!r} (where fp8_e4m3 diverges first), reply per KV dtype:
 
 {sample}
 """

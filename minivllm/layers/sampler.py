@@ -132,7 +132,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor],
     if top_p is not None:
         probs = torch.softmax(sorted_logits, dim=-1)
         mass_before = torch.cumsum(probs, dim=-1) - probs  # mass of strictly better tokens
-        drop = mass_before >= top_p[:, None]
+        # top_p = 1 disables: float32 cumsum can reach 1.0 before the tail ends.
+        drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
         drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, NEG_INF)
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
