@@ -186,6 +186,29 @@ def test_greedy_batch_matches_hf_greedy_loop(tiny_model_dir, hf, prompts):
     assert comp.text == tok.decode(comp.token_ids, skip_special_tokens=True)
 
 
+def test_decode_groups_of_very_different_lengths(tiny_model_dir, hf):
+    """Decodes of short and long sequences in one step are split into length groups
+    (see ModelRunner._decode_groups); results must not depend on the grouping."""
+    g = torch.Generator().manual_seed(7)
+    lengths = (3, 12, 40, 330, 470)
+    batch = [torch.randint(3, hf.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    llm = make_llm(tiny_model_dir, max_model_len=512)
+    runner = llm.llm_engine.model_runner
+    seen = []
+    original = runner._decode_groups
+
+    def spy(rows, tables, lens):
+        groups = original(rows, tables, lens)
+        seen.append(len(groups))
+        return groups
+
+    runner._decode_groups = spy
+    outs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                              logprobs=3))
+    assert max(seen) >= 2, f"expected several decode groups, saw at most {max(seen)}"
+    check_against_hf(hf, outs, what="decode groups")
+
+
 # --- scheduling features must not change results --------------------------------------
 
 def test_chunked_prefill_on_and_off_give_identical_results(tiny_model_dir, hf, prompts):

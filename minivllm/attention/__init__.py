@@ -1,5 +1,5 @@
 """Attention over the paged KV cache: metadata built once per step, and backends."""
 
-from minivllm.attention.metadata import AttentionMetadata, PrefillSeq
+from minivllm.attention.metadata import AttentionMetadata, DecodeGroup, PrefillSeq
 
-__all__ = ["AttentionMetadata", "PrefillSeq"]
+__all__ = ["AttentionMetadata", "DecodeGroup", "PrefillSeq"]

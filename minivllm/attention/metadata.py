@@ -31,19 +31,31 @@ class PrefillSeq:
 
 
 @dataclass
+class DecodeGroup:
+    """Single-token (decode) queries of sequences with similar lengths, batched.
+
+    Attributes:
+        rows: [B] int64 query rows in the flat batch.
+        kv_slots: [B, max_seq_len] int64 read slots (padded with slot 0).
+        mask: [B, 1, 1, max_seq_len] bool, True for real keys.
+    """
+
+    rows: torch.Tensor
+    kv_slots: torch.Tensor
+    mask: torch.Tensor
+
+
+@dataclass
 class AttentionMetadata:
     """Everything attention needs for one step.
 
     Attributes:
         slot_mapping: [num_tokens] int64 write slots.
-        decode_rows: [num_decodes] int64 rows of single-token (decode) queries.
-        decode_kv_slots: [num_decodes, max_seq_len] int64 read slots (padded with 0).
-        decode_mask: [num_decodes, 1, 1, max_seq_len] bool, True for real keys.
+        decodes: decode queries, grouped by sequence length so that one long sequence
+            does not make every short one pad to its length.
         prefills: sequences with several new tokens.
     """
 
     slot_mapping: torch.Tensor
-    decode_rows: torch.Tensor | None = None
-    decode_kv_slots: torch.Tensor | None = None
-    decode_mask: torch.Tensor | None = None
+    decodes: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSeq] = field(default_factory=list)

@@ -3,7 +3,7 @@
 K/V are always read back from the paged cache (also in prefill, as vLLM v1's
 FlashAttention backend does), so the cache's storage dtype affects every token.
 Decodes are batched: their keys are gathered into a padded ``[B, heads, max_len, D]``
-tensor and masked. Prefills run one sequence at a time (causal, or with an explicit mask
+tensor and masked (one such batch per group of similar lengths). Prefills run one sequence at a time (causal, or with an explicit mask
 when earlier chunks / cached prefix blocks precede the new tokens).
 """
 
@@ -35,14 +35,14 @@ class TorchAttentionBackend:
         """
         out = torch.empty_like(q)
         dtype = q.dtype
-        if meta.decode_rows is not None and meta.decode_rows.numel() > 0:
-            qd = q[meta.decode_rows].unsqueeze(2)  # [B, H, 1, D]
-            k = dequantize_kv(read_kv_slots(k_cache, meta.decode_kv_slots), dtype, k_scale)
-            v = dequantize_kv(read_kv_slots(v_cache, meta.decode_kv_slots), dtype, v_scale)
+        for g in meta.decodes:
+            qd = q[g.rows].unsqueeze(2)  # [B, H, 1, D]
+            k = dequantize_kv(read_kv_slots(k_cache, g.kv_slots), dtype, k_scale)
+            v = dequantize_kv(read_kv_slots(v_cache, g.kv_slots), dtype, v_scale)
             o = F.scaled_dot_product_attention(
-                qd, k.transpose(1, 2), v.transpose(1, 2), attn_mask=meta.decode_mask,
+                qd, k.transpose(1, 2), v.transpose(1, 2), attn_mask=g.mask,
                 scale=scale, enable_gqa=True)
-            out[meta.decode_rows] = o.squeeze(2)
+            out[g.rows] = o.squeeze(2)
         for p in meta.prefills:
             qp = q[p.start:p.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             k = dequantize_kv(read_kv_slots(k_cache, p.kv_slots), dtype, k_scale)
