@@ -8,6 +8,8 @@ field's comment says why.
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -147,9 +149,16 @@ class EngineArgs:
         Raises:
             ValueError: naming the argument, the value and what is allowed.
         """
-        if self.dtype not in _DTYPE_ALIASES and not isinstance(self.dtype, torch.dtype):
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a non-empty string (an alias or a local folder), "
+                             f"got {self.model!r}")
+        if self.tokenizer is not None and (not isinstance(self.tokenizer, str) or not self.tokenizer):
+            raise ValueError(f"tokenizer must be None or a non-empty string (a local folder), "
+                             f"got {self.tokenizer!r}")
+        if not isinstance(self.dtype, (str, torch.dtype)) or (
+                self.dtype not in _DTYPE_ALIASES and not isinstance(self.dtype, torch.dtype)):
             raise ValueError(f"Unknown dtype {self.dtype!r}; allowed: {', '.join(ALLOWED_DTYPES)}")
-        if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
+        if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in _KV_CACHE_DTYPES:
             raise ValueError(
                 f"Unsupported kv_cache_dtype {self.kv_cache_dtype!r}; "
                 f"allowed: {', '.join(ALLOWED_KV_CACHE_DTYPES)}"
@@ -161,15 +170,35 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None:
                 _positive_int(name, value)
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+        if not _is_real(self.gpu_memory_utilization) or not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+                f"gpu_memory_utilization must be a number in (0, 1], "
+                f"got {self.gpu_memory_utilization!r}"
             )
         if self.kv_scale is not None:
-            if len(self.kv_scale) != 2 or not all(s > 0 for s in self.kv_scale):
-                raise ValueError(f"kv_scale must be two positive floats, got {self.kv_scale}")
-        if self.device not in ("cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            if (not isinstance(self.kv_scale, (tuple, list)) or len(self.kv_scale) != 2
+                    or not all(_is_real(s) and math.isfinite(s) and s > 0 for s in self.kv_scale)):
+                raise ValueError(f"kv_scale must be two finite positive floats (k_scale, v_scale), "
+                                 f"got {self.kv_scale!r}")
+            if not str(self.kv_cache_dtype).startswith("fp8"):
+                raise ValueError(
+                    f"kv_scale is only used by an fp8 KV cache, but kv_cache_dtype="
+                    f"{self.kv_cache_dtype!r}; use kv_cache_dtype='fp8_e4m3' (or 'fp8_e5m2') "
+                    "or drop kv_scale")
+        if self.calculate_kv_scales is True:
+            raise ValueError("calculate_kv_scales=True is not supported yet (fp8 scales are 1.0 "
+                             "or the values given in kv_scale); leave it False")
+        if not isinstance(self.device, str) or not (
+                self.device in ("cpu", "cuda") or re.fullmatch(r"cuda:\d+", self.device)):
             raise ValueError(f"Unknown device {self.device!r}; allowed: cpu, cuda, cuda:N")
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "calculate_kv_scales",
+                     "enforce_eager"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be True or False, got {value!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) \
+                or not -(2**63) <= self.seed < 2**63:
+            raise ValueError(f"seed must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
         if self.attention_backend not in ("torch",):
             raise ValueError(
                 f"Unknown attention_backend {self.attention_backend!r}; allowed: torch"
@@ -177,6 +206,10 @@ class EngineArgs:
 
     def replace(self, **changes) -> "EngineArgs":
         return dataclasses.replace(self, **changes)
+
+
+def _is_real(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float))
 
 
 def _positive_int(name: str, value) -> None:

@@ -8,6 +8,9 @@
 
 from __future__ import annotations
 
+import numbers
+import os
+from collections.abc import Iterable
 from typing import Optional, Sequence, Union
 
 from tqdm.auto import tqdm
@@ -39,6 +42,10 @@ class LLM:
         unknown = sorted(set(kwargs) - set(fields))
         if unknown:
             raise TypeError(f"Unknown LLM argument(s) {unknown}; allowed: {sorted(fields)}")
+        if isinstance(model, os.PathLike):
+            model = os.fspath(model)
+        if isinstance(kwargs.get("tokenizer"), os.PathLike):
+            kwargs["tokenizer"] = os.fspath(kwargs["tokenizer"])
         self.engine_args = EngineArgs(model=model, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
 
@@ -63,15 +70,23 @@ class LLM:
             ValueError: bad prompts or a sampling_params list of the wrong length. When one
                 prompt is invalid, no request is run and no blocks are held.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                        and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                        and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]
+        if isinstance(prompts, (bytes, bytearray, dict, set, frozenset)) \
+                or not isinstance(prompts, Iterable):
+            raise TypeError(f"prompts must be a string, a list of token ids, or a list of "
+                            f"those, got {type(prompts).__name__}")
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:
+            if isinstance(sampling_params, (str, bytes, dict)) \
+                    or not isinstance(sampling_params, Iterable):
+                raise TypeError(f"sampling_params must be a SamplingParams, a list of them "
+                                f"(one per prompt) or None, got {type(sampling_params).__name__}")
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts; "
@@ -94,6 +109,9 @@ class LLM:
              chat_template: Optional[str] = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then
         generate. Messages are dicts with "role" and "content"."""
+        if not isinstance(messages, (list, tuple)):
+            raise TypeError("messages must be a list of {'role': ..., 'content': ...} dicts, "
+                            f"or a list of such lists, got {type(messages).__name__}")
         if messages and isinstance(messages[0], dict):
             conversations = [messages]
         else:
@@ -101,11 +119,34 @@ class LLM:
         tok = self.get_tokenizer()
         prompts = []
         for conv in conversations:
+            if not isinstance(conv, (list, tuple)):
+                raise TypeError("each conversation must be a list of {'role': ..., 'content': "
+                                f"...}} dicts, got {type(conv).__name__}: {conv!r:.80}")
             if not conv:
                 raise ValueError("a conversation must have at least one message")
-            text = tok.apply_chat_template(conv, tokenize=False,
-                                           add_generation_prompt=add_generation_prompt,
-                                           chat_template=chat_template)
+            for i, msg in enumerate(conv):
+                if not isinstance(msg, dict):
+                    raise TypeError(f"message {i} must be a dict with 'role' and 'content', "
+                                    f"got {type(msg).__name__}: {msg!r:.80}")
+                for key in ("role", "content"):
+                    value = msg.get(key)
+                    if not isinstance(value, str):
+                        raise ValueError(f"message {i} needs a string {key!r}, got "
+                                         f"{value!r:.80} (message: {msg!r:.120})")
+                    try:
+                        value.encode("utf-8")
+                    except UnicodeEncodeError as e:
+                        raise ValueError(f"message {i} {key!r} is not valid Unicode: {e.reason} "
+                                         f"at character {e.start}") from None
+            try:
+                text = tok.apply_chat_template(conv, tokenize=False,
+                                               add_generation_prompt=add_generation_prompt,
+                                               chat_template=chat_template)
+            except (ValueError, TypeError):
+                raise
+            except Exception as e:  # jinja2 TemplateError: syntax, undefined, raise_exception
+                raise ValueError(f"the chat template failed on this conversation: "
+                                 f"{type(e).__name__}: {e}") from e
             prompts.append(tok.encode(text, add_special_tokens=False))
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
@@ -117,6 +158,11 @@ class LLM:
         try:
             while engine.has_unfinished_requests():
                 for out in engine.step():
+                    if out.request_id not in wanted:
+                        # a request added through llm_engine.add_request: keep its output
+                        # for its owner (as abort_request does) instead of dropping it
+                        engine.finished_outputs[out.request_id] = out
+                        continue
                     results[out.request_id] = out
                     bar.update(1)
         except BaseException:

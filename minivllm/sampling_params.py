@@ -60,12 +60,27 @@ class SamplingParams:
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Normalise ``stop``/``stop_token_ids`` and check every field (again).
+
+        The engine calls this when a request is added, so fields changed after
+        construction are checked too (and a changed ``stop`` takes effect).
+        Raises:
+            ValueError: naming the field, the value and what is allowed.
+        """
         if isinstance(self.stop, str):
             self._stop_list = [self.stop]
         elif self.stop is None:
             self._stop_list = []
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             self._stop_list = list(self.stop)
+        else:
+            raise ValueError(f"stop must be a string, a list of strings or None, got {self.stop!r}")
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of non-negative integers or None, "
+                             f"got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._verify()
 
@@ -105,11 +120,19 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (_not_int(value) or value < 0):
                 raise ValueError(f"{name} must be None or an integer >= 0, got {value!r}")
-        if self.seed is not None and _not_int(self.seed):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and (_not_int(self.seed) or not _INT64_MIN <= self.seed <= _INT64_MAX):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**63 - 1] or None, "
+                             f"got {self.seed!r}")
         for s in self._stop_list:
             if not isinstance(s, str) or s == "":
                 raise ValueError(f"stop must be non-empty strings, got {s!r}")
+            if not _is_valid_unicode(s):
+                raise ValueError(f"stop string {s!r} is not valid Unicode (it contains a lone "
+                                 "surrogate), so it could never match the generated text")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be True or False, got {value!r}")
         for t in self.stop_token_ids:
             if _not_int(t) or t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
@@ -121,6 +144,19 @@ class SamplingParams:
     @property
     def stop_strings(self) -> list[str]:
         return self._stop_list
+
+
+# Seeds are int64, as vLLM's API allows. (torch's manual_seed also takes up to 2**64 - 1 but
+# maps a negative seed s onto 2**64 + s, so allowing both ranges would alias seeds.)
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _is_valid_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _not_int(value) -> bool:

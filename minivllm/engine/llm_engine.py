@@ -8,9 +8,12 @@ that finished (or all updated requests when ``stream=True`` is used by a server)
 from __future__ import annotations
 
 import itertools
+import numbers
+import operator
 import os
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -60,6 +63,22 @@ class EngineStats:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
+def _available_memory_bytes(device: str) -> Optional[int]:
+    """Memory a KV cache could take now: free GPU memory, or MemAvailable on Linux;
+    None when unknown (no check is made then)."""
+    if device.startswith("cuda"):
+        index = int(device.partition(":")[2] or 0)
+        return torch.cuda.mem_get_info(index)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 class LLMEngine:
     """The engine. Build with ``LLMEngine.from_engine_args(EngineArgs(...))``.
 
@@ -75,6 +94,14 @@ class LLMEngine:
 
         args.validate()
         self.args = args
+        if args.device.startswith("cuda"):
+            if not torch.cuda.is_available():
+                raise ValueError(f"device={args.device!r} was requested but "
+                                 "torch.cuda.is_available() is False; use device='cpu'")
+            index = int(args.device.partition(":")[2] or 0)
+            if index >= torch.cuda.device_count():
+                raise ValueError(f"device={args.device!r}: there are only "
+                                 f"{torch.cuda.device_count()} CUDA device(s)")
         path = resolve_model_path(args.model)
         cfg = load_hf_config(path)
         dtype = parse_dtype(args.dtype, checkpoint_dtype(cfg))
@@ -98,9 +125,7 @@ class LLMEngine:
             eos_token_ids=eos_ids)
         self.cache_config = self._make_cache_config(cache_dtype)
         self.scheduler_config = self._make_scheduler_config()
-        device = "cuda" if args.device == "cuda" else args.device
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError("device='cuda' was requested but torch.cuda.is_available() is False")
+        device = args.device
         model = load_model(path, cfg, dtype, max_model_len, device, args.attention_backend)
         self.kv_cache_manager = KVCacheManager(self.cache_config.num_blocks,
                                                self.cache_config.block_size,
@@ -140,6 +165,15 @@ class LLMEngine:
                 f"more blocks (num_gpu_blocks_override / kv_cache_memory_bytes) or lower "
                 f"max_model_len (needs >= {-(-mc.max_model_len // a.block_size)} blocks, "
                 f"{per_block} bytes each).")
+        total = num_blocks * per_block
+        available = _available_memory_bytes(a.device)
+        if available is not None and total > available:
+            raise ValueError(
+                f"The KV cache would take {num_blocks} blocks x {per_block} bytes = "
+                f"{total / 2**30:.2f} GiB, but only {available / 2**30:.2f} GiB of "
+                f"{'GPU' if a.device.startswith('cuda') else 'CPU'} memory is available. Lower "
+                f"num_gpu_blocks_override / kv_cache_memory_bytes / block_size "
+                f"(block_size={a.block_size}).")
         k_scale, v_scale = a.kv_scale or (1.0, 1.0)
         return CacheConfig(block_size=a.block_size, num_blocks=num_blocks,
                            cache_dtype=cache_dtype, kv_cache_dtype=a.kv_cache_dtype,
@@ -166,23 +200,45 @@ class LLMEngine:
         """Queue a prompt (text or token ids). Returns the request id.
 
         Raises:
-            ValueError: empty prompt, token ids outside the vocabulary, or a prompt
-                longer than max_model_len (both lengths are named).
-            TypeError: prompt of the wrong type.
+            ValueError: empty prompt, token ids outside the vocabulary, text that is not
+                valid Unicode, a prompt longer than max_model_len (both lengths are
+                named), invalid sampling params (checked again here, in case they were
+                changed after construction), logprobs/prompt_logprobs above the vocabulary
+                size, stop_token_ids outside the vocabulary, or a duplicate request id.
+            TypeError: prompt, params or request_id of the wrong type.
         """
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if request_id is not None and not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a string or None, got {type(request_id).__name__}")
+        params.validate()  # fields may have been changed since the object was built
+        vocab = self.model_config.vocab_size
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(params, name)
+            if n is not None and n > vocab:
+                raise ValueError(f"{name}={n} is more than the vocabulary size ({vocab}); "
+                                 f"allowed: None or 0..{vocab}")
+        for t in params.stop_token_ids:
+            if t >= vocab:
+                raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}), got {t}")
         if isinstance(prompt, str):
             text: Optional[str] = prompt
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"prompt is not valid Unicode: {e.reason} at character "
+                                 f"{e.start} ({prompt[e.start:e.end]!r})") from None
             token_ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
             text = None
-            token_ids = list(prompt)
-            vocab = self.model_config.vocab_size
-            for t in token_ids:
+            token_ids = []
+            for t in prompt:
+                if isinstance(t, numbers.Integral) and not isinstance(t, (bool, int)):
+                    t = operator.index(t)  # numpy integer scalars
                 if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                     raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {t!r}")
+                token_ids.append(int(t))
         else:
             raise TypeError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not token_ids:
@@ -193,15 +249,32 @@ class LLMEngine:
                 f"The prompt is {len(token_ids)} tokens long, but max_model_len is {max_len} "
                 f"(the prompt plus at least one generated token must fit); shorten the prompt "
                 f"or raise max_model_len.")
-        rid = request_id if request_id is not None else str(next(self._counter))
+        rid = request_id
+        while rid is None or (request_id is None and (rid in self.scheduler.requests
+                                                      or rid in self.finished_outputs)):
+            rid = str(next(self._counter))  # skip ids the caller chose themselves
         req = Request(rid, token_ids, params, prompt=text,
                       eos_token_ids=self.model_config.eos_token_ids, max_model_len=max_len)
         self.scheduler.add_request(req)
         self._stats.num_prompt_tokens += len(token_ids)
         return rid
 
-    def abort_request(self, request_id: str) -> None:
-        """Stop a request and free its blocks (no-op for unknown/finished ids)."""
+    def abort_request(self, request_id: Union[str, Iterable[str]]) -> None:
+        """Stop a request (or each of a list of them, as vLLM accepts) and free its blocks
+        (no-op for unknown/finished ids).
+
+        Raises:
+            TypeError: an id that is not a string.
+        """
+        if not isinstance(request_id, str):
+            ids = list(request_id) if isinstance(request_id, (list, tuple, set)) else [request_id]
+            for rid in ids:
+                if not isinstance(rid, str):
+                    raise TypeError(f"request ids are strings; abort_request got "
+                                    f"{type(rid).__name__} {rid!r}")
+            for rid in ids:
+                self.abort_request(rid)
+            return
         req = self.scheduler.requests.get(request_id)
         if req is not None:
             self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)

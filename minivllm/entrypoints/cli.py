@@ -51,8 +51,11 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
 
     prompts = list(ns.prompt or [])
     if ns.prompt_file:
-        with open(ns.prompt_file, encoding="utf-8") as f:
-            prompts += [line.rstrip("\n") for line in f if line.strip()]
+        try:
+            with open(ns.prompt_file, encoding="utf-8") as f:
+                prompts += [line.rstrip("\n") for line in f if line.strip()]
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"cannot read --prompt-file {ns.prompt_file!r}: {e}") from None
     if not prompts:
         print("error: give at least one --prompt or a --prompt-file", file=sys.stderr)
         return 2

@@ -14,6 +14,8 @@ from minivllm.models import embedded
 
 ALIASES = {embedded.ALIAS: embedded.ensure_embedded_model}
 SUPPORTED_MODEL_TYPES = ("llama",)
+_REQUIRED_INT_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                      "num_attention_heads")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -55,18 +57,49 @@ def load_hf_config(path: Path) -> dict:
     ``rope_theta`` is taken from the top level or from transformers 5's
     ``rope_parameters``; ``rope_scaling`` likewise (None when the type is default).
     Raises:
-        ValueError: an unsupported architecture.
+        ValueError: an unreadable or non-object config.json, a missing/invalid size field,
+            an unsupported architecture, rope_scaling type or hidden_act (found here, before
+            the tokenizer or the weights are loaded).
     """
-    cfg = json.loads((Path(path) / "config.json").read_text())
+    config_file = Path(path) / "config.json"
+    try:
+        cfg = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"Could not read {config_file}: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{config_file} must hold a JSON object, got {type(cfg).__name__}")
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"Unsupported model_type {model_type!r} in {path}; "
                          f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    for key in _REQUIRED_INT_KEYS:
+        value = cfg.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{config_file}: {key!r} must be a positive integer, got {value!r}")
+    for key in ("num_key_value_heads", "head_dim", "max_position_embeddings"):
+        value = cfg.get(key)
+        if value is None:
+            cfg.pop(key, None)  # absent or null: the default applies
+        elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{config_file}: {key!r} must be a positive integer or absent, "
+                             f"got {value!r}")
     rope = cfg.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise ValueError(f"{config_file}: 'rope_parameters' must be an object, got {rope!r}")
     if "rope_theta" not in cfg:
         cfg["rope_theta"] = rope.get("rope_theta", 10000.0)
     scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    if scaling is not None:
+        if not isinstance(scaling, dict):
+            raise ValueError(f"{config_file}: 'rope_scaling' must be an object or null, got {scaling!r}")
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"rope_scaling type {rope_type!r} in {config_file} is not supported "
+                             f"(supported: default, i.e. no rope_scaling); got {scaling}")
     cfg["rope_scaling"] = scaling
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r} in {config_file} is not supported (supported: silu)")
     return cfg
 
 
