@@ -40,11 +40,23 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos_cached", emb.cos(), persistent=False)
         self.register_buffer("sin_cached", emb.sin(), persistent=False)
+        self._last: tuple | None = None  # (positions, dtype, cos, sin) of the last call
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+        """[T, head_dim] cos and sin for these positions, in ``dtype``. Layers sharing this
+        module in one forward pass get the same ``positions`` tensor, so the lookup is
+        done once per step and reused (the tensor is held, so identity is reliable)."""
+        last = self._last
+        if last is not None and last[0] is positions and last[1] == dtype:
+            return last[2], last[3]
+        cos = self.cos_cached[positions].to(dtype)
+        sin = self.sin_cached[positions].to(dtype)
+        self._last = (positions, dtype, cos, sin)
+        return cos, sin
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """positions: [num_tokens] int64; q: [T, Hq, D]; k: [T, Hkv, D]. Returns (q, k)."""
-        cos = self.cos_cached[positions].to(q.dtype)
-        sin = self.sin_cached[positions].to(q.dtype)
+        cos, sin = self.cos_sin(positions, q.dtype)
         return apply_rotary_ref(q, cos, sin), apply_rotary_ref(k, cos, sin)
 
 

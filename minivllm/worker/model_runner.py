@@ -151,6 +151,7 @@ class ModelRunner:
                 groups[-1].append(i)
         out = []
         for members in groups:
+            members.sort(key=lambda i: rows[i])  # keep batch order inside a group
             max_len = max(lens[i] for i in members)
             max_blocks = -(-max_len // bs)
             table = torch.zeros(len(members), max_blocks, dtype=torch.int64)

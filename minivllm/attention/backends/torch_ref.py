@@ -33,16 +33,13 @@ class TorchAttentionBackend:
         Returns:
             [num_tokens, num_heads, head_dim] in q's dtype.
         """
-        out = torch.empty_like(q)
         dtype = q.dtype
+        if not meta.prefills and len(meta.decodes) == 1 \
+                and meta.decodes[0].rows.numel() == q.shape[0]:
+            return self._decode(q, k_cache, v_cache, meta.decodes[0], scale, k_scale, v_scale)
+        out = torch.empty_like(q)
         for g in meta.decodes:
-            qd = q[g.rows].unsqueeze(2)  # [B, H, 1, D]
-            k = dequantize_kv(read_kv_slots(k_cache, g.kv_slots), dtype, k_scale)
-            v = dequantize_kv(read_kv_slots(v_cache, g.kv_slots), dtype, v_scale)
-            o = F.scaled_dot_product_attention(
-                qd, k.transpose(1, 2), v.transpose(1, 2), attn_mask=g.mask,
-                scale=scale, enable_gqa=True)
-            out[g.rows] = o.squeeze(2)
+            out[g.rows] = self._decode(q[g.rows], k_cache, v_cache, g, scale, k_scale, v_scale)
         for p in meta.prefills:
             qp = q[p.start:p.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             k = dequantize_kv(read_kv_slots(k_cache, p.kv_slots), dtype, k_scale)
@@ -57,3 +54,13 @@ class TorchAttentionBackend:
                                                    enable_gqa=True)
             out[p.start:p.end] = o.squeeze(0).transpose(0, 1)
         return out
+
+    @staticmethod
+    def _decode(q, k_cache, v_cache, g, scale, k_scale, v_scale) -> torch.Tensor:
+        """One decode group: q [B, H, D] (rows of g, in g's order) -> [B, H, D]."""
+        k = dequantize_kv(read_kv_slots(k_cache, g.kv_slots), q.dtype, k_scale)
+        v = dequantize_kv(read_kv_slots(v_cache, g.kv_slots), q.dtype, v_scale)
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=g.mask,
+            scale=scale, enable_gqa=True)  # [B, H, 1, D]
+        return o.squeeze(2)
