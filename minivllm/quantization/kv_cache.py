@@ -50,7 +50,10 @@ def write_kv_slots(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tenso
 
 
 def read_kv_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Gather slots (any shape [...]) -> [..., kv_heads, head_dim] in the storage dtype."""
-    if is_fp8(cache.dtype):
-        return cache.view(torch.uint8)[slots].view(cache.dtype)
-    return cache[slots]
+    """Gather slots (any shape [...]) -> [..., kv_heads, head_dim] in the storage dtype.
+
+    Uses ``index_select`` on a [num_slots, kv_heads * head_dim] view: on CPU it is several
+    times faster than advanced indexing (``cache[slots]``) for the same copy."""
+    raw = cache.view(torch.uint8) if is_fp8(cache.dtype) else cache
+    rows = raw.view(raw.shape[0], -1).index_select(0, slots.reshape(-1))
+    return rows.view(*slots.shape, *cache.shape[1:]).view(cache.dtype)
