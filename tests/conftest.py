@@ -8,6 +8,16 @@ import torch
 from tests.tiny_model import make_tiny_llama
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny matrices: one intra-op thread avoids oversubscribing a shared 2-core box
+    (restored after the module)."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """Path to a tiny random Llama HF folder (2 layers, hidden 64, GQA 4/2 heads)."""

@@ -17,12 +17,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.entrypoints.cli import main as cli_main
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_llm(model_dir, **kw) -> LLM:

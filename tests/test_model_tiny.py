@@ -27,13 +27,7 @@ FP32_TOL = 1e-4
 KV_TOL = {"float16": 5e-3, "bfloat16": 5e-2, "fp8_e4m3": 0.5, "fp8_e5m2": 1.0}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matrices: one intra-op thread avoids oversubscribing a shared 2-core box."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # --- references -----------------------------------------------------------------------
