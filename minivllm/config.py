@@ -199,10 +199,11 @@ class EngineArgs:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) \
                 or not -(2**63) <= self.seed < 2**63:
             raise ValueError(f"seed must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
-        if self.attention_backend not in ("torch",):
-            raise ValueError(
-                f"Unknown attention_backend {self.attention_backend!r}; allowed: torch"
-            )
+        from minivllm.attention.backends import BACKENDS
+
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(f"Unknown attention_backend {self.attention_backend!r}; "
+                             f"allowed: {', '.join(BACKENDS)}")
 
     def replace(self, **changes) -> "EngineArgs":
         return dataclasses.replace(self, **changes)

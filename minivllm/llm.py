@@ -19,6 +19,7 @@ from minivllm.config import EngineArgs
 from minivllm.engine.llm_engine import EngineStats, LLMEngine
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
+from minivllm.utils import check_valid_unicode
 
 Prompt = Union[str, list[int]]
 Conversation = list[dict[str, str]]
@@ -133,11 +134,7 @@ class LLM:
                     if not isinstance(value, str):
                         raise ValueError(f"message {i} needs a string {key!r}, got "
                                          f"{value!r:.80} (message: {msg!r:.120})")
-                    try:
-                        value.encode("utf-8")
-                    except UnicodeEncodeError as e:
-                        raise ValueError(f"message {i} {key!r} is not valid Unicode: {e.reason} "
-                                         f"at character {e.start}") from None
+                    check_valid_unicode(value, f"message {i} {key!r}")
             try:
                 text = tok.apply_chat_template(conv, tokenize=False,
                                                add_generation_prompt=add_generation_prompt,

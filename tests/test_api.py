@@ -171,15 +171,19 @@ def test_seed_is_independent_of_prompt_position_in_time(llm):
 
 # --- stop conditions ----------------------------------------------------------------------
 
+def first_step_containing(tok, tokens: list[int], stop: str) -> int:
+    """Reference: the number of tokens after which the decoded text first contains stop."""
+    return next(m for m in range(1, len(tokens) + 1)
+                if stop in tok.decode(tokens[:m], skip_special_tokens=True))
+
+
 @pytest.mark.parametrize("include", [False, True])
 def test_stop_string_ends_text(llm, tok, tiny_hf_model, eos, include):
     prompt = tok.encode("The quick brown fox")
     tokens = hf_greedy(tiny_hf_model, prompt, 20, stop_ids=(eos,))
     full = ascii_prefixes(tok, tokens)
     stop = pick_stop(full, after=3)
-    # reference: the first step whose text contains the stop string
-    m = next(m for m in range(1, len(tokens) + 1)
-             if stop in tok.decode(tokens[:m], skip_special_tokens=True))
+    m = first_step_containing(tok, tokens, stop)
     assert m < len(tokens), "the stop string must end generation early"
     idx = full.index(stop)
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=20, stop=stop,
@@ -211,8 +215,7 @@ def test_stop_string_before_min_tokens_is_ignored(llm, tok, tiny_hf_model, eos):
     tokens = hf_greedy(tiny_hf_model, prompt, 16, stop_ids=(eos,))
     full = ascii_prefixes(tok, tokens)
     stop = pick_stop(full, after=3)
-    m = next(m for m in range(1, len(tokens) + 1)
-             if stop in tok.decode(tokens[:m], skip_special_tokens=True))
+    m = first_step_containing(tok, tokens, stop)
     assert len(tokens) == 16 and m + 2 < 16
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16, stop=stop,
                                                 min_tokens=m + 2))[0].outputs[0]

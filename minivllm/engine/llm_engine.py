@@ -26,6 +26,7 @@ from minivllm.core.scheduler import Scheduler
 from minivllm.engine.request import Request, RequestStatus
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
 from minivllm.sampling_params import SamplingParams
+from minivllm.utils import check_valid_unicode
 from minivllm.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
 
 
@@ -224,11 +225,7 @@ class LLMEngine:
                 raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}), got {t}")
         if isinstance(prompt, str):
             text: Optional[str] = prompt
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise ValueError(f"prompt is not valid Unicode: {e.reason} at character "
-                                 f"{e.start} ({prompt[e.start:e.end]!r})") from None
+            check_valid_unicode(prompt, "prompt")
             token_ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
             text = None
@@ -312,9 +309,10 @@ class LLMEngine:
             self._append_prompt_logprobs(by_id[rid], chunk)
         so = result.sampler_output
         now = time.monotonic()
+        sampled = so.sampled.tolist() if so is not None else []
         for i, rid in enumerate(result.sampled_request_ids):
             req = by_id[rid]
-            token = int(so.sampled[i])
+            token = sampled[i]
             req.append_output_token(token)
             self._stats.num_generation_tokens += 1
             if req.first_token_time is None:
@@ -337,6 +335,8 @@ class LLMEngine:
 
     def _check_stop(self, req: Request, token: int) -> Optional[RequestStatus]:
         p = req.params
+        if p.stop_strings:  # every step, also before min_tokens, so prev is always current
+            prev, req.decoded_text = req.decoded_text, self._decode(req)
         if req.num_output_tokens >= p.min_tokens:
             if not p.ignore_eos and token in req.eos_token_ids:
                 req.stop_reason = None
@@ -345,11 +345,9 @@ class LLMEngine:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
             if p.stop_strings:
-                text = self._decode(req)
+                text = req.decoded_text
                 # Only look where the new token could have completed a stop string: text
                 # that existed before this step (e.g. before min_tokens) is not searched.
-                prev = self.tokenizer.decode(req.output_token_ids[:-1],
-                                             skip_special_tokens=p.skip_special_tokens)
                 start = len(os.path.commonprefix([prev, text]))
                 for s in p.stop_strings:
                     idx = text.find(s, max(0, start - len(s) + 1))
@@ -365,7 +363,15 @@ class LLMEngine:
         return self.tokenizer.decode(req.output_token_ids,
                                      skip_special_tokens=req.params.skip_special_tokens)
 
-    def _logprob_dict(self, ids: list[int], lps: list[float], ranks: list[int]) -> dict[int, Logprob]:
+    def _logprob_entry(self, token: int, logprob: float, rank: int, n: int,
+                       topk_ids, topk_logprobs) -> dict[int, Logprob]:
+        """token id -> Logprob for the actual/sampled token plus the top ``n``
+        (``topk_*``: 1-D tensors of length >= n, or None when n == 0)."""
+        ids, lps, ranks = [token], [logprob], [rank]
+        if n:
+            ids += topk_ids[:n].tolist()
+            lps += topk_logprobs[:n].tolist()
+            ranks += list(range(1, n + 1))
         d: dict[int, Logprob] = {}
         for t, lp, r in zip(ids, lps, ranks):
             if t not in d:
@@ -375,12 +381,9 @@ class LLMEngine:
     def _append_logprobs(self, req: Request, so, i: int, token: int) -> None:
         n = req.params.logprobs
         lp = float(so.sampled_logprobs[i])
-        ids, lps, ranks = [token], [lp], [int(so.sampled_ranks[i])]
-        if n:
-            ids += so.topk_ids[i, :n].tolist()
-            lps += so.topk_logprobs[i, :n].tolist()
-            ranks += list(range(1, n + 1))
-        req.logprobs.append(self._logprob_dict(ids, lps, ranks))
+        req.logprobs.append(self._logprob_entry(
+            token, lp, int(so.sampled_ranks[i]), n,
+            so.topk_ids[i] if n else None, so.topk_logprobs[i] if n else None))
         req.cumulative_logprob += lp
 
     def _append_prompt_logprobs(self, req: Request, chunk) -> None:
@@ -388,12 +391,9 @@ class LLMEngine:
         for j, tok in enumerate(chunk.token_ids):
             if chunk.first_pos + j < len(req.prompt_logprobs):
                 continue  # already recorded before a preemption (the prompt was recomputed)
-            ids, lps, ranks = [tok], [float(chunk.token_logprobs[j])], [int(chunk.ranks[j])]
-            if n:
-                ids += chunk.topk_ids[j].tolist()
-                lps += chunk.topk_logprobs[j].tolist()
-                ranks += list(range(1, n + 1))
-            req.prompt_logprobs.append(self._logprob_dict(ids, lps, ranks))
+            req.prompt_logprobs.append(self._logprob_entry(
+                tok, float(chunk.token_logprobs[j]), int(chunk.ranks[j]), n,
+                chunk.topk_ids[j] if n else None, chunk.topk_logprobs[j] if n else None))
 
     def _make_output(self, req: Request) -> RequestOutput:
         if req.stop_reason is None or not isinstance(req.stop_reason, str):

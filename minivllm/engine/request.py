@@ -62,6 +62,9 @@ class Request:
         self.cumulative_logprob = 0.0
         self.prompt_logprobs: Optional[list] = [None] if params.prompt_logprobs is not None else None
         self.output_text = ""
+        # Output text as of the last step, kept (only) for requests with stop strings so
+        # that each step decodes once and searches only where the new token could end one.
+        self.decoded_text = ""
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.first_token_time: Optional[float] = None
         self.finish_time: Optional[float] = None

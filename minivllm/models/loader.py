@@ -139,7 +139,6 @@ def load_model(path: Path, cfg: dict, dtype: torch.dtype, max_position: int,
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_position=1, backend=attention_backend)
     model = model.to_empty(device="cpu")
-    # Rotary tables are buffers computed at init; build them for real (not on meta).
     from minivllm.layers.rotary_embedding import get_rope
 
     model.load_weights(iter_checkpoint(path))
