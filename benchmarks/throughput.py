@@ -2,11 +2,16 @@
 
 64 chat prompts (by default), greedy, exactly ``--max-tokens`` new tokens each on every
 side (EOS ignored: ``ignore_eos`` for minivllm, ``min_new_tokens`` for HF). Three
-measurements, wall time of generation only (model loading and a short warm-up excluded):
+measurements, wall time of generation only (model loading and a warm-up excluded):
 
 * minivllm: all prompts in one ``LLM.generate`` call (continuous batching);
-* HF sequential: ``generate`` one prompt at a time;
-* HF batched: ``generate`` on left-padded batches of ``--hf-batch-size`` prompts.
+* HF batched: ``generate`` on left-padded batches of ``--hf-batch-size`` prompts;
+* HF sequential: ``generate`` one prompt at a time (once; it is 10x+ slower).
+
+Both engines first warm up on the full prompt set (8 tokens). minivllm and HF batched
+then run ``--rounds`` times alternately, order swapped each round (ABBA), and the median
+of each is reported: this machine's speed drifts by 10-25 % over minutes, and a single
+back-to-back pair lets that drift decide the ratio.
 
 Prints a table and, as its last line, one JSON object with minivllm_tok_s,
 hf_sequential_tok_s, hf_batched_tok_s, speedup_vs_hf_sequential, speedup_vs_hf_batched.
@@ -20,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import time
 
 import torch
@@ -46,6 +52,8 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--hf-batch-size", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="alternating rounds of minivllm and HF batched (median reported)")
     ap.add_argument("--skip-hf-sequential", action="store_true")
     args = ap.parse_args()
 
@@ -66,22 +74,19 @@ def main() -> None:
           f"{n_new} new tokens each, torch threads={torch.get_num_threads()}, "
           f"{platform.processor() or platform.machine()}")
 
-    # minivllm
     params = SamplingParams(temperature=0.0, max_tokens=n_new, ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=True)
-    t_ours = time.perf_counter() - t0
-    assert all(len(o.outputs[0].token_ids) == n_new for o in outs)
-    ours_tok_s = total / t_ours
-    print(f"minivllm: {t_ours:.1f} s, {ours_tok_s:.1f} tok/s")
-    del llm
+
+    def run_minivllm() -> float:
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        assert all(len(o.outputs[0].token_ids) == n_new for o in outs)
+        return total / dt
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    gen_kw = dict(max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False, pad_token_id=pad)
 
-    def hf_generate(batch: list[list[int]]) -> int:
+    def hf_generate(batch: list[list[int]], n: int = n_new) -> int:
         width = max(map(len, batch))
         ids = torch.full((len(batch), width), pad, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
@@ -89,19 +94,38 @@ def main() -> None:
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
         with torch.no_grad():
-            out = hf.generate(ids, attention_mask=mask, **gen_kw)
+            out = hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False, pad_token_id=pad)
         new = out.shape[1] - width
-        assert new == n_new, new
+        assert new == n, new
         return new * len(batch)
 
-    hf_generate(prompts[:2])  # warm-up
-    t0 = time.perf_counter()
-    done = 0
+    def run_hf_batched() -> float:
+        t0 = time.perf_counter()
+        done = 0
+        for i in range(0, len(prompts), args.hf_batch_size):
+            done += hf_generate(prompts[i:i + args.hf_batch_size])
+        return done / (time.perf_counter() - t0)
+
+    # Warm-up at full batch size (first large prefill pays page faults and allocator
+    # growth, which would otherwise land on whichever engine runs first).
+    warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm.generate(prompts, warm, use_tqdm=False)
     for i in range(0, len(prompts), args.hf_batch_size):
-        done += hf_generate(prompts[i:i + args.hf_batch_size])
-    t_batched = time.perf_counter() - t0
-    hf_batched_tok_s = done / t_batched
-    print(f"HF batched (batch {args.hf_batch_size}): {t_batched:.1f} s, {hf_batched_tok_s:.1f} tok/s")
+        hf_generate(prompts[i:i + args.hf_batch_size], 8)
+
+    # Alternate the two batched engines, order swapped every round (ABBA), so drift in
+    # this shared machine's speed lands on both; report the median of each.
+    ours_runs, hf_runs = [], []
+    for r in range(args.rounds):
+        order = [("minivllm", run_minivllm, ours_runs), ("HF batched", run_hf_batched, hf_runs)]
+        for name, fn, acc in (order if r % 2 == 0 else order[::-1]):
+            acc.append(fn())
+            print(f"round {r + 1}/{args.rounds}  {name:<10} {acc[-1]:7.1f} tok/s", flush=True)
+    ours_tok_s = statistics.median(ours_runs)
+    hf_batched_tok_s = statistics.median(hf_runs)
+    print(f"minivllm: median {ours_tok_s:.1f} tok/s; HF batched (batch {args.hf_batch_size}): "
+          f"median {hf_batched_tok_s:.1f} tok/s")
 
     hf_seq_tok_s = None
     if not args.skip_hf_sequential:
@@ -120,6 +144,9 @@ def main() -> None:
         "hf_batched_tok_s": round(hf_batched_tok_s, 2),
         "speedup_vs_hf_sequential": None if hf_seq_tok_s is None else round(ours_tok_s / hf_seq_tok_s, 2),
         "speedup_vs_hf_batched": round(ours_tok_s / hf_batched_tok_s, 2),
+        "rounds": args.rounds,
+        "minivllm_runs_tok_s": [round(x, 2) for x in ours_runs],
+        "hf_batched_runs_tok_s": [round(x, 2) for x in hf_runs],
     }
     print("\n| engine | tok/s | minivllm speedup |\n|---|---|---|")
     print(f"| minivllm (continuous batching) | {ours_tok_s:.1f} | 1.00x |")

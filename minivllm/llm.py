@@ -13,6 +13,7 @@ import os
 from collections.abc import Iterable
 from typing import Optional, Sequence, Union
 
+import torch
 from tqdm.auto import tqdm
 
 from minivllm.config import EngineArgs
@@ -146,6 +147,63 @@ class LLM:
                                  f"{type(e).__name__}: {e}") from e
             prompts.append(tok.encode(text, add_special_tokens=False))
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def score(self, token_ids: Union[Sequence[int], Sequence[Sequence[int]]],
+              mode: str = "prefill", output: str = "logprobs",
+              use_tqdm: bool = False) -> Union["torch.Tensor", list["torch.Tensor"]]:
+        """Teacher-forced full-vocabulary scores of fixed token sequences.
+
+        Row ``t`` of the result is the model's distribution of the token *after* position
+        ``t`` given tokens ``0..t``, so a sequence of T tokens gives T rows (the last row
+        predicts a token beyond the sequence). No token is sampled: the sequence is fixed,
+        so precision effects are measured without generation cascades.
+
+        Args:
+            token_ids: one sequence (list of ints) or a list of sequences, each
+                1..max_model_len tokens. Sequences of a list run together as one batch.
+            mode: "prefill" computes all positions in prefill passes (chunked by
+                ``max_num_batched_tokens`` when chunked prefill is on); "decode" feeds
+                the first token as a prompt and then one token per engine step, so every
+                later row comes from the decode path reading K/V from the paged cache.
+            output: "logprobs" (log-softmax) or "logits" (raw, as the LM head gives them).
+            use_tqdm: progress bar over finished sequences.
+        Returns:
+            float32 CPU tensor ``[T, vocab]`` for one sequence, or a list of them.
+        Raises:
+            ValueError: unknown mode or output, an empty sequence, token ids outside the
+                vocabulary, or a sequence longer than max_model_len.
+
+        Not vLLM's ``LLM.score`` (that one is a cross-encoder similarity API); this is the
+        precision toolkit's teacher-forced scorer (llama.cpp ``perplexity`` computes the
+        same rows). Scoring requests skip the prefix cache, as prompt_logprobs do.
+        """
+        if output not in ("logprobs", "logits"):
+            raise ValueError(f"output must be 'logprobs' or 'logits', got {output!r}")
+        if mode not in ("prefill", "decode"):
+            raise ValueError(f"mode must be 'prefill' or 'decode', got {mode!r}")
+        if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Iterable):
+            raise TypeError(f"token_ids must be a list of ints or a list of such lists, "
+                            f"got {type(token_ids).__name__}")
+        seqs = list(token_ids)
+        single = not seqs or isinstance(seqs[0], numbers.Integral)
+        if single:
+            seqs = [seqs]
+        engine = self.llm_engine
+        reqs = []
+        try:
+            for s in seqs:
+                if isinstance(s, (str, bytes)) or not isinstance(s, Iterable):
+                    raise TypeError(f"each sequence must be a list of token ids, got "
+                                    f"{type(s).__name__}")
+                reqs.append(engine.add_score_request(list(s), mode, logits=output == "logits"))
+        except BaseException:
+            for r in reqs:
+                engine.abort_request(r.request_id)
+                engine.finished_outputs.pop(r.request_id, None)
+            raise
+        self._run_engine([r.request_id for r in reqs], use_tqdm)
+        results = [r.score.result() for r in reqs]
+        return results[0] if single else results
 
     def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -69,9 +69,11 @@ class KVCacheManager:
 
         Returns (blocks, num_computed_tokens). At least the last token is always left
         to compute, because the engine needs its logits. Requests that ask for
-        prompt_logprobs skip the cache (their prompt must be run to get the logits).
+        prompt_logprobs, and scoring requests, skip the cache (their prompt must be run
+        to get the logits).
         """
-        if not self.enable_caching or request.params.prompt_logprobs is not None:
+        if not self.enable_caching or request.params.prompt_logprobs is not None \
+                or request.score is not None:
             return [], 0
         self.update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size

@@ -23,7 +23,7 @@ from minivllm.config import (DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig, EngineArgs
                              SchedulerConfig, parse_dtype, parse_kv_cache_dtype)
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.scheduler import Scheduler
-from minivllm.engine.request import Request, RequestStatus
+from minivllm.engine.request import Request, RequestStatus, ScoreState
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.utils import check_valid_unicode
@@ -256,6 +256,51 @@ class LLMEngine:
         self._stats.num_prompt_tokens += len(token_ids)
         return rid
 
+    def add_score_request(self, token_ids: list[int], mode: str = "prefill",
+                          logits: bool = False, request_id: Optional[str] = None) -> Request:
+        """Queue teacher-forced scoring of a fixed token sequence (see ``LLM.score``).
+
+        Returns the Request; after the engine finishes it, ``request.score.result()`` is
+        the ``[T, vocab]`` float32 tensor.
+
+        Raises:
+            ValueError: mode not "prefill"/"decode", an empty sequence, token ids outside
+                the vocabulary, or T > max_model_len (both lengths are named).
+        """
+        if mode not in ("prefill", "decode"):
+            raise ValueError(f"mode must be 'prefill' or 'decode', got {mode!r}")
+        vocab = self.model_config.vocab_size
+        ids = []
+        for t in token_ids:
+            if isinstance(t, numbers.Integral) and not isinstance(t, (bool, int)):
+                t = operator.index(t)
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"token ids must be integers in [0, {vocab}), got {t!r}")
+            ids.append(int(t))
+        if not ids:
+            raise ValueError("cannot score an empty token sequence")
+        max_len = self.model_config.max_model_len
+        if len(ids) > max_len:
+            raise ValueError(f"The sequence to score is {len(ids)} tokens long, but "
+                             f"max_model_len is {max_len}; shorten it or raise max_model_len.")
+        if mode == "prefill":
+            prompt, forced = ids, []
+        else:
+            prompt, forced = ids[:1], ids[1:]
+        rid = request_id
+        while rid is None or (request_id is None and (rid in self.scheduler.requests
+                                                      or rid in self.finished_outputs)):
+            rid = f"score-{next(self._counter)}"
+        state = ScoreState(num_positions=len(ids), forced_token_ids=forced, logits=logits)
+        # max_tokens only sizes Request bookkeeping: a score request finishes when it has
+        # all T rows (the engine skips stop checks for it), never by length.
+        params = SamplingParams(temperature=0.0, max_tokens=len(ids))
+        req = Request(rid, prompt, params, eos_token_ids=self.model_config.eos_token_ids,
+                      max_model_len=max_len + 1, score=state)
+        self.scheduler.add_request(req)
+        self._stats.num_prompt_tokens += len(prompt)
+        return req
+
     def abort_request(self, request_id: Union[str, Iterable[str]]) -> None:
         """Stop a request (or each of a list of them, as vLLM accepts) and free its blocks
         (no-op for unknown/finished ids).
@@ -307,12 +352,22 @@ class LLMEngine:
         self._stats.num_corrupted_requests += len(result.nonfinite_request_ids)
         for rid, chunk in result.prompt_logprobs.items():
             self._append_prompt_logprobs(by_id[rid], chunk)
+        for rid, (first_pos, rows) in result.score_rows.items():
+            by_id[rid].score.add(first_pos, rows)
         so = result.sampler_output
         now = time.monotonic()
         sampled = so.sampled.tolist() if so is not None else []
         for i, rid in enumerate(result.sampled_request_ids):
             req = by_id[rid]
             token = sampled[i]
+            if req.score is not None:  # teacher forcing: no sampling, no stop checks
+                if req.score.done:
+                    self.scheduler.finish_request(req, RequestStatus.FINISHED_LENGTH)
+                    req.finish_time = now
+                    finished.append(self._make_output(req))
+                else:
+                    req.append_output_token(req.score.forced_token_ids[req.num_output_tokens])
+                continue
             req.append_output_token(token)
             self._stats.num_generation_tokens += 1
             if req.first_token_time is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -26,6 +27,45 @@ class RequestStatus(enum.Enum):
                         RequestStatus.FINISHED_ABORTED)
 
 
+@dataclass
+class ScoreState:
+    """Teacher-forced scoring of a fixed token sequence (``LLM.score``).
+
+    Every position's full-vocabulary row is collected as the engine computes it. In
+    "decode" mode the request's prompt is the first token and ``forced_token_ids`` (the
+    rest) are fed one per step instead of sampled tokens, so each row after the first
+    comes from a decode step reading the paged KV cache.
+
+    Attributes:
+        num_positions: T, the rows wanted (one per token of the sequence).
+        forced_token_ids: tokens 1..T-1 in decode mode; empty in prefill mode.
+        logits: collect raw logits instead of log-probs.
+        rows: ``[n_i, vocab]`` float32 chunks in position order; ``num_rows`` in total.
+    """
+
+    num_positions: int
+    forced_token_ids: list[int]
+    logits: bool = False
+    rows: list[torch.Tensor] = field(default_factory=list)
+    num_rows: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.num_rows >= self.num_positions
+
+    def add(self, first_pos: int, chunk: torch.Tensor) -> None:
+        """Append rows for positions [first_pos, first_pos + len(chunk)); positions already
+        held (recomputed after a preemption) are skipped."""
+        skip = self.num_rows - first_pos
+        if skip < chunk.shape[0]:
+            chunk = chunk[max(skip, 0):]
+            self.rows.append(chunk)
+            self.num_rows += chunk.shape[0]
+
+    def result(self) -> torch.Tensor:
+        return torch.cat(self.rows)[: self.num_positions]
+
+
 class Request:
     """One sequence moving through the engine.
 
@@ -37,7 +77,8 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  prompt: Optional[str] = None, eos_token_ids: tuple[int, ...] = (),
-                 max_model_len: int = 0, arrival_time: Optional[float] = None):
+                 max_model_len: int = 0, arrival_time: Optional[float] = None,
+                 score: Optional[ScoreState] = None):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -68,6 +109,7 @@ class Request:
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.first_token_time: Optional[float] = None
         self.finish_time: Optional[float] = None
+        self.score = score  # set for LLM.score requests only
 
     @property
     def num_tokens(self) -> int:

@@ -1,4 +1,4 @@
-"""``minivllm`` command line: ``generate`` and ``demo`` (``serve``/``bench``/``compare`` later).
+"""``minivllm`` command line: ``generate``, ``compare`` and ``demo`` (``serve``/``bench`` later).
 
 Engine flags are generated from :class:`minivllm.config.EngineArgs`, spelled as
 ``vllm serve`` spells them (``--kv-cache-dtype``, ``--max-num-seqs``,
@@ -20,21 +20,23 @@ _CHOICES = {"dtype": ALLOWED_DTYPES, "kv_cache_dtype": ALLOWED_KV_CACHE_DTYPES,
 _SKIP = {"kv_scale"}
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Add one ``--flag`` per EngineArgs field (vLLM spelling)."""
+def add_engine_args(parser: argparse.ArgumentParser, only_given: bool = False) -> None:
+    """Add one ``--flag`` per EngineArgs field (vLLM spelling). With ``only_given``, flags
+    not on the command line are left out of the namespace (no defaults filled in)."""
     group = parser.add_argument_group("engine arguments (as in vLLM)")
     defaults = EngineArgs()
     for f in dataclasses.fields(EngineArgs):
         if f.name in _SKIP:
             continue
         flag = "--" + f.name.replace("_", "-")
-        default = getattr(defaults, f.name)
-        if isinstance(default, bool):
+        default = argparse.SUPPRESS if only_given else getattr(defaults, f.name)
+        kind = getattr(defaults, f.name)
+        if isinstance(kind, bool):
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
         elif f.name in ("num_gpu_blocks_override", "kv_cache_memory_bytes",
-                        "max_num_batched_tokens", "max_model_len") or isinstance(default, int):
+                        "max_num_batched_tokens", "max_model_len") or isinstance(kind, int):
             group.add_argument(flag, type=int, default=default)
-        elif isinstance(default, float):
+        elif isinstance(kind, float):
             group.add_argument(flag, type=float, default=default)
         else:
             group.add_argument(flag, type=str, default=default, choices=_CHOICES.get(f.name))
@@ -87,6 +89,66 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _config_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="minivllm compare --candidate", add_help=False,
+                                exit_on_error=False, allow_abbrev=False)
+    add_engine_args(p, only_given=True)
+    return p
+
+
+def parse_config(text: str) -> dict:
+    """``"--kv-cache-dtype fp8_e4m3 --block-size 32"`` -> {"kv_cache_dtype": "fp8_e4m3",
+    "block_size": 32}; "hf" / "hf-float64" -> the HF reference in that dtype.
+
+    Raises:
+        ValueError: an unknown flag or a bad value (the message names it).
+    """
+    import shlex
+
+    text = text.strip()
+    if text in ("hf", "hf-float32", "reference"):
+        return {"reference": "float32"}
+    if text == "hf-float64":
+        return {"reference": "float64"}
+    parser = _config_parser()
+    try:
+        ns, rest = parser.parse_known_args(shlex.split(text))
+    except (argparse.ArgumentError, SystemExit) as e:
+        raise ValueError(f"bad engine flags {text!r}: {e}") from None
+    if rest:
+        raise ValueError(f"unknown engine flag(s) {rest} in {text!r}; use vLLM-style flags "
+                         "such as --kv-cache-dtype float16 (see `minivllm generate --help`)")
+    return vars(ns)
+
+
+def _cmd_compare(ns: argparse.Namespace) -> int:
+    from minivllm.precision.report import compare
+
+    common = {k: v for k, v in vars(ns).items() if k in EngineArgs.__dataclass_fields__}
+    model = common.pop("model", EngineArgs.model)
+    base = parse_config(ns.baseline)
+    if "reference" not in base:
+        base = {**common, **base}
+    cands = []
+    for text in ns.candidate:
+        c = parse_config(text)
+        cands.append(c if "reference" in c else {**common, **c})
+    rep = compare(base, cands, eval_sets=ns.eval_set or ["corpus", "passkey"], model=model,
+                  mode=ns.mode, seq_len=ns.seq_len, max_sequences=ns.max_sequences,
+                  passkey_lengths=ns.passkey_lengths, max_passkey_items=ns.max_passkey_items,
+                  max_qa=ns.max_qa, noise_floor=not ns.no_noise_floor,
+                  layer_diff_tokens=ns.layer_diff_tokens, progress=not ns.json)
+    paths = rep.save(ns.out)
+    if ns.json:
+        for name, p in paths.items():
+            print(f"wrote {p}", file=sys.stderr)
+        print(json.dumps(rep.to_json()))
+    else:
+        print(rep.to_markdown())
+        print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
 def _cmd_demo(ns: argparse.Namespace) -> int:
     from minivllm.entrypoints.demo import run_demo
 
@@ -124,6 +186,41 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-tokens", type=int, default=96)
     d.add_argument("--output", default="reports/demo.md", help="markdown report path")
     d.set_defaults(func=_cmd_demo)
+
+    c = sub.add_parser(
+        "compare", help="drift of candidate engine configs against a baseline on eval sets",
+        description="Compare candidate configurations against a baseline (precision toolkit). "
+                    "Engine flags given here apply to every engine; --baseline and each "
+                    "--candidate take a quoted string of vLLM-style engine flags that "
+                    "override them (or 'hf' / 'hf-float64' for the HF reference).",
+        epilog='example: minivllm compare --candidate "--kv-cache-dtype float16" '
+               '--candidate "--kv-cache-dtype fp8_e4m3" --eval-set corpus --json')
+    c.add_argument("--baseline", default="--dtype float32 --kv-cache-dtype float32",
+                   help="engine flags of the baseline, or 'hf' / 'hf-float64' "
+                        "(default: %(default)r)")
+    c.add_argument("--candidate", action="append", required=True,
+                   help="engine flags of one candidate (repeatable)")
+    c.add_argument("--eval-set", action="append", choices=["corpus", "conversations",
+                                                           "passkey", "qa"],
+                   help="evaluation set (repeatable; default corpus and passkey)")
+    c.add_argument("--mode", choices=["prefill", "decode"], default="prefill",
+                   help="scoring path for the KL metrics (see LLM.score)")
+    c.add_argument("--seq-len", type=int, default=512, help="corpus window length (tokens)")
+    c.add_argument("--max-sequences", type=int, default=None,
+                   help="at most this many corpus windows and conversations")
+    c.add_argument("--passkey-lengths", type=int, nargs="+", default=None,
+                   help="only these passkey length buckets (256 512 1024 2048 4096)")
+    c.add_argument("--max-passkey-items", type=int, default=None, help="per length bucket")
+    c.add_argument("--max-qa", type=int, default=None)
+    c.add_argument("--no-noise-floor", action="store_true",
+                   help="skip the reordered-reduction noise floor")
+    c.add_argument("--layer-diff-tokens", type=int, default=128,
+                   help="tokens for the per-layer diff (0 disables)")
+    c.add_argument("--out", default="reports/compare", help="folder for report.md/json and PNGs")
+    c.add_argument("--json", action="store_true",
+                   help="print one JSON object as the last line (progress bars off)")
+    add_engine_args(c, only_given=True)
+    c.set_defaults(func=_cmd_compare)
     return parser
 
 

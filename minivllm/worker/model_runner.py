@@ -45,6 +45,8 @@ class ModelRunnerOutput:
     sampler_output: Optional[SamplerOutput] = None
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
     nonfinite_request_ids: list[str] = field(default_factory=list)
+    # LLM.score requests: (first position, [n, vocab] float32 log-probs or logits)
+    score_rows: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
 
 
 def kv_cache_bytes_per_block(model_config: ModelConfig, block_size: int,
@@ -99,6 +101,7 @@ class ModelRunner:
         logits_rows: list[int] = []
         sample_reqs: list[Request] = []
         prompt_rows: dict[str, tuple[int, int, int]] = {}  # req -> (row0, pos0, count)
+        score_rows: dict[str, tuple[int, int, int]] = {}  # req -> (row0, pos0, count)
         row = 0
         for req, n in scheduled:
             start = req.num_computed_tokens
@@ -122,6 +125,8 @@ class ModelRunner:
             if req.params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
                 count = min(seq_len, req.num_prompt_tokens - 1) - start
                 prompt_rows[req.request_id] = (row, start, count)
+            if req.score is not None:
+                score_rows[req.request_id] = (row, start, n)
             if seq_len == req.num_tokens:
                 logits_rows.append(row + n - 1)
                 sample_reqs.append(req)
@@ -131,7 +136,7 @@ class ModelRunner:
         meta.decodes = self._decode_groups(decode_rows, decode_tables, decode_lens)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
-        return ids, pos_t, meta, logits_rows, sample_reqs, prompt_rows
+        return ids, pos_t, meta, logits_rows, sample_reqs, prompt_rows, score_rows
 
     def _decode_groups(self, rows: list[int], tables: list[torch.Tensor],
                        lens: list[int]) -> list[DecodeGroup]:
@@ -210,7 +215,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, scheduled: list[tuple[Request, int]],
                       block_tables: dict[str, list[int]]) -> ModelRunnerOutput:
-        ids, pos, meta, logits_rows, sample_reqs, prompt_rows = self._prepare(scheduled, block_tables)
+        ids, pos, meta, logits_rows, sample_reqs, prompt_rows, score_rows = \
+            self._prepare(scheduled, block_tables)
         hidden = self.model(ids, pos, meta)
         out = ModelRunnerOutput()
         if sample_reqs:
@@ -228,6 +234,12 @@ class ModelRunner:
                 row0, pos0, count = prompt_rows[req.request_id]
                 out.prompt_logprobs[req.request_id] = self._prompt_logprobs(
                     req, hidden[row0:row0 + count], pos0)
+            if req.request_id in score_rows:
+                row0, pos0, count = score_rows[req.request_id]
+                rows = self.model.compute_logits(hidden[row0:row0 + count])
+                if not req.score.logits:
+                    rows = torch.log_softmax(rows, dim=-1)
+                out.score_rows[req.request_id] = (pos0, rows.cpu())
         return out
 
     def _prompt_logprobs(self, req: Request, hidden: torch.Tensor, pos0: int) -> PromptLogprobsChunk:
