@@ -13,6 +13,7 @@ import os
 from collections.abc import Iterable
 from typing import Optional, Sequence, Union
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -181,20 +182,25 @@ class LLM:
             raise ValueError(f"output must be 'logprobs' or 'logits', got {output!r}")
         if mode not in ("prefill", "decode"):
             raise ValueError(f"mode must be 'prefill' or 'decode', got {mode!r}")
-        if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Iterable):
+        if isinstance(token_ids, (torch.Tensor, np.ndarray)):
+            if token_ids.ndim not in (1, 2):
+                raise ValueError(f"token_ids as an array must be 1-D (one sequence) or 2-D (a "
+                                 f"batch), got shape {tuple(token_ids.shape)}")
+            token_ids = token_ids.tolist()
+        if not isinstance(token_ids, (list, tuple)):
             raise TypeError(f"token_ids must be a list of ints or a list of such lists, "
                             f"got {type(token_ids).__name__}")
         seqs = list(token_ids)
-        single = not seqs or isinstance(seqs[0], numbers.Integral)
+        single = not seqs or not isinstance(seqs[0], (list, tuple))
         if single:
             seqs = [seqs]
+        for s in seqs:
+            if not isinstance(s, (list, tuple)):
+                raise TypeError(f"a batch must hold lists of token ids, got {type(s).__name__}")
         engine = self.llm_engine
         reqs = []
         try:
             for s in seqs:
-                if isinstance(s, (str, bytes)) or not isinstance(s, Iterable):
-                    raise TypeError(f"each sequence must be a list of token ids, got "
-                                    f"{type(s).__name__}")
                 reqs.append(engine.add_score_request(list(s), mode, logits=output == "logits"))
         except BaseException:
             for r in reqs:

@@ -79,6 +79,26 @@ def test_compare_rejects_bad_arguments(tiny_model_dir):
         compare(None, [{}], mode="greedy", model=str(tiny_model_dir))
 
 
+@pytest.mark.parametrize("kw, match", [
+    (dict(max_sequences=0), "max_sequences"), (dict(max_sequences=-1), "max_sequences"),
+    (dict(max_qa=0), "max_qa"), (dict(seq_len=1), "seq_len"), (dict(batch_size=0), "batch_size"),
+    (dict(layer_diff_tokens=-1), "layer_diff_tokens"), (dict(max_passkey_items=0), "max_passkey"),
+    (dict(passkey_lengths=[300]), "allowed lengths"), (dict(passkey_lengths=256), "list"),
+])
+def test_compare_limits_are_checked(tiny_model_dir, kw, match):
+    with pytest.raises(ValueError, match=match):
+        compare(None, [{"kv_cache_dtype": "float16"}], model=str(tiny_model_dir), **kw)
+
+
+def test_compare_rejects_duplicates_and_ignored_reference_keys(tiny_model_dir):
+    with pytest.raises(ValueError, match="more than once"):
+        compare(None, [{"kv_cache_dtype": "float16"}, {"kv_cache_dtype": "float16"}],
+                model=str(tiny_model_dir))
+    with pytest.raises(ValueError, match="ignored"):
+        compare(None, [{"reference": "float32", "kv_cache_dtype": "float16"}],
+                eval_sets="corpus", model=str(tiny_model_dir))
+
+
 def test_parse_config():
     assert parse_config("--kv-cache-dtype fp8_e4m3 --block-size 32") == {
         "kv_cache_dtype": "fp8_e4m3", "block_size": 32}
@@ -104,6 +124,15 @@ def test_cli_json_last_line(tiny_model_dir, tmp_path, capsys):
     assert res["config"] == {"dtype": "float32", "kv_cache_dtype": "bfloat16"}
     assert res["mean_kl"] > 0 and 0 <= res["top1_agreement"] <= 1
     _png_ok(tmp_path / "kl_by_position.png")
+
+
+def test_cli_single_flag_candidate_and_bad_out(tiny_model_dir, tmp_path, capsys):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    rc = cli_main(["compare", "--model", str(tiny_model_dir), "--candidate",
+                   "--no-enable-prefix-caching", "--out", str(f)])
+    assert rc == 2
+    assert "is not a folder" in capsys.readouterr().err
 
 
 def test_cli_bad_candidate_is_a_clear_error(tiny_model_dir, tmp_path, capsys):

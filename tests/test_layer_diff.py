@@ -88,6 +88,8 @@ def test_find_first_jump_rule():
     assert find_first_jump(errs, 4, min_error=1e-6) == (2, "self_attn")
     errs["layers.2.self_attn"] = 1e-7  # only the MLP jumped in layer 2
     assert find_first_jump(errs, 4, min_error=1e-6) == (2, "mlp")
+    errs["layers.1.mlp"] = errs["layers.1"] = float("nan")  # NaN is where it broke
+    assert find_first_jump(errs, 4) == (1, "mlp")
 
 
 def test_fault_arguments_are_checked(llm):

@@ -153,3 +153,38 @@ def test_sequence_drift_and_summarize_by_hand():
     assert abs(s.ppl_ratio - ppl_cand / ppl_ref) < 1e-12
     assert s.kl_ci[0] <= s.mean_kl <= s.kl_ci[1]
     assert s.max_abs_diff == pytest.approx(abs(math.log(0.25) - math.log(0.5)), abs=TOL)
+
+
+def test_nan_rows_are_never_perfect():
+    ref = torch.log_softmax(torch.randn(3, 8, dtype=torch.float64), -1)
+    bad = ref.clone()
+    bad[1, 2] = float("nan")
+    kl = M.kl_divergence(bad, ref)
+    assert math.isnan(float(kl[1])) and float(kl[0]) == 0.0
+    nan = torch.full((3, 8), float("nan"))
+    assert M.top1_agreement(nan, nan) == 0.0
+    assert M.same_top_p(nan, nan)[0] == 0.0
+    assert M.topk_overlap(nan, nan, 2) == 0.0
+    d = M.sequence_drift(bad, ref, [0, 1, 2])
+    assert list(d.top1_same) == [True, False, True]
+
+
+def test_bad_token_ids_and_arguments_are_rejected():
+    rows = lp([0.5, 0.5], [0.5, 0.5])
+    with pytest.raises(ValueError, match="integers"):
+        M.perplexity(rows, [0, 1.9])
+    with pytest.raises(ValueError, match="integers"):
+        M.perplexity(rows, [True, 1])
+    with pytest.raises(ValueError, match=r"\[0, 2\)"):
+        M.perplexity(rows, [0, 5])
+    with pytest.raises(ValueError, match="start"):
+        M.perplexity(rows, [0, 1], start=-1)
+    with pytest.raises(ValueError, match="k must be"):
+        M.sequence_drift(rows, rows, [0, 1], k=3)
+
+
+def test_huge_perplexity_is_inf_not_an_error():
+    big = torch.zeros(3, 4, dtype=torch.float64)
+    big[:, 1] = 2000.0
+    s = M.summarize([M.sequence_drift(big, big, [1, 0, 0], k=2)])
+    assert s.ppl_ref == math.inf

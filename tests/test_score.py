@@ -134,6 +134,23 @@ def test_bad_inputs(llm, bad, match):
     _free_is_full(llm)
 
 
+@pytest.mark.parametrize("bad", [{5, 3, 100}, {5: "a"}, bytearray(b"abc"), "hello", 7])
+def test_non_sequences_are_type_errors(llm, bad):
+    with pytest.raises(TypeError):
+        llm.score(bad)
+    _free_is_full(llm)
+
+
+def test_tensor_and_array_inputs(llm):
+    import numpy as np
+    ids = _ids(12, seed=5)
+    want = llm.score(ids)
+    assert torch.equal(llm.score(torch.tensor(ids)), want)
+    assert torch.equal(llm.score(np.array([ids, ids]))[1], want)
+    with pytest.raises(ValueError, match="token ids must be integers"):
+        llm.score([1.0, 2.0])
+
+
 def test_too_long_names_both_lengths(llm):
     with pytest.raises(ValueError, match=r"257 tokens.*max_model_len is 256"):
         llm.score(_ids(257))

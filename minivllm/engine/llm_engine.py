@@ -269,6 +269,10 @@ class LLMEngine:
         """
         if mode not in ("prefill", "decode"):
             raise ValueError(f"mode must be 'prefill' or 'decode', got {mode!r}")
+        if not isinstance(logits, bool):
+            raise TypeError(f"logits must be True or False, got {logits!r}")
+        if request_id is not None and not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a string or None, got {type(request_id).__name__}")
         vocab = self.model_config.vocab_size
         ids = []
         for t in token_ids:

@@ -63,6 +63,10 @@ class ScoreState:
             self.num_rows += chunk.shape[0]
 
     def result(self) -> torch.Tensor:
+        """The ``[T, vocab]`` rows. Raises RuntimeError if scoring stopped early (aborted)."""
+        if not self.done:
+            raise RuntimeError(f"scoring did not finish: {self.num_rows} of "
+                               f"{self.num_positions} rows (was the request aborted?)")
         return torch.cat(self.rows)[: self.num_positions]
 
 

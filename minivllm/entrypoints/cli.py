@@ -112,7 +112,14 @@ def parse_config(text: str) -> dict:
         return {"reference": "float64"}
     parser = _config_parser()
     try:
-        ns, rest = parser.parse_known_args(shlex.split(text))
+        words = shlex.split(text)
+    except ValueError as e:
+        raise ValueError(f"cannot parse engine flags {text!r}: {e}") from None
+    if words and not words[0].startswith("--"):
+        raise ValueError(f"expected vLLM-style engine flags (e.g. --kv-cache-dtype float16) or "
+                         f"'hf' / 'hf-float64', got {text!r}")
+    try:
+        ns, rest = parser.parse_known_args(words)
     except (argparse.ArgumentError, SystemExit) as e:
         raise ValueError(f"bad engine flags {text!r}: {e}") from None
     if rest:
@@ -122,7 +129,12 @@ def parse_config(text: str) -> dict:
 
 
 def _cmd_compare(ns: argparse.Namespace) -> int:
+    import os
+
     from minivllm.precision.report import compare
+
+    if os.path.exists(ns.out) and not os.path.isdir(ns.out):
+        raise ValueError(f"--out {ns.out!r} exists and is not a folder")
 
     common = {k: v for k, v in vars(ns).items() if k in EngineArgs.__dataclass_fields__}
     model = common.pop("model", EngineArgs.model)
@@ -224,12 +236,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _join_flag_values(argv: list[str]) -> list[str]:
+    """``--candidate --no-enable-prefix-caching`` -> ``--candidate=--no-enable-prefix-caching``
+    (argparse would read a lone value that starts with '--' as an option)."""
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a in ("--candidate", "--baseline") and i + 1 < len(argv) \
+                and argv[i + 1].startswith("-") and " " not in argv[i + 1]:
+            out.append(f"{a}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(a)
+        i += 1
+    return out
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["compare"]:
+        argv = _join_flag_values(argv)
     ns = parser.parse_args(argv)
     try:
         return ns.func(ns)
-    except (ValueError, TypeError, RuntimeError, NotImplementedError) as e:
+    except (ValueError, TypeError, RuntimeError, NotImplementedError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -16,8 +16,12 @@ from minivllm.layers.rotary_embedding import RotaryEmbedding
 
 
 def _layer(llm, layer: int):
+    from minivllm.llm import LLM
+
+    if not isinstance(llm, LLM):
+        raise TypeError(f"faults are planted into an LLM, got {type(llm).__name__}")
     layers = llm.llm_engine.model_runner.model.layers
-    if not 0 <= layer < len(layers):
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < len(layers):
         raise ValueError(f"layer must be in [0, {len(layers)}), got {layer}")
     return layers[layer]
 
@@ -54,7 +58,7 @@ def fp16_rmsnorm(llm, layer: int, which: str = "input_layernorm"):
 def wrong_rope_theta(llm, layer: int, theta: float):
     """Give one layer's attention a rotary embedding with base ``theta`` (the model's
     other layers keep theirs): a config bug where one module reads the wrong field."""
-    if not theta > 0:
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < float("inf"):
         raise ValueError(f"theta must be > 0, got {theta}")
     attn = _layer(llm, layer).self_attn
     old = attn.rotary_emb

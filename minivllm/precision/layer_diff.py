@@ -19,6 +19,7 @@ previous layer's is named. Either side may be an ``LLM`` (any engine configurati
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -71,7 +72,11 @@ def capture_hidden_states(model, token_ids: Sequence[int], mode: str = "prefill"
     from minivllm.llm import LLM
     from minivllm.precision.reference import ReferenceModel
 
+    if mode not in ("prefill", "decode"):
+        raise ValueError(f"mode must be 'prefill' or 'decode', got {mode!r}")
     ids = list(token_ids)
+    if ids and isinstance(ids[0], (list, tuple)):
+        raise ValueError("layer diff takes one sequence (a list of token ids), not a batch")
     if isinstance(model, LLM):
         net = model.llm_engine.model_runner.model
         n = len(net.layers)
@@ -86,6 +91,8 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.to(torch.float64), b.to(torch.float64)
     if a.shape != b.shape:
         raise ValueError(f"shape mismatch: {tuple(a.shape)} vs {tuple(b.shape)}")
+    if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
+        return math.nan
     num, den = float((a - b).norm()), float(b.norm())
     if den == 0.0:
         return 0.0 if num == 0.0 else float("inf")
@@ -138,14 +145,23 @@ class LayerDiff:
 def find_first_jump(errors: dict[str, float], num_layers: int, jump_factor: float = 10.0,
                     min_error: float = 1e-5) -> tuple[Optional[int], Optional[str]]:
     """The first decoder layer whose residual-stream error jumps (see module docstring)."""
+    if not (jump_factor > 1 and min_error >= 0):
+        raise ValueError(f"need jump_factor > 1 and min_error >= 0, got {jump_factor}, {min_error}")
+
+    def jumped(e: float, before: float) -> bool:
+        # a NaN/inf error is always a jump: the first non-finite value is where it broke
+        return not math.isfinite(e) or (e > min_error and e > jump_factor * before)
+
     worst = errors.get("embed_tokens", 0.0)
+    if not math.isfinite(worst):
+        return 0, None
     for i in range(num_layers):
         e = errors[f"layers.{i}"]
-        if e > min_error and e > jump_factor * worst:
+        if jumped(e, worst):
             block = None
             for sub in ("self_attn", "mlp"):
                 prev = errors[f"layers.{i - 1}.{sub}"] if i > 0 else 0.0
-                if errors[f"layers.{i}.{sub}"] > max(min_error, jump_factor * prev):
+                if jumped(errors[f"layers.{i}.{sub}"], prev if math.isfinite(prev) else 0.0):
                     block = sub
                     break
             return i, block

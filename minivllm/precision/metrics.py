@@ -41,6 +41,21 @@ def _pair(ref, cand) -> tuple[torch.Tensor, torch.Tensor]:
     return r, c
 
 
+def _check_k(k, vocab: int) -> None:
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= vocab:
+        raise ValueError(f"k must be an integer in [1, vocab={vocab}], got {k!r}")
+
+
+def _token_ids(token_ids, n: Optional[int] = None) -> torch.Tensor:
+    ids = list(token_ids)
+    if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in ids):
+        bad = next(t for t in ids if isinstance(t, bool) or not isinstance(t, (int, np.integer)))
+        raise ValueError(f"token ids must be integers, got {bad!r}")
+    if n is not None and any(not 0 <= int(t) < n for t in ids):
+        raise ValueError(f"token ids must be in [0, {n}), got {[t for t in ids if not 0 <= int(t) < n][:3]}")
+    return torch.as_tensor([int(t) for t in ids], dtype=torch.int64)
+
+
 def log_softmax(x) -> torch.Tensor:
     """Normalize logits (or log-probs) row-wise to log-probabilities, float64."""
     return torch.log_softmax(_t(x), dim=-1)
@@ -60,7 +75,8 @@ def kl_divergence(ref, cand) -> torch.Tensor:
     lr, lc = log_softmax(ref), log_softmax(cand)
     _pair(lr, lc)
     p = lr.exp()
-    terms = torch.where(p > 0, p * (lr - lc), torch.zeros_like(p))
+    # p == 0 contributes 0 (0 log 0 = 0); NaN stays NaN so a broken row is never "perfect"
+    terms = torch.where(p == 0, torch.zeros_like(p), p * (lr - lc))
     return terms.sum(dim=-1)
 
 
@@ -69,10 +85,21 @@ def mean_kl(ref, cand) -> float:
     return float(kl_divergence(ref, cand).mean())
 
 
+def _valid_rows(x: torch.Tensor) -> torch.Tensor:
+    """Rows without NaN or +inf (-inf is a legitimate zero probability)."""
+    return ~(torch.isnan(x) | torch.isposinf(x)).any(-1)
+
+
+def _same_top1(r: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """[T] bool: same argmax, and both rows finite (a NaN row never agrees)."""
+    return (r.argmax(-1) == c.argmax(-1)) & _valid_rows(r) & _valid_rows(c)
+
+
 def top1_agreement(ref, cand) -> float:
-    """Fraction of positions whose argmax token is the same, in [0, 1]."""
+    """Fraction of positions whose argmax token is the same, in [0, 1]. Rows holding NaN
+    or +inf on either side count as disagreeing."""
     r, c = _pair(ref, cand)
-    return float((r.argmax(-1) == c.argmax(-1)).double().mean())
+    return float(_same_top1(r, c).double().mean())
 
 
 def same_top_p(ref, cand) -> tuple[float, float]:
@@ -80,7 +107,7 @@ def same_top_p(ref, cand) -> tuple[float, float]:
     token, and its binomial standard error ``sqrt(p (1 - p) / (n - 1))``, both in %."""
     r, c = _pair(ref, cand)
     n = r.shape[0]
-    p = float((r.argmax(-1) == c.argmax(-1)).double().mean())
+    p = float(_same_top1(r, c).double().mean())
     err = math.sqrt(p * (1 - p) / (n - 1)) if n > 1 else float("nan")
     return 100.0 * p, 100.0 * err
 
@@ -92,11 +119,11 @@ def topk_overlap(ref, cand, k: int = 5) -> float:
         ValueError: k < 1 or k larger than the vocabulary.
     """
     r, c = _pair(ref, cand)
-    if not 1 <= k <= r.shape[1]:
-        raise ValueError(f"k must be in [1, vocab={r.shape[1]}], got {k}")
+    _check_k(k, r.shape[1])
     tr = r.topk(k, dim=-1).indices
     tc = c.topk(k, dim=-1).indices
     hits = (tr[:, :, None] == tc[:, None, :]).any(-1).double().sum(-1)
+    hits = torch.where(_valid_rows(r) & _valid_rows(c), hits, torch.zeros_like(hits))
     return float((hits / k).mean())
 
 
@@ -120,7 +147,7 @@ def token_logprobs(logprobs, token_ids: Sequence[int]) -> torch.Tensor:
         ``[T - 1]`` float64.
     """
     lp = log_softmax(logprobs)
-    ids = torch.as_tensor(list(token_ids), dtype=torch.int64)
+    ids = _token_ids(token_ids, lp.shape[-1])
     if ids.shape[0] != lp.shape[0]:
         raise ValueError(f"{lp.shape[0]} rows of log-probs for {ids.shape[0]} tokens")
     return lp[:-1].gather(1, ids[1:, None]).squeeze(1)
@@ -132,6 +159,8 @@ def perplexity(logprobs, token_ids: Sequence[int], start: int = 0) -> float:
     Args:
         start: positions before it are context only (e.g. a prompt), not scored.
     """
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        raise ValueError(f"start must be an integer >= 0, got {start!r}")
     tl = token_logprobs(logprobs, token_ids)[start:]
     if tl.numel() == 0:
         raise ValueError("nothing to score: need at least one token after `start`")
@@ -196,6 +225,13 @@ def bootstrap_ci(groups: Sequence[Sequence[float]] | Sequence[float],
     return float(lo), float(hi)
 
 
+def _exp(x: float) -> float:
+    try:
+        return math.exp(x)
+    except OverflowError:
+        return math.inf
+
+
 @dataclass(frozen=True)
 class SequenceDrift:
     """Per-position metrics of one sequence (small: no vocabulary-sized arrays), so many
@@ -215,14 +251,17 @@ def sequence_drift(ref, cand, token_ids: Sequence[int], k: int = 5) -> SequenceD
     """All per-position metrics of one sequence; ``ref``/``cand`` are ``[T, vocab]`` logits
     or log-probs of the same T tokens (``token_ids``)."""
     lr, lc = _pair(log_softmax(ref), log_softmax(cand))
+    _check_k(k, lr.shape[1])
     p = lr.exp()
-    kl = torch.where(p > 0, p * (lr - lc), torch.zeros_like(p)).sum(-1)
-    k = min(k, lr.shape[1])
+    kl = torch.where(p == 0, torch.zeros_like(p), p * (lr - lc)).sum(-1)
+    valid = _valid_rows(lr) & _valid_rows(lc)
     tr, tc = lr.topk(k, dim=-1).indices, lc.topk(k, dim=-1).indices
     overlap = (tr[:, :, None] == tc[:, None, :]).any(-1).double().sum(-1) / k
+    overlap = torch.where(valid, overlap, torch.zeros_like(overlap))
     d = (lr - lc).abs()
     return SequenceDrift(
-        kl=kl.numpy(), top1_same=(tr[:, 0] == tc[:, 0]).numpy(), topk_overlap=overlap.numpy(),
+        kl=kl.numpy(), top1_same=((tr[:, 0] == tc[:, 0]) & valid).numpy(),
+        topk_overlap=overlap.numpy(),
         max_abs_diff=float(d.max()), sum_abs_diff=float(d.sum()), num_elements=d.numel(),
         ref_token_logprobs=token_logprobs(lr, token_ids).numpy(),
         cand_token_logprobs=token_logprobs(lc, token_ids).numpy())
@@ -267,8 +306,8 @@ def summarize(drifts: Sequence[SequenceDrift], seed: int = 0) -> DriftSummary:
     nll_r = -sum(float(d.ref_token_logprobs.sum()) for d in drifts)
     nll_c = -sum(float(d.cand_token_logprobs.sum()) for d in drifts)
     n_tok = sum(d.ref_token_logprobs.size for d in drifts)
-    ppl_r = math.exp(nll_r / n_tok) if n_tok else float("nan")
-    ppl_c = math.exp(nll_c / n_tok) if n_tok else float("nan")
+    ppl_r = _exp(nll_r / n_tok) if n_tok else float("nan")
+    ppl_c = _exp(nll_c / n_tok) if n_tok else float("nan")
     return DriftSummary(
         num_sequences=len(drifts), num_positions=int(kl.size), mean_kl=float(kl.mean()),
         kl_ci=bootstrap_ci([d.kl for d in drifts], seed=seed), max_kl=float(kl.max()),

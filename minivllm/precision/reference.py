@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "float64": torch.float64,
@@ -61,7 +62,7 @@ class ReferenceModel:
         """
         if output not in ("logprobs", "logits"):
             raise ValueError(f"output must be 'logprobs' or 'logits', got {output!r}")
-        ids = torch.as_tensor(list(token_ids), dtype=torch.int64, device=self.device)
+        ids = torch.as_tensor(self._check_ids(token_ids), dtype=torch.int64, device=self.device)
         if ids.numel() == 0:
             raise ValueError("cannot score an empty token sequence")
         logits = self.model(input_ids=ids[None]).logits[0]
@@ -84,11 +85,12 @@ class ReferenceModel:
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         seqs = list(prompts)
-        single = bool(seqs) and isinstance(seqs[0], int)
+        single = bool(seqs) and not isinstance(seqs[0], (list, tuple))
         if single:
             seqs = [seqs]
         if not seqs or any(len(s) == 0 for s in seqs):
             raise ValueError("every prompt needs at least one token")
+        seqs = [self._check_ids(s) for s in seqs]
         tok = self.tokenizer
         pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
         width = max(map(len, seqs))
@@ -112,6 +114,17 @@ class ReferenceModel:
                     break
             results.append(kept)
         return results[0] if single else results
+
+    def _check_ids(self, token_ids) -> list[int]:
+        """Plain int token ids in [0, vocab) (numpy integers accepted; bools, floats and
+        nested lists rejected)."""
+        vocab = self.model.config.vocab_size
+        out = []
+        for t in token_ids:
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= int(t) < vocab:
+                raise ValueError(f"token ids must be integers in [0, {vocab}), got {t!r}")
+            out.append(int(t))
+        return out
 
     def _eos_ids(self) -> list[int]:
         eos = self.model.generation_config.eos_token_id

@@ -39,9 +39,10 @@ DEFAULT_BASELINE = {"dtype": "float32", "kv_cache_dtype": "float32"}
 DEFAULT_KV_BYTES = 512 * 1024 * 1024
 
 
-def config_label(cfg: Mapping[str, Any]) -> str:
-    """Short label: the settings that differ from the engine defaults, 'k=v' joined."""
-    items = [f"{k}={v}" for k, v in cfg.items() if k != "model"]
+def config_label(cfg: Mapping[str, Any], model: Optional[str] = None) -> str:
+    """Short label: the settings given, 'k=v' joined (the model only when it is not the
+    comparison's default model)."""
+    items = [f"{k}={v}" for k, v in cfg.items() if k != "model" or v != model]
     return ", ".join(items) if items else "defaults"
 
 
@@ -55,6 +56,10 @@ class _Runner:
         self.label, self.config = label, dict(config)
         kind = self.config.pop("reference", None)
         if kind is not None:
+            extra = sorted(set(self.config) - {"model"})
+            if extra:
+                raise ValueError(f"a reference configuration takes only 'reference' (and "
+                                 f"'model'); these engine settings would be ignored: {extra}")
             self.llm = None
             self.ref = ReferenceModel(self.config.get("model", model), dtype=kind)
             self.tokenizer = self.ref.tokenizer
@@ -139,6 +144,10 @@ class ComparisonReport:
         return [r.as_json() for r in rows + self.results]
 
     def to_json(self) -> dict:
+        """JSON-ready dict; NaN and infinities become null (JSON has no NaN)."""
+        return _json_safe(self._to_json())
+
+    def _to_json(self) -> dict:
         return {"baseline": {"label": self.baseline.label, "config": self.baseline.config,
                              "passkey_accuracy": {str(k): v for k, v in
                                                   sorted(self.baseline.passkey_accuracy.items())},
@@ -210,6 +219,24 @@ class ComparisonReport:
         return paths
 
 
+def _json_safe(x):
+    if isinstance(x, float) and not np.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def _check_limit(name: str, value, minimum: int = 1) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum} (or None for no limit), "
+                         f"got {value!r}")
+
+
 def _score_sequences(tokenizer, eval_sets, seq_len, max_sequences) -> list[list[int]]:
     seqs: list[list[int]] = []
     if "corpus" in eval_sets:
@@ -256,6 +283,21 @@ def compare(baseline: Optional[Mapping[str, Any]] = None,
     from minivllm.precision.noise import permuted_mlp_reduction
     from minivllm.precision import plots
 
+    for name, value, minimum in (("max_sequences", max_sequences, 1), ("max_qa", max_qa, 1),
+                                 ("max_passkey_items", max_passkey_items, 1),
+                                 ("seq_len", seq_len, 2), ("batch_size", batch_size, 1),
+                                 ("layer_diff_tokens", layer_diff_tokens, 0)):
+        _check_limit(name, value, minimum)
+    if passkey_lengths is not None:
+        if isinstance(passkey_lengths, (int, str)):
+            raise ValueError(f"passkey_lengths must be a list of lengths, got {passkey_lengths!r}")
+        buckets = sorted({it.target_tokens for it in E.load_passkey()})
+        bad = [n for n in passkey_lengths if n not in buckets]
+        if bad or not passkey_lengths:
+            raise ValueError(f"passkey_lengths {list(passkey_lengths)}: allowed lengths are {buckets}")
+    if isinstance(candidates, (dict, str)) or (baseline is not None and not isinstance(baseline, dict)):
+        raise TypeError("baseline must be a dict of engine settings (or None) and candidates a "
+                        "list of such dicts")
     if isinstance(eval_sets, str):
         eval_sets = (eval_sets,)
     eval_sets = tuple(eval_sets)
@@ -267,10 +309,14 @@ def compare(baseline: Optional[Mapping[str, Any]] = None,
     if mode not in ("prefill", "decode"):
         raise ValueError(f"mode must be 'prefill' or 'decode', got {mode!r}")
     base_cfg = dict(DEFAULT_BASELINE if baseline is None else baseline)
-    base = _Runner("baseline: " + config_label(base_cfg), base_cfg, model, default_kv_bytes)
-    cands = [_Runner(config_label(c), dict(c), model, default_kv_bytes) for c in candidates]
+    labels = [config_label(c, model) for c in candidates]
+    dupes = sorted({x for x in labels if labels.count(x) > 1})
+    if dupes:
+        raise ValueError(f"candidates must differ; these appear more than once: {dupes}")
+    base = _Runner("baseline: " + config_label(base_cfg, model), base_cfg, model, default_kv_bytes)
+    cands = [_Runner(lab, dict(c), model, default_kv_bytes) for lab, c in zip(labels, candidates)]
     tok = base.tokenizer
-    want_noise = noise_floor and base.llm is not None
+    want_noise = noise_floor and base.llm is not None and any(x in SCORING_SETS for x in eval_sets)
 
     base_res = CandidateResult(base.label, base_cfg)
     results = [CandidateResult(c.label, c.config if not c.ref else dict(candidates[i]))
@@ -303,7 +349,8 @@ def compare(baseline: Optional[Mapping[str, Any]] = None,
             noise_res.kl_per_sequence = [d.kl for d in noise_drifts]
             hi = noise_res.drift.kl_ci[1]
             for r in results:
-                r.exceeds_noise_floor = bool(r.drift.kl_ci[0] > hi)
+                # NaN (a broken candidate) is never "within the noise"
+                r.exceeds_noise_floor = not bool(r.drift.kl_ci[0] <= hi)
 
     # 2. Passkey retrieval (greedy).
     if "passkey" in eval_sets:

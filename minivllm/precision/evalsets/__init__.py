@@ -106,6 +106,31 @@ def conversation_sequences(tokenizer, max_conversations: Optional[int] = None,
     return out
 
 
+def assistant_turn_spans(tokenizer, conversation: list[dict]) -> list[tuple[int, int]]:
+    """Token ranges ``[start, end)`` of each assistant message's content inside
+    ``conversation_sequences``-style token ids (chat template, no generation prompt).
+
+    Found by rendering the conversation up to each message; raises ValueError if the
+    template does not render prefixes consistently (then spans would be wrong).
+    """
+    def n_tokens(msgs, gen):
+        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    full = n_tokens(conversation, False)
+    spans = []
+    for i, m in enumerate(conversation):
+        if m["role"] != "assistant":
+            continue
+        start = n_tokens(conversation[:i], True)
+        end = n_tokens(conversation[:i + 1], False)
+        if not start < end <= full:
+            raise ValueError(f"chat template does not render prefixes consistently "
+                             f"(turn {i}: {start}..{end} of {full})")
+        spans.append((start, end))
+    return spans
+
+
 # --- answer checks ----------------------------------------------------------------------
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
