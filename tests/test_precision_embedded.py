@@ -8,7 +8,6 @@ against HF reference 1e-3 (the engine-core parity bound).
 from __future__ import annotations
 
 import pytest
-import torch
 
 from minivllm import LLM
 from minivllm.precision import evalsets, faults, layer_diff, metrics

@@ -78,11 +78,23 @@ def run_demo(model: str = "smollm2-135m-instruct", max_tokens: int = 96,
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     rows, texts = [], {}
-    for kv in KV_DTYPES:
+    for i, kv in enumerate(KV_DTYPES, 1):
         llm = LLM(model_dir, dtype="float32", kv_cache_dtype=kv, max_model_len=2048,
                   max_num_seqs=len(prompt_ids), enable_prefix_caching=False)
+        engine = llm.llm_engine
+        from tqdm.auto import tqdm
+
         t0 = time.perf_counter()
-        outs = llm.generate(prompt_ids, params, use_tqdm=True)
+        rids = [engine.add_request(p, params) for p in prompt_ids]
+        done: dict = {}
+        total = len(prompt_ids) * max_tokens
+        with tqdm(total=total, unit="tok", desc=f"minivllm kv_cache_dtype={kv} ({i}/{len(KV_DTYPES)})") as bar:
+            while engine.has_unfinished_requests():
+                before = engine.stats.num_generation_tokens
+                for out in engine.step():
+                    done[out.request_id] = out
+                bar.update(engine.stats.num_generation_tokens - before)
+        outs = [done[r] for r in rids]
         dt = time.perf_counter() - t0
         ids = [o.outputs[0].token_ids for o in outs]
         divs = [first_divergence(r, o) for r, o in zip(ref, ids)]

@@ -349,8 +349,12 @@ def compare(baseline: Optional[Mapping[str, Any]] = None,
             noise_res.kl_per_sequence = [d.kl for d in noise_drifts]
             hi = noise_res.drift.kl_ci[1]
             for r in results:
-                # NaN (a broken candidate) is never "within the noise"
-                r.exceeds_noise_floor = not bool(r.drift.kl_ci[0] <= hi)
+                # NaN (a broken candidate) is never "within the noise"; with a single
+                # sequence there is no interval to compare, so no verdict
+                if r.drift.num_sequences < 2 and np.isfinite(r.drift.mean_kl):
+                    r.exceeds_noise_floor = None
+                else:
+                    r.exceeds_noise_floor = not bool(r.drift.kl_ci[0] <= hi)
 
     # 2. Passkey retrieval (greedy).
     if "passkey" in eval_sets:
