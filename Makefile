@@ -1,7 +1,10 @@
 # minivllm / precision course: the front door.
 #   make demo   fetch + convert the embedded model (first run), run the first incident
-#   make test   the test suite (what CI runs)
-# Both create .venv and install on first use.
+#   make test   the test suite (what CI runs; includes the chapter notebooks and the
+#               nbgrader labs graded both ways)
+#   make lab    JupyterLab on the course, with nbgrader's extensions
+#   make grade  generate, validate and autograde every lab against its fixtures
+# Each creates .venv and installs on first use.
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -11,16 +14,18 @@ PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast clean help
+LAB_PORT ?= 8888
+
+.PHONY: install demo test test-fast lab grade clean help
 
 help:
-	@echo "make demo | make test | make install | make test-fast | make clean"
+	@echo "make demo | make test | make lab | make grade | make install | make test-fast | make clean"
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet -e ".[dev,course]"
 	touch $@
 
 install: $(VENV)/.installed
@@ -33,6 +38,13 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest -q -m "not embedded" $(PYTEST_ARGS)
+
+lab: install
+	$(PY) -m minivllm.models.embedded
+	$(VENV)/bin/jupyter lab --port $(LAB_PORT) --notebook-dir .
+
+grade: install
+	$(PY) -m grading.grade
 
 clean:
 	rm -rf $(VENV) .pytest_cache reports build *.egg-info

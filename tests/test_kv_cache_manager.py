@@ -23,6 +23,7 @@ def admit(kv: KVCacheManager, req: Request) -> int:
     full blocks. Returns the number of prefix-cache hit tokens."""
     hits, n_hit = kv.get_computed_blocks(req)
     assert kv.allocate_slots(req, req.num_tokens - n_hit, hits)
+    kv.record_prefix_query(req, n_hit)
     req.num_computed_tokens = req.num_tokens
     kv.cache_blocks(req)
     return n_hit
@@ -262,6 +263,17 @@ def test_hit_and_query_counters_in_tokens():
     admit(kv, make_req("c", [9] * 6))  # 6 tokens, 0 hits
     assert kv.prefix_cache_queries == 10 + 11 + 6
     assert kv.prefix_cache_hits == 8
+
+
+def test_counters_never_negative_without_caching():
+    # Regression: a retried admission used to be "undone" even when never counted.
+    kv = KVCacheManager(2, BS, enable_caching=False)
+    req = make_req("a", list(range(1, 40)))  # needs 5 blocks, only 2 exist
+    hits, n_hit = kv.get_computed_blocks(req)
+    assert not kv.allocate_slots(req, req.num_tokens - n_hit, hits)
+    assert kv.prefix_cache_queries == 0 and kv.prefix_cache_hits == 0
+    kv.record_prefix_query(req, 0)  # caching off: not counted
+    assert kv.prefix_cache_queries == 0
 
 
 def test_lru_evicts_least_recently_freed_prefix_first():

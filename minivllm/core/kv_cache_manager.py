@@ -72,8 +72,7 @@ class KVCacheManager:
         prompt_logprobs, and scoring requests, skip the cache (their prompt must be run
         to get the logits).
         """
-        if not self.enable_caching or request.params.prompt_logprobs is not None \
-                or request.score is not None:
+        if not self._uses_cache(request):
             return [], 0
         self.update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
@@ -83,11 +82,19 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        num_hit_tokens = len(hits) * self.block_size
-        # Count queries/hits once per (re)admission, in tokens.
-        self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += num_hit_tokens
-        return hits, num_hit_tokens
+        return hits, len(hits) * self.block_size
+
+    def _uses_cache(self, request: Request) -> bool:
+        return self.enable_caching and request.params.prompt_logprobs is None \
+            and request.score is None
+
+    def record_prefix_query(self, request: Request, num_hit_tokens: int) -> None:
+        """Count one (re)admission's lookup, in tokens (vLLM's prefix_cache_queries /
+        hits). Called by the scheduler once the request is admitted, so a lookup that is
+        retried next step is counted once; requests that skip the cache are not counted."""
+        if self._uses_cache(request):
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_hit_tokens
 
     # --- allocation ---------------------------------------------------------------
     def num_blocks_needed(self, num_tokens: int) -> int:

@@ -123,17 +123,11 @@ class Scheduler:
             num_new = request.num_tokens - num_hit_tokens
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
-                    # A whole prompt must fit in one step. Undo this attempt's query
-                    # count, as below: it will be asked again next step.
-                    kv.prefix_cache_queries -= request.num_tokens
-                    kv.prefix_cache_hits -= num_hit_tokens
-                    break
+                    break  # a whole prompt must fit in one step; asked again next step
                 num_new = budget
             if not kv.allocate_slots(request, num_new, hits):
-                # Undo the query count for this attempt; it will be asked again.
-                kv.prefix_cache_queries -= request.num_tokens
-                kv.prefix_cache_hits -= num_hit_tokens
-                break
+                break  # asked again next step
+            kv.record_prefix_query(request, num_hit_tokens)
             self.waiting.popleft()
             request.num_computed_tokens = num_hit_tokens
             if request.status == RequestStatus.WAITING:

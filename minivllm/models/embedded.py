@@ -151,3 +151,7 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id"),
          "pad_token_id": config.get("pad_token_id")}, indent=2))
+
+
+if __name__ == "__main__":  # python -m minivllm.models.embedded: fetch/convert, print the path
+    print(ensure_embedded_model())

@@ -252,19 +252,25 @@ def sequence_drift(ref, cand, token_ids: Sequence[int], k: int = 5) -> SequenceD
     or log-probs of the same T tokens (``token_ids``)."""
     lr, lc = _pair(log_softmax(ref), log_softmax(cand))
     _check_k(k, lr.shape[1])
+    ids = _token_ids(token_ids, lr.shape[1])
+    if ids.shape[0] != lr.shape[0]:
+        raise ValueError(f"{lr.shape[0]} rows of log-probs for {ids.shape[0]} tokens")
+    diff = lr - lc                      # one [T, vocab] temporary, reused below
     p = lr.exp()
-    kl = torch.where(p == 0, torch.zeros_like(p), p * (lr - lc)).sum(-1)
+    kl = torch.where(p == 0, torch.zeros_like(p), p * diff).sum(-1)
+    del p
     valid = _valid_rows(lr) & _valid_rows(lc)
     tr, tc = lr.topk(k, dim=-1).indices, lc.topk(k, dim=-1).indices
     overlap = (tr[:, :, None] == tc[:, None, :]).any(-1).double().sum(-1) / k
     overlap = torch.where(valid, overlap, torch.zeros_like(overlap))
-    d = (lr - lc).abs()
+    diff.abs_()
+    nxt = ids[1:, None]
     return SequenceDrift(
         kl=kl.numpy(), top1_same=((tr[:, 0] == tc[:, 0]) & valid).numpy(),
         topk_overlap=overlap.numpy(),
-        max_abs_diff=float(d.max()), sum_abs_diff=float(d.sum()), num_elements=d.numel(),
-        ref_token_logprobs=token_logprobs(lr, token_ids).numpy(),
-        cand_token_logprobs=token_logprobs(lc, token_ids).numpy())
+        max_abs_diff=float(diff.max()), sum_abs_diff=float(diff.sum()), num_elements=diff.numel(),
+        ref_token_logprobs=lr[:-1].gather(1, nxt).squeeze(1).numpy(),
+        cand_token_logprobs=lc[:-1].gather(1, nxt).squeeze(1).numpy())
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,201 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown] nbgrader={"grade": false, "grade_id": "intro", "locked": true, "schema_version": 3, "solution": false, "task": false}
+# # Lab 1: choose a KV-cache dtype that keeps the model's distributions
+#
+# In chapter 1 you saw that the KV-cache dtype changes the model's next-token
+# distributions by an amount you can measure with KL divergence on fixed tokens. Here you
+# build that measurement yourself and use it to pick the cheapest KV cache that stays
+# under a KL budget.
+#
+# You write three functions. The grader calls them on **new** inputs (other
+# conversations, other tensors) and compares with its own reference, so a function that
+# only works on the examples in this notebook will not pass.
+#
+# 1. `mean_kl(ref, cand)`: mean KL divergence, 3 points;
+# 2. `kv_drift(kv_cache_dtype, seqs)`: drift of an engine configuration, 3 points;
+# 3. `choose_kv_cache_dtype(seqs, max_kl)`: the cheapest dtype within a KL budget, 4 points.
+#
+# Run the cells in order. Do not edit the setup and test cells.
+
+# %% nbgrader={"grade": false, "grade_id": "setup", "locked": true, "schema_version": 3, "solution": false, "task": false}
+import importlib
+
+import grading.checks as checks  # first import: records the original functions
+import torch
+
+from minivllm import LLM
+from minivllm.precision import evalsets
+
+torch.manual_seed(0)
+MODEL = "smollm2-135m-instruct"
+# Cheapest first: bytes per stored element 1, 2, 2, 4.
+KV_CHOICES = ["fp8_e4m3", "bfloat16", "float16", "float32"]
+_ENGINES = {}
+
+
+def get_engine(kv_cache_dtype: str) -> LLM:
+    """A float32 engine with this KV-cache dtype (built once, then reused)."""
+    if kv_cache_dtype not in _ENGINES:
+        _ENGINES[kv_cache_dtype] = LLM(MODEL, dtype="float32", kv_cache_dtype=kv_cache_dtype,
+                                       max_model_len=1024, kv_cache_memory_bytes=64 << 20)
+    return _ENGINES[kv_cache_dtype]
+
+
+tok = get_engine("float32").get_tokenizer()
+example_seqs = evalsets.conversation_sequences(tok, max_conversations=1, max_tokens=96)
+print("example: one conversation,", len(example_seqs[0]), "tokens")
+
+# %% [markdown] nbgrader={"grade": false, "grade_id": "task1", "locked": true, "schema_version": 3, "solution": false, "task": false}
+# ## Task 1: mean KL divergence (3 points)
+#
+# `ref` and `cand` are `[T, vocab]` tensors of **logits or log-probs** for the same T
+# positions (normalize them yourself). Return the mean over positions of
+# $\mathrm{KL}(P_\mathrm{ref} \,\|\, P_\mathrm{cand}) = \sum_v p_\mathrm{ref}(v)\,(\log p_\mathrm{ref}(v) - \log p_\mathrm{cand}(v))$
+# in nats, as a Python float. Compute in float64: the values you will compare are tiny.
+
+# %% nbgrader={"grade": false, "grade_id": "mean_kl", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def mean_kl(ref: torch.Tensor, cand: torch.Tensor) -> float:
+    ### BEGIN SOLUTION
+    lr = torch.log_softmax(ref.to(torch.float64), dim=-1)
+    lc = torch.log_softmax(cand.to(torch.float64), dim=-1)
+    p = lr.exp()
+    kl = torch.where(p > 0, p * (lr - lc), torch.zeros_like(p)).sum(dim=-1)
+    return float(kl.mean())
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "test_mean_kl_visible", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+checks = importlib.reload(checks)
+checks.guard()
+# KL([.5, .5] || [.25, .75]) = .5 ln 2 + .5 ln(2/3), by hand
+_ref = torch.log(torch.tensor([[0.5, 0.5]], dtype=torch.float64))
+_cand = torch.log(torch.tensor([[0.25, 0.75]], dtype=torch.float64))
+checks.close("mean_kl on the worked example", mean_kl(_ref, _cand), 0.14384103622589045,
+             rtol=1e-9)
+print("visible test passed")
+
+# %% nbgrader={"grade": true, "grade_id": "test_mean_kl_hidden", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+checks = importlib.reload(checks)
+checks.guard()
+### BEGIN HIDDEN TESTS
+from minivllm.precision import metrics as _m
+
+_g = torch.Generator().manual_seed(1234)
+for _t, _v in [(1, 3), (7, 50), (33, 1000)]:
+    _a = torch.randn(_t, _v, generator=_g, dtype=torch.float64) * 3 + 5  # unnormalized logits
+    _b = _a + 0.3 * torch.randn(_t, _v, generator=_g, dtype=torch.float64)
+    checks.close(f"mean_kl on random logits [{_t}, {_v}]", mean_kl(_a, _b), _m.mean_kl(_a, _b),
+                 rtol=1e-6)
+    checks.close(f"mean_kl of identical inputs [{_t}, {_v}]", mean_kl(_a, _a), 0.0, atol=1e-12)
+_a32 = torch.randn(5, 20, generator=_g).float()
+checks.close("mean_kl on float32 input", mean_kl(_a32, _a32 * 1.5), _m.mean_kl(_a32, _a32 * 1.5),
+             rtol=1e-6)
+### END HIDDEN TESTS
+
+# %% [markdown] nbgrader={"grade": false, "grade_id": "task2", "locked": true, "schema_version": 3, "solution": false, "task": false}
+# ## Task 2: drift of a KV-cache dtype (3 points)
+#
+# Score `seqs` (a list of token-id lists) with `get_engine("float32")` and with
+# `get_engine(kv_cache_dtype)` using `LLM.score`, and return the mean KL of the candidate
+# against the float32 engine **pooled over all positions of all sequences** (every
+# position counts once; do not average per-sequence means).
+
+# %% nbgrader={"grade": false, "grade_id": "kv_drift", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def kv_drift(kv_cache_dtype: str, seqs: list) -> float:
+    ### BEGIN SOLUTION
+    base = get_engine("float32").score(seqs)
+    cand = get_engine(kv_cache_dtype).score(seqs)
+    return mean_kl(torch.cat(base), torch.cat(cand))
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "test_kv_drift_visible", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+checks = importlib.reload(checks)
+checks.guard()
+from minivllm.precision import metrics as _m
+
+_b = get_engine("float32").score(example_seqs)
+_c = get_engine("float16").score(example_seqs)
+_want = float(sum(_m.kl_divergence(x, y).sum() for x, y in zip(_b, _c)) / sum(len(s) for s in example_seqs))
+checks.close("kv_drift('float16', example_seqs)", kv_drift("float16", example_seqs), _want, rtol=1e-6)
+checks.close("kv_drift('float32', example_seqs)", kv_drift("float32", example_seqs), 0.0, atol=1e-15)
+print("visible test passed")
+
+# %% nbgrader={"grade": true, "grade_id": "test_kv_drift_hidden", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+checks = importlib.reload(checks)
+checks.guard()
+### BEGIN HIDDEN TESTS
+from minivllm.precision import metrics as _m
+
+# unseen sequences of different lengths: pooling must weight every position equally
+_seqs = [s[:n] for s, n in zip(evalsets.conversation_sequences(tok, max_conversations=9)[7:9],
+                               (40, 120))]
+for _kv in ("fp8_e4m3", "bfloat16"):
+    _b = get_engine("float32").score(_seqs)
+    _c = get_engine(_kv).score(_seqs)
+    _want = float(sum(_m.kl_divergence(x, y).sum() for x, y in zip(_b, _c)) / sum(len(s) for s in _seqs))
+    checks.close(f"kv_drift({_kv!r}) on unseen sequences", kv_drift(_kv, _seqs), _want, rtol=1e-6)
+### END HIDDEN TESTS
+
+# %% [markdown] nbgrader={"grade": false, "grade_id": "task3", "locked": true, "schema_version": 3, "solution": false, "task": false}
+# ## Task 3: the cheapest KV cache within a KL budget (4 points)
+#
+# Return the first entry of `KV_CHOICES` (they are ordered cheapest first) whose
+# `kv_drift` on `seqs` is at most `max_kl`. float32 always qualifies (its drift is 0).
+
+# %% nbgrader={"grade": false, "grade_id": "choose", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def choose_kv_cache_dtype(seqs: list, max_kl: float) -> str:
+    ### BEGIN SOLUTION
+    for kv in KV_CHOICES:
+        if kv_drift(kv, seqs) <= max_kl:
+            return kv
+    return "float32"
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "test_choose_visible", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+checks = importlib.reload(checks)
+checks.guard()
+# fp8 without scales moves distributions a lot; 16-bit formats far less
+checks.equal("choose_kv_cache_dtype(example_seqs, max_kl=1.0)",
+             choose_kv_cache_dtype(example_seqs, 1.0), "fp8_e4m3")
+checks.equal("choose_kv_cache_dtype(example_seqs, max_kl=0.0)",
+             choose_kv_cache_dtype(example_seqs, 0.0), "float32")
+print("visible test passed")
+
+# %% nbgrader={"grade": true, "grade_id": "test_choose_hidden", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+checks = importlib.reload(checks)
+checks.guard()
+### BEGIN HIDDEN TESTS
+from minivllm.precision import metrics as _m
+
+_seqs = [s[:64] for s in evalsets.conversation_sequences(tok, max_conversations=11)[9:11]]
+_b = get_engine("float32").score(_seqs)
+
+
+def _drift(kv):
+    _c = get_engine(kv).score(_seqs)
+    return float(sum(_m.kl_divergence(x, y).sum() for x, y in zip(_b, _c)) / sum(len(s) for s in _seqs))
+
+
+_d = {kv: _drift(kv) for kv in KV_CHOICES}
+# budgets between the measured drifts, so each answer is a different dtype
+_order = sorted(KV_CHOICES[:-1], key=lambda k: _d[k])
+for _budget in (_d["fp8_e4m3"] * 1.01, max(_d["bfloat16"], _d["float16"]) * 1.01,
+                min(_d["bfloat16"], _d["float16"]) * 0.5):
+    _want = next(kv for kv in KV_CHOICES if _d[kv] <= _budget)
+    checks.equal(f"choose_kv_cache_dtype(unseen, max_kl={_budget:.3g}) "
+                 f"[measured drifts: {', '.join(f'{k} {v:.3g}' for k, v in _d.items())}]",
+                 choose_kv_cache_dtype(_seqs, _budget), _want)
+### END HIDDEN TESTS

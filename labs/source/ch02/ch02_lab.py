@@ -1,0 +1,192 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown] nbgrader={"grade": false, "grade_id": "intro", "locked": true, "schema_version": 3, "solution": false, "task": false}
+# # Lab 2: size the engine so a workload never preempts
+#
+# In chapter 2 a KV pool that was too small for the running requests forced preemptions
+# (evict, then recompute). Here you size the engine from first principles: how many bytes
+# a block costs, how many blocks a workload needs at worst, and the most concurrency a
+# memory budget allows with **zero** preemptions.
+#
+# 1. `kv_bytes_per_block(...)`: 3 points;
+# 2. `blocks_needed(prompt_lens, max_tokens, block_size, max_num_seqs)`: 3 points;
+# 3. `size_engine(prompt_lens, max_tokens, block_size, budget_bytes)`: 4 points, checked
+#    by running the engine on a workload you have not seen.
+#
+# Run the cells in order. Do not edit the setup and test cells.
+
+# %% nbgrader={"grade": false, "grade_id": "setup", "locked": true, "schema_version": 3, "solution": false, "task": false}
+import importlib
+import math
+
+import grading.checks as checks  # first import: records the original functions
+import torch
+
+from minivllm import LLM, SamplingParams
+
+MODEL = "smollm2-135m-instruct"
+_ref_engine = LLM(MODEL, dtype="float32", num_gpu_blocks_override=512, max_model_len=1024)
+CFG = _ref_engine.llm_engine.model_config  # num_layers, num_kv_heads, head_dim
+tok = _ref_engine.get_tokenizer()
+print(f"{CFG.num_layers} layers, {CFG.num_kv_heads} KV heads of dimension {CFG.head_dim}")
+
+
+def make_workload(n: int, seed: int) -> list:
+    """n chat prompts of different lengths (token ids)."""
+    g = torch.Generator().manual_seed(seed)
+    words = "paged attention stores keys and values in blocks of token slots".split()
+    prompts = []
+    for i in range(n):
+        k = int(torch.randint(3, 40, (1,), generator=g))
+        text = " ".join(words[int(j)] for j in torch.randint(0, len(words), (k,), generator=g))
+        conv = [{"role": "user", "content": f"Repeat after me: {text}"}]
+        prompts.append(tok.encode(tok.apply_chat_template(conv, tokenize=False,
+                                                          add_generation_prompt=True),
+                                  add_special_tokens=False))
+    return prompts
+
+# %% [markdown] nbgrader={"grade": false, "grade_id": "task1", "locked": true, "schema_version": 3, "solution": false, "task": false}
+# ## Task 1: bytes per KV block (3 points)
+#
+# A block holds `block_size` token slots of **K and V**, for **every layer**, each slot
+# `num_kv_heads * head_dim` elements of `bytes_per_element` bytes (4 for float32, 2 for
+# float16/bfloat16, 1 for fp8).
+
+# %% nbgrader={"grade": false, "grade_id": "kv_bytes", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                       bytes_per_element: int) -> int:
+    ### BEGIN SOLUTION
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * bytes_per_element
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "test_kv_bytes_visible", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+checks = importlib.reload(checks)
+checks.guard()
+# SmolLM2-135M, 16-token blocks, float32: 2 * 30 * 16 * 3 * 64 * 4
+checks.equal("kv_bytes_per_block(30, 3, 64, 16, 4)", kv_bytes_per_block(30, 3, 64, 16, 4), 737280)
+print("visible test passed")
+
+# %% nbgrader={"grade": true, "grade_id": "test_kv_bytes_hidden", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+checks = importlib.reload(checks)
+checks.guard()
+### BEGIN HIDDEN TESTS
+from minivllm.worker.model_runner import kv_cache_bytes_per_block as _ref_bytes
+
+for _bs, _dt in ((16, torch.float16), (32, torch.float8_e4m3fn), (8, torch.bfloat16), (1, torch.float32)):
+    _want = _ref_bytes(CFG, _bs, _dt)
+    _got = kv_bytes_per_block(CFG.num_layers, CFG.num_kv_heads, CFG.head_dim, _bs,
+                              torch.empty((), dtype=_dt).element_size())
+    checks.equal(f"kv_bytes_per_block(block_size={_bs}, {_dt})", _got, _want)
+checks.equal("kv_bytes_per_block(80, 8, 128, 16, 2) (a Llama-3-70B-shaped model)",
+             kv_bytes_per_block(80, 8, 128, 16, 2), 2 * 80 * 16 * 8 * 128 * 2)
+### END HIDDEN TESTS
+
+# %% [markdown] nbgrader={"grade": false, "grade_id": "task2", "locked": true, "schema_version": 3, "solution": false, "task": false}
+# ## Task 2: blocks needed at worst (3 points)
+#
+# Every request generates exactly `max_tokens` tokens, so at its end it holds
+# `ceil((prompt_len + max_tokens) / block_size)` blocks. At most `max_num_seqs` requests
+# run at once. Return the number of blocks that guarantees no preemption whichever
+# requests happen to run together: the sum of the `max_num_seqs` largest per-request
+# needs (all of them if there are fewer requests).
+
+# %% nbgrader={"grade": false, "grade_id": "blocks_needed", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def blocks_needed(prompt_lens: list, max_tokens: int, block_size: int, max_num_seqs: int) -> int:
+    ### BEGIN SOLUTION
+    needs = sorted((math.ceil((n + max_tokens) / block_size) for n in prompt_lens), reverse=True)
+    return sum(needs[:max_num_seqs])
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "test_blocks_visible", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+checks = importlib.reload(checks)
+checks.guard()
+# needs: ceil(26/16)=2, ceil(40/16)=3, ceil(17/16)=2; two at once: 3 + 2
+checks.equal("blocks_needed([10, 24, 1], 16, 16, 2)", blocks_needed([10, 24, 1], 16, 16, 2), 5)
+checks.equal("blocks_needed([10, 24, 1], 16, 16, 8)", blocks_needed([10, 24, 1], 16, 16, 8), 7)
+print("visible test passed")
+
+# %% nbgrader={"grade": true, "grade_id": "test_blocks_hidden", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+checks = importlib.reload(checks)
+checks.guard()
+### BEGIN HIDDEN TESTS
+_g = torch.Generator().manual_seed(7)
+for _case in range(5):
+    _lens = torch.randint(1, 300, (int(torch.randint(1, 30, (1,), generator=_g)),), generator=_g).tolist()
+    _mt, _bs, _ms = int(torch.randint(1, 200, (1,), generator=_g)), [1, 8, 16, 32, 16][_case], int(torch.randint(1, 12, (1,), generator=_g))
+    _want = sum(sorted((-(-(n + _mt) // _bs) for n in _lens), reverse=True)[:_ms])
+    checks.equal(f"blocks_needed({len(_lens)} prompts, max_tokens={_mt}, block_size={_bs}, "
+                 f"max_num_seqs={_ms})", blocks_needed(_lens, _mt, _bs, _ms), _want)
+### END HIDDEN TESTS
+
+# %% [markdown] nbgrader={"grade": false, "grade_id": "task3", "locked": true, "schema_version": 3, "solution": false, "task": false}
+# ## Task 3: size the engine (4 points)
+#
+# Given a workload and a KV memory budget in bytes (float32 KV cache), return
+# `{"num_gpu_blocks_override": B, "max_num_seqs": S}` with the **largest** `S` (at most
+# the number of prompts) for which `B = blocks_needed(...)` blocks fit in the budget.
+# The grader runs the engine with your numbers: it must not preempt, must stay within
+# the budget, and must give the same greedy tokens as an engine with ample memory.
+# Raise `ValueError` if not even one request fits.
+
+# %% nbgrader={"grade": false, "grade_id": "size_engine", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def size_engine(prompt_lens: list, max_tokens: int, block_size: int, budget_bytes: int) -> dict:
+    ### BEGIN SOLUTION
+    per_block = kv_bytes_per_block(CFG.num_layers, CFG.num_kv_heads, CFG.head_dim, block_size, 4)
+    best = None
+    for s in range(1, len(prompt_lens) + 1):
+        b = blocks_needed(prompt_lens, max_tokens, block_size, s)
+        if b * per_block <= budget_bytes:
+            best = {"num_gpu_blocks_override": b, "max_num_seqs": s}
+    if best is None:
+        raise ValueError("the budget does not fit even one request")
+    return best
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "test_size_visible", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+checks = importlib.reload(checks)
+checks.guard()
+_cfg = size_engine([10, 24, 1], 16, 16, 5 * 737280)
+checks.equal("size_engine([10, 24, 1], 16, 16, 5 blocks of memory)", _cfg,
+             {"num_gpu_blocks_override": 5, "max_num_seqs": 2})
+print("visible test passed")
+
+# %% nbgrader={"grade": true, "grade_id": "test_size_hidden", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+checks = importlib.reload(checks)
+checks.guard()
+### BEGIN HIDDEN TESTS
+_prompts = make_workload(10, seed=2024)
+_lens = [len(p) for p in _prompts]
+_mt, _bs = 12, 16
+_per = 2 * CFG.num_layers * _bs * CFG.num_kv_heads * CFG.head_dim * 4
+_needs = sorted((-(-(n + _mt) // _bs) for n in _lens), reverse=True)
+_budget = (sum(_needs[:4]) + 1) * _per  # room for exactly 4 at once
+_cfg = size_engine(_lens, _mt, _bs, _budget)
+checks.equal("max_num_seqs for the unseen workload", _cfg.get("max_num_seqs"), 4)
+checks.at_most("KV bytes of your engine", _cfg["num_gpu_blocks_override"] * _per, _budget)
+_e = LLM(MODEL, dtype="float32", block_size=_bs, max_model_len=128, **_cfg)
+_p = SamplingParams(temperature=0.0, max_tokens=_mt, ignore_eos=True)
+_got = [o.outputs[0].token_ids for o in _e.generate(_prompts, _p)]
+checks.equal("preemptions with your sizing", _e.stats.num_preemptions, 0)
+_want = [o.outputs[0].token_ids for o in _ref_engine.generate(_prompts, _p)]
+checks.equal("requests whose greedy tokens differ from the ample-memory engine",
+             sum(a != b for a, b in zip(_got, _want)), 0)
+try:
+    size_engine(_lens, _mt, _bs, _per)  # one block cannot hold any request
+except ValueError:
+    pass
+else:
+    raise checks.CheckFailed("size_engine must raise ValueError when not even one request fits")
+### END HIDDEN TESTS
