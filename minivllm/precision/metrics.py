@@ -76,7 +76,8 @@ def kl_divergence(ref, cand) -> torch.Tensor:
     _pair(lr, lc)
     p = lr.exp()
     # p == 0 contributes 0 (0 log 0 = 0); NaN stays NaN so a broken row is never "perfect"
-    terms = torch.where(p == 0, torch.zeros_like(p), p * (lr - lc))
+    terms = p * (lr - lc)
+    terms.masked_fill_(p == 0, 0.0)
     return terms.sum(dim=-1)
 
 
@@ -257,10 +258,18 @@ def sequence_drift(ref, cand, token_ids: Sequence[int], k: int = 5) -> SequenceD
         raise ValueError(f"{lr.shape[0]} rows of log-probs for {ids.shape[0]} tokens")
     diff = lr - lc                      # one [T, vocab] temporary, reused below
     p = lr.exp()
-    kl = torch.where(p == 0, torch.zeros_like(p), p * diff).sum(-1)
-    del p
-    valid = _valid_rows(lr) & _valid_rows(lc)
-    tr, tc = lr.topk(k, dim=-1).indices, lc.topk(k, dim=-1).indices
+    terms = p * diff
+    terms.masked_fill_(p == 0, 0.0)     # 0 log 0 = 0; a NaN p stays NaN
+    kl = terms.sum(-1)
+    del p, terms
+    # rows with NaN/+inf (rare): a cheap finiteness test of the row sums first
+    valid = torch.ones(lr.shape[0], dtype=torch.bool)
+    if not (bool(torch.isfinite(kl).all()) and bool(torch.isfinite(diff.sum(-1)).all())):
+        valid = _valid_rows(lr) & _valid_rows(lc)
+    src_r = ref if isinstance(ref, torch.Tensor) and ref.shape == lr.shape else lr
+    src_c = cand if isinstance(cand, torch.Tensor) and cand.shape == lc.shape else lc
+    # top-k on the inputs (same order as their log-softmax; float32 is faster)
+    tr, tc = src_r.topk(k, dim=-1).indices, src_c.topk(k, dim=-1).indices
     overlap = (tr[:, :, None] == tc[:, None, :]).any(-1).double().sum(-1) / k
     overlap = torch.where(valid, overlap, torch.zeros_like(overlap))
     diff.abs_()
