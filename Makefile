@@ -39,9 +39,13 @@ test: install
 test-fast: install
 	$(PY) -m pytest -q -m "not embedded" $(PYTEST_ARGS)
 
+# JupyterLab refuses to run as root unless told (containers run as root).
+ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
+
 lab: install
 	$(PY) -m minivllm.models.embedded
-	$(VENV)/bin/jupyter lab --port $(LAB_PORT) --notebook-dir .
+	$(PY) -m grading.grade --prepare-only
+	$(VENV)/bin/jupyter lab --port $(LAB_PORT) --notebook-dir . $(ALLOW_ROOT)
 
 grade: install
 	$(PY) -m grading.grade

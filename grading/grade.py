@@ -148,6 +148,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("labs", nargs="*", help="labs to grade (default: all with fixtures)")
     ap.add_argument("--course-root", default=str(ROOT / "build" / "nbgrader"))
+    ap.add_argument("--prepare-only", action="store_true",
+                    help="build the course root and release the labs, grade nothing "
+                         "(what `make lab` does for the formgrader)")
     args = ap.parse_args(argv)
     available = sorted(p.stem for p in (ROOT / "grading" / "fixtures").glob("ch*.py"))
     labs = args.labs or available
@@ -157,6 +160,11 @@ def main(argv=None) -> int:
         return 2
     course = Path(args.course_root)
     build_course(course, labs)
+    if args.prepare_only:
+        for lab in labs:
+            _nbgrader(course, "generate_assignment", lab, "--force")
+        print(f"course root ready: {course} (labs released: {', '.join(labs)})")
+        return 0
     results = [grade_lab(lab, course) for lab in labs]
     for r in results:
         print(f"\n## {r['lab']}: validate {r['validate_s']} s, autograde of "
