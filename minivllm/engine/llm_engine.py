@@ -229,13 +229,7 @@ class LLMEngine:
             token_ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
             text = None
-            token_ids = []
-            for t in prompt:
-                if isinstance(t, numbers.Integral) and not isinstance(t, (bool, int)):
-                    t = operator.index(t)  # numpy integer scalars
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                    raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {t!r}")
-                token_ids.append(int(t))
+            token_ids = self._check_token_ids(prompt, "prompt token ids")
         else:
             raise TypeError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not token_ids:
@@ -246,10 +240,7 @@ class LLMEngine:
                 f"The prompt is {len(token_ids)} tokens long, but max_model_len is {max_len} "
                 f"(the prompt plus at least one generated token must fit); shorten the prompt "
                 f"or raise max_model_len.")
-        rid = request_id
-        while rid is None or (request_id is None and (rid in self.scheduler.requests
-                                                      or rid in self.finished_outputs)):
-            rid = str(next(self._counter))  # skip ids the caller chose themselves
+        rid = self._new_request_id(request_id)
         req = Request(rid, token_ids, params, prompt=text,
                       eos_token_ids=self.model_config.eos_token_ids, max_model_len=max_len)
         self.scheduler.add_request(req)
@@ -273,14 +264,7 @@ class LLMEngine:
             raise TypeError(f"logits must be True or False, got {logits!r}")
         if request_id is not None and not isinstance(request_id, str):
             raise TypeError(f"request_id must be a string or None, got {type(request_id).__name__}")
-        vocab = self.model_config.vocab_size
-        ids = []
-        for t in token_ids:
-            if isinstance(t, numbers.Integral) and not isinstance(t, (bool, int)):
-                t = operator.index(t)
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise ValueError(f"token ids must be integers in [0, {vocab}), got {t!r}")
-            ids.append(int(t))
+        ids = self._check_token_ids(token_ids, "token ids")
         if not ids:
             raise ValueError("cannot score an empty token sequence")
         max_len = self.model_config.max_model_len
@@ -291,10 +275,7 @@ class LLMEngine:
             prompt, forced = ids, []
         else:
             prompt, forced = ids[:1], ids[1:]
-        rid = request_id
-        while rid is None or (request_id is None and (rid in self.scheduler.requests
-                                                      or rid in self.finished_outputs)):
-            rid = f"score-{next(self._counter)}"
+        rid = self._new_request_id(request_id, prefix="score-")
         state = ScoreState(num_positions=len(ids), forced_token_ids=forced, logits=logits)
         # max_tokens only sizes Request bookkeeping: a score request finishes when it has
         # all T rows (the engine skips stop checks for it), never by length.
@@ -304,6 +285,27 @@ class LLMEngine:
         self.scheduler.add_request(req)
         self._stats.num_prompt_tokens += len(prompt)
         return req
+
+    def _check_token_ids(self, tokens, what: str) -> list[int]:
+        """Plain ints in [0, vocab) (numpy integer scalars accepted, bools rejected)."""
+        vocab = self.model_config.vocab_size
+        ids = []
+        for t in tokens:
+            if isinstance(t, numbers.Integral) and not isinstance(t, (bool, int)):
+                t = operator.index(t)  # numpy integer scalars
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"{what} must be integers in [0, {vocab}), got {t!r}")
+            ids.append(int(t))
+        return ids
+
+    def _new_request_id(self, request_id: Optional[str], prefix: str = "") -> str:
+        """The caller's id, or the next counter value not already in use (ids the caller
+        chose themselves are skipped)."""
+        rid = request_id
+        while rid is None or (request_id is None and (rid in self.scheduler.requests
+                                                      or rid in self.finished_outputs)):
+            rid = f"{prefix}{next(self._counter)}"
+        return rid
 
     def abort_request(self, request_id: Union[str, Iterable[str]]) -> None:
         """Stop a request (or each of a list of them, as vLLM accepts) and free its blocks
