@@ -8,12 +8,15 @@ field's comment says why.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import re
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+logger = logging.getLogger("minivllm")
 
 # dtype names accepted for ``dtype`` (vLLM accepts the same spellings).
 _DTYPE_ALIASES: dict[str, Optional[torch.dtype]] = {
@@ -35,6 +38,7 @@ _KV_CACHE_DTYPES: dict[str, Optional[torch.dtype]] = {
     "fp8": torch.float8_e4m3fn,
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
 }
 ALLOWED_KV_CACHE_DTYPES = tuple(_KV_CACHE_DTYPES)
 
@@ -44,12 +48,53 @@ ALLOWED_KV_CACHE_DTYPES = tuple(_KV_CACHE_DTYPES)
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
 
 
-def parse_dtype(name: str | torch.dtype, model_dtype: torch.dtype) -> torch.dtype:
+def supported_dtypes(device: str) -> list[torch.dtype]:
+    """Compute dtypes a device supports, preferred first (vLLM's
+    ``current_platform.supported_dtypes``: ``vllm/platforms/cpu.py`` and ``cuda.py``).
+
+    x86/aarch64 CPUs: bfloat16, float16, float32. CUDA: the same on compute capability
+    >= 8.0 (Ampere and later); float16, float32 before (no bfloat16 tensor cores).
+    """
+    if str(device).startswith("cuda"):
+        index = int(str(device).partition(":")[2] or 0)
+        major, _ = torch.cuda.get_device_capability(index)
+        if major < 8:
+            return [torch.float16, torch.float32]
+    return [torch.bfloat16, torch.float16, torch.float32]
+
+
+def resolve_auto_dtype(config_dtype: torch.dtype, supported: list[torch.dtype]) -> torch.dtype:
+    """vLLM's rule for ``dtype="auto"`` (``vllm/config/model.py``, ``_resolve_auto_dtype``).
+
+    1. A float32 checkpoint is *downcast* to the device's preferred dtype
+       (``supported[0]``: bfloat16 on CPUs and Ampere+ GPUs, float16 on older GPUs).
+       This is the quiet default that serves fp32 checkpoints in 16 bits.
+    2. A float16/bfloat16 checkpoint keeps its dtype if the device supports it.
+    3. Otherwise (a bfloat16 checkpoint on a pre-Ampere GPU) the preferred dtype is used
+       and a warning is logged.
+
+    Args:
+        config_dtype: the checkpoint's ``torch_dtype`` (float32 when absent).
+        supported: :func:`supported_dtypes` of the target device.
+    """
+    if config_dtype == torch.float32:
+        return supported[0]
+    if config_dtype in supported:
+        return config_dtype
+    logger.warning("The device does not support %s; dtype='auto' falls back to %s",
+                   config_dtype, supported[0])
+    return supported[0]
+
+
+def parse_dtype(name: str | torch.dtype, model_dtype: torch.dtype,
+                device: str = "cpu") -> torch.dtype:
     """Resolve a ``dtype`` argument to a torch dtype.
 
     Args:
         name: one of :data:`ALLOWED_DTYPES` or a torch floating dtype.
-        model_dtype: the checkpoint's dtype, used for ``"auto"``.
+        model_dtype: the checkpoint's dtype, used for ``"auto"`` (see
+            :func:`resolve_auto_dtype`).
+        device: where the model runs ("cpu", "cuda", "cuda:N").
     Raises:
         ValueError: unknown name; the message lists the allowed values.
     """
@@ -60,7 +105,8 @@ def parse_dtype(name: str | torch.dtype, model_dtype: torch.dtype) -> torch.dtyp
     if name not in _DTYPE_ALIASES:
         raise ValueError(f"Unknown dtype {name!r}; allowed: {', '.join(ALLOWED_DTYPES)}")
     resolved = _DTYPE_ALIASES[name]
-    return model_dtype if resolved is None else resolved
+    return resolve_auto_dtype(model_dtype, supported_dtypes(device)) if resolved is None \
+        else resolved
 
 
 def parse_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -100,8 +146,11 @@ class CacheConfig:
     num_blocks: int
     cache_dtype: torch.dtype  # storage dtype of K and V
     kv_cache_dtype: str  # the name the user gave ("auto", "fp8_e4m3", ...)
-    k_scale: float = 1.0  # per-tensor fp8 scales (stored = value / scale)
+    k_scale: float = 1.0  # given static per-tensor scales (stored = value / scale)
     v_scale: float = 1.0
+    kv_scale_type: str = "static"  # "static" or "dynamic" (per token and head)
+    kv_scale_granularity: str = "tensor"  # static scales per "tensor" or per "head"
+    calculate_kv_scales: bool = False  # calibrate static scales at startup
     enable_prefix_caching: bool = True
 
 
@@ -125,7 +174,10 @@ class EngineArgs:
 
     model: str = "smollm2-135m-instruct"
     tokenizer: Optional[str] = None
-    dtype: str = "auto"  # auto = the checkpoint's dtype (float32 for the embedded model)
+    # auto = vLLM's rule (config.resolve_auto_dtype): the checkpoint's dtype, except that
+    # float32 checkpoints (the embedded model is one) run in bfloat16 (float16 on GPUs
+    # without bf16). Pass dtype="float32" to keep float32.
+    dtype: str = "auto"
     kv_cache_dtype: str = "auto"  # auto = same as dtype
     block_size: int = 16
     num_gpu_blocks_override: Optional[int] = None
@@ -136,8 +188,16 @@ class EngineArgs:
     max_model_len: Optional[int] = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True  # vLLM v1 default
     enable_chunked_prefill: bool = True  # vLLM v1 default
-    calculate_kv_scales: bool = False  # reserved; fp8 scales are 1.0 unless given
-    kv_scale: Optional[tuple[float, float]] = None  # (k_scale, v_scale) for fp8 KV
+    # KV-cache scales (fp8/int8 caches; see minivllm/quantization/kv_cache.py).
+    calculate_kv_scales: bool = False  # calibrate static scales on the bundled corpus
+    kv_scale: Optional[tuple[float, float]] = None  # given static (k_scale, v_scale)
+    kv_scale_type: str = "static"  # or "dynamic": per token and KV head, at write time
+    kv_scale_granularity: str = "tensor"  # static calibrated scales per "tensor" or "head"
+    # Weight quantization (minivllm/quantization/): a method name and its options.
+    quantization: Optional[str] = None
+    quantization_config: Optional[dict] = None
+    # "highest": plain float32 matmuls; "high": TF32 (real on CUDA, emulated on CPU).
+    float32_matmul_precision: str = "highest"
     seed: int = 0
     device: str = "cpu"
     enforce_eager: bool = True  # CUDA graphs come in a later issue
@@ -175,19 +235,6 @@ class EngineArgs:
                 f"gpu_memory_utilization must be a number in (0, 1], "
                 f"got {self.gpu_memory_utilization!r}"
             )
-        if self.kv_scale is not None:
-            if (not isinstance(self.kv_scale, (tuple, list)) or len(self.kv_scale) != 2
-                    or not all(_is_real(s) and math.isfinite(s) and s > 0 for s in self.kv_scale)):
-                raise ValueError(f"kv_scale must be two finite positive floats (k_scale, v_scale), "
-                                 f"got {self.kv_scale!r}")
-            if not str(self.kv_cache_dtype).startswith("fp8"):
-                raise ValueError(
-                    f"kv_scale is only used by an fp8 KV cache, but kv_cache_dtype="
-                    f"{self.kv_cache_dtype!r}; use kv_cache_dtype='fp8_e4m3' (or 'fp8_e5m2') "
-                    "or drop kv_scale")
-        if self.calculate_kv_scales is True:
-            raise ValueError("calculate_kv_scales=True is not supported yet (fp8 scales are 1.0 "
-                             "or the values given in kv_scale); leave it False")
         if not isinstance(self.device, str) or not (
                 self.device in ("cpu", "cuda") or re.fullmatch(r"cuda:\d+", self.device)):
             raise ValueError(f"Unknown device {self.device!r}; allowed: cpu, cuda, cuda:N")
@@ -196,6 +243,11 @@ class EngineArgs:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be True or False, got {value!r}")
+        self._validate_kv_scales()
+        self._validate_quantization()
+        if self.float32_matmul_precision not in ("highest", "high"):
+            raise ValueError(f"float32_matmul_precision must be 'highest' or 'high' (TF32), "
+                             f"got {self.float32_matmul_precision!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) \
                 or not -(2**63) <= self.seed < 2**63:
             raise ValueError(f"seed must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
@@ -204,6 +256,54 @@ class EngineArgs:
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"Unknown attention_backend {self.attention_backend!r}; "
                              f"allowed: {', '.join(BACKENDS)}")
+
+    def _validate_kv_scales(self) -> None:
+        quantized = self.kv_cache_dtype.startswith("fp8") or self.kv_cache_dtype == "int8"
+        if self.kv_scale_type not in ("static", "dynamic"):
+            raise ValueError(f"kv_scale_type must be 'static' or 'dynamic', "
+                             f"got {self.kv_scale_type!r}")
+        if self.kv_scale_granularity not in ("tensor", "head"):
+            raise ValueError(f"kv_scale_granularity must be 'tensor' or 'head', "
+                             f"got {self.kv_scale_granularity!r}")
+        if self.kv_scale is not None:
+            if (not isinstance(self.kv_scale, (tuple, list)) or len(self.kv_scale) != 2
+                    or not all(_is_real(s) and math.isfinite(s) and s > 0 for s in self.kv_scale)):
+                raise ValueError(f"kv_scale must be two finite positive floats (k_scale, v_scale), "
+                                 f"got {self.kv_scale!r}")
+            if self.calculate_kv_scales is True or self.kv_scale_type == "dynamic":
+                raise ValueError("kv_scale gives fixed scales; it cannot be combined with "
+                                 "calculate_kv_scales=True or kv_scale_type='dynamic'")
+            if self.kv_scale_granularity != "tensor":
+                raise ValueError("kv_scale gives one (k_scale, v_scale) pair per tensor; "
+                                 "per-head scales come from calculate_kv_scales=True")
+        changed = (self.kv_scale is not None or self.calculate_kv_scales is True
+                   or self.kv_scale_type != "static" or self.kv_scale_granularity != "tensor")
+        if changed and not quantized:
+            raise ValueError(
+                f"KV scales (kv_scale, calculate_kv_scales, kv_scale_type, "
+                f"kv_scale_granularity) apply to a quantized KV cache, but kv_cache_dtype="
+                f"{self.kv_cache_dtype!r}; use kv_cache_dtype 'fp8_e4m3', 'fp8_e5m2' or "
+                "'int8', or drop them")
+        if self.calculate_kv_scales is True and self.kv_scale_type == "dynamic":
+            raise ValueError("calculate_kv_scales=True calibrates static scales; "
+                             "kv_scale_type='dynamic' computes them per token; pick one")
+        if self.kv_scale_granularity == "head" and self.calculate_kv_scales is not True:
+            raise ValueError("kv_scale_granularity='head' needs calculate_kv_scales=True "
+                             "(per-head scales come from calibration)")
+        if (self.kv_cache_dtype == "int8" and self.kv_scale_type == "static"
+                and self.kv_scale is None and self.calculate_kv_scales is not True):
+            raise ValueError(
+                "kv_cache_dtype='int8' needs scales (a scale of 1.0 would round K and V to "
+                "integers): set calculate_kv_scales=True, kv_scale=(k_scale, v_scale), or "
+                "kv_scale_type='dynamic'")
+
+    def _validate_quantization(self) -> None:
+        from minivllm.quantization import parse_quantization
+
+        if self.quantization_config is not None and not isinstance(self.quantization_config, dict):
+            raise ValueError(f"quantization_config must be a dict of options, "
+                             f"got {self.quantization_config!r}")
+        parse_quantization(self.quantization, self.quantization_config)
 
     def replace(self, **changes) -> "EngineArgs":
         return dataclasses.replace(self, **changes)

@@ -33,7 +33,12 @@ class LLM:
     Keyword arguments are :class:`minivllm.config.EngineArgs` fields (vLLM names):
     ``model, dtype, kv_cache_dtype, block_size, num_gpu_blocks_override,
     kv_cache_memory_bytes, max_num_seqs, max_num_batched_tokens, max_model_len,
-    enable_prefix_caching, enable_chunked_prefill, seed, device`` ...
+    enable_prefix_caching, enable_chunked_prefill, seed, device``, KV scales
+    (``calculate_kv_scales, kv_scale, kv_scale_type, kv_scale_granularity``), weights
+    (``quantization, quantization_config``), ``float32_matmul_precision`` ...
+
+    ``dtype="auto"`` follows vLLM: a float32 checkpoint such as the embedded model runs
+    in **bfloat16**; pass ``dtype="float32"`` for float32.
 
     Raises:
         TypeError: an unknown keyword argument.
@@ -54,6 +59,19 @@ class LLM:
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    def kv_cache_scales(self) -> dict:
+        """The KV-cache scales stored with the cache (see ``LLMEngine.kv_cache_scales``)."""
+        return self.llm_engine.kv_cache_scales()
+
+    def weight_bytes(self) -> dict[str, int]:
+        """Stored weight bytes: ``{"linear", "other", "total"}``."""
+        return self.llm_engine.weight_bytes()
+
+    def save_quantized(self, path):
+        """Write this quantized model to a folder ``LLM(path)`` loads again (format:
+        :mod:`minivllm.quantization.checkpoint`). Raises ValueError if not quantized."""
+        return self.llm_engine.save_quantized(path)
 
     @property
     def stats(self) -> EngineStats:

@@ -37,7 +37,8 @@ class CompletionOutput:
         cumulative_logprob: sum of the sampled tokens' raw log-probs, or None when
             logprobs were not requested (as in vLLM).
         logprobs: per generated token, a dict token id -> Logprob, or None.
-        finish_reason: "stop" (EOS, stop string or stop token), "length", "abort", or None.
+        finish_reason: "stop" (EOS, stop string or stop token), "length", "abort",
+            "error" (the logits held NaN/inf; generation stopped there), or None.
         stop_reason: the stop string or stop token id that ended it, else None.
     """
 

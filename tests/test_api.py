@@ -25,7 +25,7 @@ LOGPROB_TOL = 1e-4  # float32 engine vs float32 transformers
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
-    return LLM(model=str(tiny_model_dir), max_model_len=MAX_LEN)
+    return LLM(model=str(tiny_model_dir), dtype="float32", max_model_len=MAX_LEN)
 
 
 @pytest.fixture(scope="module")
@@ -373,7 +373,7 @@ def test_prompt_logprobs_match_transformers(llm, tiny_model_dir, tok, tiny_hf_mo
     assert len(prompt) > 32
     engine = llm
     if chunked:  # the prompt is computed in 16-token chunks over several steps
-        engine = LLM(model=str(tiny_model_dir), max_model_len=MAX_LEN, max_num_batched_tokens=16,
+        engine = LLM(model=str(tiny_model_dir), dtype="float32", max_model_len=MAX_LEN, max_num_batched_tokens=16,
                      enable_chunked_prefill=True)
     # warm the prefix cache: prompt_logprobs must still cover every position
     engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1))

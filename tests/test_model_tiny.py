@@ -68,6 +68,7 @@ def prompts(hf):
 def make_llm(model_dir, **kw) -> LLM:
     kw.setdefault("max_model_len", 256)
     kw.setdefault("seed", 0)
+    kw.setdefault("dtype", "float32")  # dtype="auto" would serve the fp32 checkpoint in bf16
     return LLM(model=str(model_dir), **kw)
 
 
@@ -309,7 +310,7 @@ def test_kv_cache_dtypes_against_float32(tiny_model_dir, hf, prompts):
                         "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
     for name, tol in KV_TOL.items():
         llm = make_llm(tiny_model_dir, kv_cache_dtype=name, enable_prefix_caching=False)
-        assert llm.llm_engine.model_runner.kv_caches[0][0].dtype == expected_storage[name]
+        assert llm.llm_engine.model_runner.kv_caches[0].key.dtype == expected_storage[name]
         outs = llm.generate(prompts[:3], params)
         # Tokens may diverge under coarse caches; log-probs are compared on whatever
         # tokens were generated, with HF float32 (float32 K/V) on the same tokens.

@@ -26,6 +26,7 @@ def make_llm(model_dir, **kw) -> LLM:
     kw.setdefault("block_size", BLOCK)
     kw.setdefault("max_model_len", 64)
     kw.setdefault("num_gpu_blocks_override", 64)
+    kw.setdefault("dtype", "float32")
     return LLM(model=str(model_dir), **kw)
 
 

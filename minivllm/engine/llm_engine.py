@@ -105,7 +105,7 @@ class LLMEngine:
                                  f"{torch.cuda.device_count()} CUDA device(s)")
         path = resolve_model_path(args.model)
         cfg = load_hf_config(path)
-        dtype = parse_dtype(args.dtype, checkpoint_dtype(cfg))
+        dtype = parse_dtype(args.dtype, checkpoint_dtype(cfg), args.device)
         cache_dtype = parse_kv_cache_dtype(args.kv_cache_dtype, dtype)
         max_pos = int(cfg.get("max_position_embeddings", 2048))
         max_model_len = args.max_model_len or max_pos
@@ -127,13 +127,26 @@ class LLMEngine:
         self.cache_config = self._make_cache_config(cache_dtype)
         self.scheduler_config = self._make_scheduler_config()
         device = args.device
-        model = load_model(path, cfg, dtype, max_model_len, device, args.attention_backend)
+        from minivllm.quantization import checkpoint as qckpt
+        from minivllm.quantization import parse_quantization
+
+        quant = parse_quantization(args.quantization, args.quantization_config)
+        saved_quant = qckpt.saved_quant_config(cfg)
+        calibration_ids = None
+        if quant is not None and saved_quant is None and quant.needs_calibration:
+            calibration_ids = self._calibration_sequences(quant.calibration,
+                                                          quant.calibration_tokens)
+        model = load_model(path, cfg, dtype, max_model_len, device, args.attention_backend,
+                           quant, calibration_ids, args.float32_matmul_precision)
+        self.quant_config = saved_quant or quant
         self.kv_cache_manager = KVCacheManager(self.cache_config.num_blocks,
                                                self.cache_config.block_size,
                                                self.cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
         self.model_runner = ModelRunner(model, self.model_config, self.cache_config, device,
                                         args.seed)
+        if args.calculate_kv_scales:
+            self.calibrate_kv_scales()
         self._counter = itertools.count()
         self._stats = EngineStats()
         self._history: deque = deque(maxlen=100_000)
@@ -143,10 +156,85 @@ class LLMEngine:
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
         return cls(args)
 
+    # --- KV-cache scales ---------------------------------------------------------------
+    def calibrate_kv_scales(self, token_id_lists: Optional[list[list[int]]] = None) -> dict:
+        """Calibrate static K/V scales (``amax / qmax`` per layer, per tensor or head).
+
+        Args:
+            token_id_lists: calibration sequences; default: the bundled prose corpus
+                (``minivllm/precision/evalsets/corpus.txt``) in two sequences of up to
+                1024 tokens (not the passkey filler or the QA set used for evaluation).
+        Returns:
+            :meth:`kv_cache_scales` after calibration.
+        Raises:
+            ValueError: a float KV cache, dynamic scales, or running requests (scales must
+                not change under a request whose K/V is already stored).
+        """
+        cc = self.cache_config
+        if cc.kv_scale_type != "static" or cc.cache_dtype in (torch.float32, torch.float16,
+                                                              torch.bfloat16):
+            raise ValueError(f"calibrate_kv_scales needs a quantized KV cache with static "
+                             f"scales; kv_cache_dtype={cc.kv_cache_dtype!r}, "
+                             f"kv_scale_type={cc.kv_scale_type!r}")
+        if self.has_unfinished_requests():
+            raise ValueError("calibrate_kv_scales cannot run while requests are in flight")
+        if token_id_lists is None:
+            from minivllm.precision.evalsets import corpus_sequences
+
+            seq_len = min(1024, self.model_config.max_model_len)
+            token_id_lists = corpus_sequences(self.tokenizer, seq_len=seq_len, max_sequences=2)
+        seqs = [self._check_token_ids(ids, "calibration token ids") for ids in token_id_lists]
+        for ids in seqs:
+            if not 0 < len(ids) <= self.model_config.max_model_len:
+                raise ValueError(f"calibration sequences need 1 to max_model_len="
+                                 f"{self.model_config.max_model_len} tokens, got {len(ids)}")
+        if not seqs:
+            raise ValueError("calibrate_kv_scales needs at least one sequence")
+        self.model_runner.calibrate_kv_scales(seqs)
+        self.kv_cache_manager.reset_prefix_cache()  # cached blocks used the old scales
+        return self.kv_cache_scales()
+
+    def kv_cache_scales(self) -> dict:
+        """The KV-cache scales in use (see ``ModelRunner.kv_cache_scales``)."""
+        return self.model_runner.kv_cache_scales()
+
+    def _calibration_sequences(self, name: str, max_tokens: int) -> list[list[int]]:
+        """Calibration token sequences from a bundled set, ``max_tokens`` in total (each
+        at most 1024 tokens and max_model_len)."""
+        from minivllm.precision import evalsets as E
+
+        limit = min(1024, self.model_config.max_model_len)
+        if name == "conversations":
+            seqs = E.conversation_sequences(self.tokenizer)
+        else:
+            seqs = E.corpus_sequences(self.tokenizer, seq_len=limit)
+        out, total = [], 0
+        for ids in seqs:
+            ids = ids[:min(limit, max_tokens - total)]
+            if not ids:
+                break
+            out.append(ids)
+            total += len(ids)
+        return out
+
+    def weight_bytes(self) -> dict[str, int]:
+        """Bytes of the model's weights as stored (quantized layers count their packed
+        tensors and scales): ``{"linear", "other", "total"}``."""
+        from minivllm.quantization.quantize import model_weight_bytes
+
+        return model_weight_bytes(self.model_runner.model)
+
+    def save_quantized(self, path) -> "Path":
+        """Save a quantized model (format: :mod:`minivllm.quantization.checkpoint`)."""
+        from minivllm.quantization.checkpoint import save_quantized
+
+        return save_quantized(self, path)
+
     # --- configuration ----------------------------------------------------------------
     def _make_cache_config(self, cache_dtype: torch.dtype) -> CacheConfig:
         a, mc = self.args, self.model_config
-        per_block = kv_cache_bytes_per_block(mc, a.block_size, cache_dtype)
+        per_block = kv_cache_bytes_per_block(mc, a.block_size, cache_dtype,
+                                             a.kv_scale_type == "dynamic")
         if a.num_gpu_blocks_override is not None:
             num_blocks = a.num_gpu_blocks_override
         elif a.kv_cache_memory_bytes is not None:
@@ -178,7 +266,9 @@ class LLMEngine:
         k_scale, v_scale = a.kv_scale or (1.0, 1.0)
         return CacheConfig(block_size=a.block_size, num_blocks=num_blocks,
                            cache_dtype=cache_dtype, kv_cache_dtype=a.kv_cache_dtype,
-                           k_scale=k_scale, v_scale=v_scale,
+                           k_scale=k_scale, v_scale=v_scale, kv_scale_type=a.kv_scale_type,
+                           kv_scale_granularity=a.kv_scale_granularity,
+                           calculate_kv_scales=a.calculate_kv_scales,
                            enable_prefix_caching=a.enable_prefix_caching)
 
     def _make_scheduler_config(self) -> SchedulerConfig:
@@ -355,7 +445,15 @@ class LLMEngine:
         self.scheduler.update_after_step(sched.scheduled)
         finished: list[RequestOutput] = []
         by_id = {req.request_id: req for req, _ in sched.scheduled}
-        self._stats.num_corrupted_requests += len(result.nonfinite_request_ids)
+        corrupted = set(result.nonfinite_request_ids)
+        for rid, (_, rows) in result.score_rows.items():
+            if rid not in corrupted and by_id[rid].score is not None \
+                    and not bool(torch.isfinite(rows.sum(dim=-1)).all()):
+                corrupted.add(rid)
+        for rid in corrupted:
+            if not by_id[rid].corrupted:
+                by_id[rid].corrupted = True
+                self._stats.num_corrupted_requests += 1
         for rid, chunk in result.prompt_logprobs.items():
             self._append_prompt_logprobs(by_id[rid], chunk)
         for rid, (first_pos, rows) in result.score_rows.items():
@@ -366,6 +464,14 @@ class LLMEngine:
         for i, rid in enumerate(result.sampled_request_ids):
             req = by_id[rid]
             token = sampled[i]
+            if rid in corrupted and req.score is None:
+                # NaN/inf logits: sampling them would emit garbage. Finish with "error"
+                # and keep the tokens produced so far (vLLM counts such requests in
+                # vllm:corrupted_requests; we also stop them).
+                self.scheduler.finish_request(req, RequestStatus.FINISHED_ERROR)
+                req.finish_time = now
+                finished.append(self._make_output(req))
+                continue
             if req.score is not None:  # teacher forcing: no sampling, no stop checks
                 if req.score.done:
                     self.scheduler.finish_request(req, RequestStatus.FINISHED_LENGTH)

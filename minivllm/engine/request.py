@@ -20,11 +20,12 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # its logits held NaN/inf (see LLMEngine.step)
 
     @property
     def finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
 
 
 @dataclass
@@ -93,6 +94,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens that hit the prefix cache (first schedule)
         self.status = RequestStatus.WAITING
+        self.corrupted = False  # its logits held NaN/inf at some step
         self.stop_reason: Optional[object] = None
         self.num_preemptions = 0
         # Prefix-cache hashes of this request's full blocks (filled by the KV manager).

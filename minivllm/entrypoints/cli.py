@@ -14,9 +14,23 @@ import sys
 from typing import Optional
 
 from minivllm.config import ALLOWED_DTYPES, ALLOWED_KV_CACHE_DTYPES, EngineArgs
+from minivllm.quantization import QUANTIZATION_METHODS
 
 _CHOICES = {"dtype": ALLOWED_DTYPES, "kv_cache_dtype": ALLOWED_KV_CACHE_DTYPES,
-            "device": None}
+            "device": None, "quantization": QUANTIZATION_METHODS,
+            "kv_scale_type": ("static", "dynamic"), "kv_scale_granularity": ("tensor", "head"),
+            "float32_matmul_precision": ("highest", "high")}
+
+
+def _json_object(text: str) -> dict:
+    """``--quantization-config '{"group_size": 64}'``: a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 _SKIP = {"kv_scale"}
 
 
@@ -38,6 +52,9 @@ def add_engine_args(parser: argparse.ArgumentParser, only_given: bool = False) -
             group.add_argument(flag, type=int, default=default)
         elif isinstance(kind, float):
             group.add_argument(flag, type=float, default=default)
+        elif f.name == "quantization_config":
+            group.add_argument(flag, type=_json_object, default=default,
+                               help='JSON object, e.g. \'{"group_size": 64}\'')
         else:
             group.add_argument(flag, type=str, default=default, choices=_CHOICES.get(f.name))
 

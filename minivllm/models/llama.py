@@ -19,16 +19,17 @@ from torch import nn
 
 from minivllm.attention.backends import get_attention_backend
 from minivllm.attention.metadata import AttentionMetadata
+from minivllm.layers.linear import Linear, float_linear
 from minivllm.layers.rms_norm import RMSNorm
 from minivllm.layers.rotary_embedding import get_rope
-from minivllm.quantization.kv_cache import quantize_kv, write_kv_slots
+from minivllm.quantization.kv_cache import LayerKVCache
 
 
 class LlamaAttention(nn.Module):
     """Grouped-query attention over the paged KV cache.
 
-    ``k_cache``/``v_cache`` ([num_slots, num_kv_heads, head_dim], storage dtype) are
-    bound by the model runner after the cache is allocated.
+    ``kv_cache`` (a :class:`LayerKVCache`: K/V storage [num_slots, num_kv_heads,
+    head_dim] and its scales) is bound by the model runner after allocation.
     """
 
     def __init__(self, cfg: dict, layer_idx: int, max_position: int, backend: str = "torch"):
@@ -42,15 +43,12 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scaling = self.head_dim ** -0.5
         bias = bool(cfg.get("attention_bias", False))
-        self.qkv_proj = nn.Linear(self.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, self.hidden_size, bias=bias)
+        self.qkv_proj = Linear(self.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = Linear(self.q_size, self.hidden_size, bias=bias)
         self.rotary_emb = get_rope(self.head_dim, max_position, cfg["rope_theta"],
                                    cfg.get("rope_scaling"))
         self.backend = get_attention_backend(backend)
-        self.k_cache: torch.Tensor | None = None
-        self.v_cache: torch.Tensor | None = None
-        self.k_scale = 1.0
-        self.v_scale = 1.0
+        self.kv_cache: LayerKVCache | None = None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata):
         n = x.shape[0]
@@ -60,11 +58,8 @@ class LlamaAttention(nn.Module):
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         q, k = self.rotary_emb(positions, q, k)
-        cache_dtype = self.k_cache.dtype
-        write_kv_slots(self.k_cache, meta.slot_mapping, quantize_kv(k, cache_dtype, self.k_scale))
-        write_kv_slots(self.v_cache, meta.slot_mapping, quantize_kv(v, cache_dtype, self.v_scale))
-        o = self.backend.forward(q, self.k_cache, self.v_cache, meta, self.scaling,
-                                 self.k_scale, self.v_scale)
+        self.kv_cache.write(meta.slot_mapping, k, v)
+        o = self.backend.forward(q, self.kv_cache, meta, self.scaling)
         return self.o_proj(o.reshape(n, self.q_size))
 
 
@@ -74,8 +69,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, bias: bool = False):
         super().__init__()
         self.intermediate = intermediate
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -121,8 +116,9 @@ class LlamaForCausalLM(nn.Module):
             for i in range(cfg["num_hidden_layers"]))
         self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
+        self.tf32 = False  # emulate TF32 in the LM head (float32_matmul_precision="high")
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+            self.lm_head = Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -136,7 +132,7 @@ class LlamaForCausalLM(nn.Module):
         """hidden [rows, hidden] -> logits [rows, vocab] in float32 (the LM head runs in
         the model dtype, as in vLLM; the sampler works in float32)."""
         weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return float_linear(hidden, weight, None, self.tf32, owner=self).float()
 
     # --- weights ----------------------------------------------------------------------
     _stacked = {  # HF name piece -> (fused param piece, shard index)

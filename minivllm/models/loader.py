@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -132,21 +133,58 @@ def iter_checkpoint(path: Path):
 
 
 def load_model(path: Path, cfg: dict, dtype: torch.dtype, max_position: int,
-               device: str = "cpu", attention_backend: str = "torch"):
-    """Build our LlamaForCausalLM, load weights, cast to ``dtype``, move to ``device``."""
-    from minivllm.models.llama import LlamaForCausalLM
+               device: str = "cpu", attention_backend: str = "torch", quant=None,
+               calibration_ids: Optional[list[list[int]]] = None,
+               float32_matmul_precision: str = "highest"):
+    """Build our LlamaForCausalLM, load weights, quantize, cast to ``dtype``, move to
+    ``device``.
 
+    Quantization (``quant``, a :class:`~minivllm.quantization.QuantConfig`) works on the
+    checkpoint's weights in float32, before the cast, so a bfloat16 engine quantizes the
+    same numbers a float32 one does. A folder saved by
+    :func:`minivllm.quantization.checkpoint.save_quantized` loads its stored quantized
+    tensors instead (``quant`` must then be None or the same method).
+    """
+    from minivllm.layers.rotary_embedding import RotaryEmbedding, get_rope
+    from minivllm.models.llama import LlamaForCausalLM
+    from minivllm.quantization import checkpoint as qckpt
+    from minivllm.quantization.quantize import quantize_model, set_float32_matmul_precision
+
+    saved_quant = qckpt.saved_quant_config(cfg)
+    if saved_quant is not None and quant is not None and quant != saved_quant:
+        raise ValueError(f"{path} holds a checkpoint quantized with {saved_quant.label()}; "
+                         f"quantization={quant.method!r} with other options cannot re-quantize "
+                         "it. Drop quantization= (or load the float model).")
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_position=1, backend=attention_backend)
     model = model.to_empty(device="cpu")
-    from minivllm.layers.rotary_embedding import get_rope
-
-    model.load_weights(iter_checkpoint(path))
-    model = model.to(dtype=dtype)
-    # Rotary tables: built after the dtype cast so they stay float32 (cast to the
-    # activation dtype at use, as HF does); one table shared by all layers.
+    # One rotary table shared by all layers, float32 (cast to the activation dtype at use,
+    # as HF does).
     head_dim = model.layers[0].self_attn.head_dim
     rope = get_rope(head_dim, max_position, cfg["rope_theta"], cfg.get("rope_scaling"))
     for layer in model.layers:
         layer.self_attn.rotary_emb = rope
-    return model.to(device).eval()
+    if saved_quant is not None:
+        qckpt.load_quantized_weights(model, path, saved_quant)
+    else:
+        model.load_weights(iter_checkpoint(path))
+        if quant is not None:
+            quantize_model(model.float(), quant, calibration_ids)
+    for module in model.modules():  # cast float weights; quantized storage keeps its dtypes
+        if isinstance(module, RotaryEmbedding):
+            continue
+        for name, t in list(module.named_parameters(recurse=False)) + \
+                list(module.named_buffers(recurse=False)):
+            if t.is_floating_point() and t.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) \
+                    and not _is_quant_storage(module, name):
+                t.data = t.data.to(dtype)
+    model = model.to(device).eval()
+    set_float32_matmul_precision(model, float32_matmul_precision, device)
+    return model
+
+
+def _is_quant_storage(module, name: str) -> bool:
+    """Scales and other stored tensors of a quantized layer stay float32."""
+    from minivllm.layers.linear import QuantLinear
+
+    return isinstance(module, QuantLinear) and name in module.tensor_names

@@ -66,6 +66,10 @@ class _Runner:
         else:
             kw = dict(self.config)
             kw.setdefault("model", model)
+            # Drift is measured from float32: an engine configuration that does not name
+            # a dtype runs in float32, not under dtype="auto" (which would serve the
+            # float32 checkpoint in bfloat16 and mix that error into every candidate).
+            kw.setdefault("dtype", "float32")
             if "kv_cache_memory_bytes" not in kw and "num_gpu_blocks_override" not in kw:
                 kw["kv_cache_memory_bytes"] = default_kv_bytes
             self.llm = LLM(**kw)
@@ -261,7 +265,8 @@ def compare(baseline: Optional[Mapping[str, Any]] = None,
         baseline: ``EngineArgs`` fields (default float32 weights and KV cache), or
             ``{"reference": "float32" | "float64"}`` for the HF reference.
         candidates: one dict of ``EngineArgs`` fields per candidate (``model`` defaults
-            to ``model``); a candidate may also be ``{"reference": ...}``.
+            to ``model``, ``dtype`` to "float32", also for the baseline); a candidate may
+            also be ``{"reference": ...}``.
         eval_sets: any of "corpus", "conversations", "passkey", "qa".
         mode: "prefill" or "decode" scoring (see ``LLM.score``).
         seq_len: corpus window length in tokens.

@@ -1,1 +1,147 @@
-"""Quantization: KV-cache storage formats now; weight quantization comes later."""
+"""Quantization: weight quantization methods and KV-cache storage formats.
+
+Weights (``LLM(quantization=..., quantization_config={...})``): every linear layer of the
+decoder (qkv_proj, o_proj, gate_up_proj, down_proj) is quantized on load from the float
+checkpoint; embeddings, norms and the (tied) LM head stay in the model dtype, as in
+vLLM's default ``ignore`` of ``lm_head``.
+
+======== ====================================================== ==========================
+method   what is stored                                          options (defaults)
+======== ====================================================== ==========================
+int8     int8 weights, symmetric, one scale per tensor or per   granularity ("channel")
+         output channel; weight-only (activations stay float)
+int4     4-bit round-to-nearest, groups along the input dim,     group_size (128),
+         symmetric or asymmetric (zero point per group)          symmetric (True)
+awq      int4 after AWQ's activation-aware per-input-channel     group_size (128),
+         scale search and clip search (Lin et al. 2023)          symmetric (False), n_grid
+                                                                 (20), clip (True)
+gptq     int4 from GPTQ's Hessian-based error feedback           group_size (128),
+         (Frantar et al. 2022), optional act-order               symmetric (True),
+                                                                 act_order (False),
+                                                                 percdamp (0.01)
+fp8      W8A8: e4m3 weights per tensor or per channel; e4m3      granularity ("tensor"),
+         activations per tensor (static, calibrated) or per      activation_scheme
+         token (dynamic), fp32 accumulation                      ("dynamic")
+======== ====================================================== ==========================
+
+awq, gptq and fp8 with static activation scales need calibration data: by default the
+bundled chat conversations (``calibration="conversations"``, ``calibration_tokens``
+4096), which are not the corpus or QA sets the benchmarks evaluate on.
+
+Saved checkpoints: see :mod:`minivllm.quantization.checkpoint`.
+KV cache: see :mod:`minivllm.quantization.kv_cache`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+QUANTIZATION_METHODS = ("int8", "int4", "awq", "gptq", "fp8")
+CALIBRATION_SETS = ("conversations", "corpus")
+
+# Options each method accepts, with its defaults.
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "int8": {"granularity": "channel"},
+    "int4": {"group_size": 128, "symmetric": True},
+    "awq": {"group_size": 128, "symmetric": False, "n_grid": 20, "clip": True},
+    "gptq": {"group_size": 128, "symmetric": True, "act_order": False, "percdamp": 0.01,
+             "block_size": 128},
+    "fp8": {"granularity": "tensor", "activation_scheme": "dynamic"},
+}
+_CALIBRATED = {"awq", "gptq"}
+_CALIB_DEFAULTS = {"calibration": "conversations", "calibration_tokens": 4096}
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """A weight-quantization method and its options (see the module table)."""
+
+    method: str
+    granularity: str = "channel"
+    group_size: int = 128
+    symmetric: bool = True
+    act_order: bool = False
+    percdamp: float = 0.01
+    block_size: int = 128
+    n_grid: int = 20
+    clip: bool = True
+    activation_scheme: str = "dynamic"
+    calibration: str = "conversations"
+    calibration_tokens: int = 4096
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.method in _CALIBRATED or (
+            self.method == "fp8" and self.activation_scheme == "static")
+
+    def options(self) -> dict[str, Any]:
+        """The options that apply to this method (for reports and saved checkpoints)."""
+        keys = list(_DEFAULTS[self.method])
+        if self.needs_calibration:
+            keys += list(_CALIB_DEFAULTS)
+        return {k: getattr(self, k) for k in keys}
+
+    def label(self) -> str:
+        o = self.options()
+        if self.method == "int8":
+            return f"int8-{o['granularity']}"
+        if self.method == "fp8":
+            return f"fp8-{o['granularity']}-{o['activation_scheme']}"
+        sym = "sym" if o["symmetric"] else "asym"
+        extra = "-actorder" if o.get("act_order") else ""
+        return f"{self.method}-{sym}-g{o['group_size']}{extra}"
+
+
+def parse_quantization(method: Optional[str], options: Optional[dict]) -> Optional[QuantConfig]:
+    """Validate ``quantization`` / ``quantization_config`` into a :class:`QuantConfig`.
+
+    Raises:
+        ValueError: unknown method or option, or an option value out of range; the
+            message lists what is allowed.
+    """
+    if method is None:
+        if options:
+            raise ValueError("quantization_config was given without quantization")
+        return None
+    if method not in _DEFAULTS:
+        raise ValueError(f"Unknown quantization {method!r}; allowed: "
+                         f"{', '.join(QUANTIZATION_METHODS)} (or None)")
+    allowed = dict(_DEFAULTS[method])
+    if method in _CALIBRATED or method == "fp8":
+        allowed.update(_CALIB_DEFAULTS)
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ValueError(f"Unknown quantization_config option(s) {unknown} for quantization="
+                         f"{method!r}; allowed: {sorted(allowed)}")
+    values = {**allowed, **options}
+    _check_options(method, values)
+    return QuantConfig(method=method, **values)
+
+
+def _check_options(method: str, o: dict) -> None:
+    def bad(name, allowed):
+        raise ValueError(f"quantization_config[{name!r}] for {method!r} must be {allowed}, "
+                         f"got {o[name]!r}")
+
+    if "granularity" in o and o["granularity"] not in ("tensor", "channel"):
+        bad("granularity", "'tensor' or 'channel'")
+    if "group_size" in o and (isinstance(o["group_size"], bool)
+                              or o["group_size"] not in (32, 64, 128)):
+        bad("group_size", "32, 64 or 128")
+    for flag in ("symmetric", "act_order", "clip"):
+        if flag in o and not isinstance(o[flag], bool):
+            bad(flag, "True or False")
+    for name, lo in (("n_grid", 2), ("block_size", 1), ("calibration_tokens", 16)):
+        if name in o and (isinstance(o[name], bool) or not isinstance(o[name], int)
+                          or o[name] < lo):
+            bad(name, f"an integer >= {lo}")
+    if "percdamp" in o and (isinstance(o["percdamp"], bool)
+                            or not isinstance(o["percdamp"], (int, float))
+                            or not 0 < o["percdamp"] <= 1):
+        bad("percdamp", "a number in (0, 1]")
+    if "activation_scheme" in o and o["activation_scheme"] not in ("dynamic", "static"):
+        bad("activation_scheme", "'dynamic' or 'static'")
+    if "calibration" in o and o["calibration"] not in CALIBRATION_SETS:
+        bad("calibration", f"one of {CALIBRATION_SETS}")

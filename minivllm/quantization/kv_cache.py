@@ -1,48 +1,104 @@
-"""KV-cache storage formats: how K and V are written to and read from the paged cache.
+"""KV-cache storage formats and scales: how K and V are written to and read from the cache.
 
-A float cache (float32/float16/bfloat16) stores ``x.to(cache_dtype)``: round to nearest
-even, overflow to inf in float16 (there is no scale).
+Float caches (float32/float16/bfloat16) store ``x.to(cache_dtype)``: round to nearest
+even, overflow to inf in float16, no scale.
 
-An fp8 cache stores ``saturate(x / scale).to(fp8)`` with a per-tensor scale (1.0 unless
-given) and reads back ``stored.to(dtype) * scale``. Values beyond the format's largest
-finite number (448 for e4m3, 57344 for e5m2) saturate to it, as vLLM's CUDA cache
-kernels do (``__nv_cvt_float_to_fp8(..., __NV_SATFINITE, ...)`` in
-``csrc/quantization/fp8``); torch's plain cast would give NaN (e4m3fn) or inf (e5m2).
+Quantized caches (fp8_e4m3, fp8_e5m2, int8) store ``q = Q(x / scale)`` and read back
+``q * scale``:
+
+* fp8: ``Q`` saturates to the format's largest finite value (448 for e4m3, 57344 for
+  e5m2) and rounds to nearest even, as vLLM's CUDA cache kernels do
+  (``__nv_cvt_float_to_fp8(..., __NV_SATFINITE, ...)`` in ``csrc/quantization/fp8``);
+  torch's plain cast would give NaN (e4m3fn) or inf (e5m2) instead.
+* int8: ``Q(y) = clamp(round_half_even(y), -127, 127)`` (symmetric, -128 unused).
+
+Scale granularity (``kv_scale_type`` / ``kv_scale_granularity``):
+
+* ``static`` + ``tensor``: one k_scale and one v_scale per layer (vLLM's
+  ``layer._k_scale``/``_v_scale``). Default 1.0 for fp8 as in vLLM; given by
+  ``kv_scale=(k, v)``; or calibrated (``calculate_kv_scales=True``).
+* ``static`` + ``head``: one scale per KV head per layer ([num_kv_heads]); calibrated.
+  A head whose keys have large outliers no longer forces a coarse grid on every head.
+* ``dynamic``: one scale per token and KV head, computed from the values being written
+  (``amax over head_dim / qmax``) and stored beside the cache in float32
+  ``[num_slots, num_kv_heads]`` tensors (4 bytes per head per token, counted in the
+  cache's size). Nothing to calibrate and nothing saturates.
+
+Calibration (:func:`calibrate_kv_amax`) runs the float model on calibration text and
+records per layer (and head) the largest |K| and |V| (after rotary, i.e. what is
+stored); the scale is ``amax / qmax``. vLLM's ``calculate_kv_scales`` instead takes the
+first batch's amax and divides by fixed headroom constants (``K_SCALE_CONSTANT=200``,
+``V_SCALE_CONSTANT=100`` in ``vllm/envs.py``); we calibrate over a set so the range is
+known and use the whole grid.
+
 fp8 tensors are indexed through a uint8 view because CPU torch lacks fp8 index kernels.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+QUANTIZED_KV_DTYPES = FP8_DTYPES + (torch.int8,)
 
 
 def is_fp8(dtype: torch.dtype) -> bool:
     return dtype in FP8_DTYPES
 
 
-def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
-    """Convert K or V ([tokens, kv_heads, head_dim], compute dtype) to the storage dtype."""
-    if is_fp8(cache_dtype):
-        fmax = torch.finfo(cache_dtype).max
-        y = x.float() if scale == 1.0 else x.float() / scale
-        return y.clamp(-fmax, fmax).to(cache_dtype)
-    return x.to(cache_dtype)
+def is_quantized(dtype: torch.dtype) -> bool:
+    """True for storage dtypes that use scales (fp8, int8)."""
+    return dtype in QUANTIZED_KV_DTYPES
 
 
-def dequantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
-    """Stored K or V back to the compute dtype."""
-    if is_fp8(x.dtype):
-        y = x.to(torch.float32)
-        if scale != 1.0:
-            y = y * scale
-        return y.to(dtype)
-    return x.to(dtype)
+def qmax(dtype: torch.dtype) -> float:
+    """Largest magnitude a quantized KV dtype stores: 448 (e4m3), 57344 (e5m2), 127 (int8).
+
+    Raises:
+        ValueError: a float cache dtype (no scale applies).
+    """
+    if is_fp8(dtype):
+        return float(torch.finfo(dtype).max)
+    if dtype == torch.int8:
+        return 127.0
+    raise ValueError(f"{dtype} is not a quantized KV-cache dtype")
+
+
+def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype,
+                scale: torch.Tensor | float = 1.0) -> torch.Tensor:
+    """K or V ``[tokens, kv_heads, head_dim]`` (compute dtype) -> storage dtype.
+
+    ``scale`` broadcasts against x: a float, a 0-d tensor, ``[kv_heads, 1]`` (per head)
+    or ``[tokens, kv_heads, 1]`` (dynamic). Ignored for float caches.
+    """
+    if not is_quantized(cache_dtype):
+        return x.to(cache_dtype)
+    y = x.float()
+    if not (isinstance(scale, float) and scale == 1.0):
+        y = y / scale
+    m = qmax(cache_dtype)
+    y = y.clamp(-m, m)
+    if cache_dtype == torch.int8:
+        return torch.round(y).to(torch.int8)
+    return y.to(cache_dtype)
+
+
+def dequantize_kv(x: torch.Tensor, dtype: torch.dtype,
+                  scale: torch.Tensor | float = 1.0) -> torch.Tensor:
+    """Stored K or V back to the compute dtype (``stored * scale``, in float32)."""
+    if not is_quantized(x.dtype):
+        return x.to(dtype)
+    y = x.to(torch.float32)
+    if not (isinstance(scale, float) and scale == 1.0):
+        y = y * scale
+    return y.to(dtype)
 
 
 def write_kv_slots(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
-    """cache: [num_slots, kv_heads, head_dim]; slots: [T] int64; values: already quantized."""
+    """cache: [num_slots, ...]; slots: [T] int64; values: [T, ...] already in cache's dtype."""
     if is_fp8(cache.dtype):
         cache.view(torch.uint8)[slots] = values.view(torch.uint8)
     else:
@@ -50,10 +106,117 @@ def write_kv_slots(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tenso
 
 
 def read_kv_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Gather slots (any shape [...]) -> [..., kv_heads, head_dim] in the storage dtype.
+    """Gather slots (any shape [...]) -> [..., *cache.shape[1:]] in the storage dtype.
 
-    Uses ``index_select`` on a [num_slots, kv_heads * head_dim] view: on CPU it is several
-    times faster than advanced indexing (``cache[slots]``) for the same copy."""
+    Uses ``index_select`` on a [num_slots, -1] view: on CPU it is several times faster
+    than advanced indexing (``cache[slots]``) for the same copy."""
     raw = cache.view(torch.uint8) if is_fp8(cache.dtype) else cache
-    rows = raw.view(raw.shape[0], -1).index_select(0, slots.reshape(-1))
+    rows = raw.reshape(raw.shape[0], -1).index_select(0, slots.reshape(-1))
     return rows.view(*slots.shape, *cache.shape[1:]).view(cache.dtype)
+
+
+@dataclass
+class LayerKVCache:
+    """One layer's paged K/V storage and its scales (the "KV pool" of one layer).
+
+    Attributes:
+        key, value: [num_slots, num_kv_heads, head_dim] in the storage dtype.
+        k_scale, v_scale: static scales, float32, shape [] (per tensor) or
+            [num_kv_heads] (per head); 1.0 for float caches.
+        k_scale_cache, v_scale_cache: dynamic per-token scales [num_slots, num_kv_heads]
+            float32, or None for static scaling.
+    """
+
+    key: torch.Tensor
+    value: torch.Tensor
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+    k_scale_cache: Optional[torch.Tensor] = None
+    v_scale_cache: Optional[torch.Tensor] = None
+
+    def __post_init__(self) -> None:
+        self.set_scales(self.k_scale, self.v_scale)
+
+    def set_scales(self, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+        """Replace the static scales (float32, shape [] or [num_kv_heads])."""
+        self.k_scale, self.v_scale = k_scale, v_scale
+        # Broadcast forms, computed once (float(t) on CUDA would sync every layer/step).
+        self._k_b, self._v_b = self._broadcast(k_scale), self._broadcast(v_scale)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.key.dtype
+
+    @property
+    def dynamic(self) -> bool:
+        return self.k_scale_cache is not None
+
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store this step's K and V ([T, kv_heads, head_dim], compute dtype) at slots [T]."""
+        for x, cache, static, dyn in ((k, self.key, self._k_b, self.k_scale_cache),
+                                      (v, self.value, self._v_b, self.v_scale_cache)):
+            if dyn is not None:
+                scale = x.detach().float().abs().amax(dim=-1) / qmax(cache.dtype)  # [T, H]
+                scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+                dyn[slots] = scale
+                q = quantize_kv(x, cache.dtype, scale[..., None])
+            else:
+                q = quantize_kv(x, cache.dtype, static)
+            write_kv_slots(cache, slots, q)
+
+    def read(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather and dequantize slots (any shape [...]) -> K, V [..., kv_heads, head_dim]."""
+        out = []
+        for cache, static, dyn in ((self.key, self._k_b, self.k_scale_cache),
+                                   (self.value, self._v_b, self.v_scale_cache)):
+            stored = read_kv_slots(cache, slots)
+            if dyn is not None:
+                scale = read_kv_slots(dyn, slots)[..., None]
+            else:
+                scale = static
+            out.append(dequantize_kv(stored, dtype, scale))
+        return out[0], out[1]
+
+    @staticmethod
+    def _broadcast(scale: torch.Tensor) -> torch.Tensor | float:
+        if scale.ndim == 0 and scale.device.type == "cpu":
+            value = float(scale)
+            return 1.0 if value == 1.0 else scale
+        if scale.ndim == 0:
+            return scale
+        return scale[:, None]  # per head: [H, 1] against [..., H, D]
+
+
+def kv_scale_bytes_per_token(num_kv_heads: int, dynamic: bool) -> int:
+    """Extra bytes per token per layer for dynamic scales (K and V, float32 per head)."""
+    return 2 * num_kv_heads * 4 if dynamic else 0
+
+
+def calibrate_kv_amax(model, token_id_lists: list[list[int]],
+                      device: str | torch.device = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Largest |K| and |V| per layer and KV head over calibration sequences.
+
+    Each sequence runs as one prefill with a temporary float32 cache
+    (:func:`minivllm.quantization.calibration.calibration_forward`); the stored K (after
+    rotary) and V are read back from it.
+
+    Args:
+        model: our LlamaForCausalLM.
+        token_id_lists: calibration sequences (each >= 1 token).
+    Returns:
+        per layer ``(k_amax, v_amax)``, float32 tensors of shape [num_kv_heads] (CPU).
+    Raises:
+        ValueError: no sequences or an empty one.
+    """
+    from minivllm.quantization.calibration import calibration_forward
+
+    attns = [layer.self_attn for layer in model.layers]
+    amax = [(torch.zeros(a.num_kv_heads), torch.zeros(a.num_kv_heads)) for a in attns]
+
+    def observe() -> None:
+        for (k_amax, v_amax), a in zip(amax, attns):
+            torch.maximum(k_amax, a.kv_cache.key.abs().amax(dim=(0, 2)).float().cpu(), out=k_amax)
+            torch.maximum(v_amax, a.kv_cache.value.abs().amax(dim=(0, 2)).float().cpu(), out=v_amax)
+
+    calibration_forward(model, token_id_lists, device, after_sequence=observe)
+    return amax

@@ -22,6 +22,8 @@ from minivllm.attention.metadata import AttentionMetadata, DecodeGroup, PrefillS
 from minivllm.config import CacheConfig, ModelConfig
 from minivllm.engine.request import Request
 from minivllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
+from minivllm.quantization.kv_cache import (LayerKVCache, calibrate_kv_amax, is_quantized, qmax,
+                                            kv_scale_bytes_per_token)
 
 
 @dataclass
@@ -50,11 +52,12 @@ class ModelRunnerOutput:
 
 
 def kv_cache_bytes_per_block(model_config: ModelConfig, block_size: int,
-                             cache_dtype: torch.dtype) -> int:
-    """K and V, all layers, one block."""
+                             cache_dtype: torch.dtype, dynamic_scales: bool = False) -> int:
+    """K and V, all layers, one block (plus per-token scales when they are dynamic)."""
     elem = torch.empty((), dtype=cache_dtype).element_size()
-    return 2 * model_config.num_layers * block_size * model_config.num_kv_heads \
-        * model_config.head_dim * elem
+    per_token = 2 * model_config.num_kv_heads * model_config.head_dim * elem \
+        + kv_scale_bytes_per_token(model_config.num_kv_heads, dynamic_scales)
+    return model_config.num_layers * block_size * per_token
 
 
 class ModelRunner:
@@ -77,17 +80,51 @@ class ModelRunner:
         num_slots = cache_config.num_blocks * cache_config.block_size
         shape = (num_slots, model_config.num_kv_heads, model_config.head_dim)
         # Zero-filled: padded (masked) reads then never meet NaN garbage.
-        self.kv_caches = []
+        self.kv_caches: list[LayerKVCache] = []
+        dynamic = cache_config.kv_scale_type == "dynamic"
         for layer in model.layers:
-            k = torch.zeros(shape, dtype=cache_config.cache_dtype, device=self.device)
-            v = torch.zeros(shape, dtype=cache_config.cache_dtype, device=self.device)
-            layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
-            layer.self_attn.k_scale = cache_config.k_scale
-            layer.self_attn.v_scale = cache_config.v_scale
-            self.kv_caches.append((k, v))
+            def zeros(shape_, dtype=cache_config.cache_dtype):
+                return torch.zeros(shape_, dtype=dtype, device=self.device)
+
+            kv = LayerKVCache(
+                zeros(shape), zeros(shape),
+                torch.tensor(cache_config.k_scale, device=self.device),
+                torch.tensor(cache_config.v_scale, device=self.device),
+                zeros(shape[:2], torch.float32) if dynamic else None,
+                zeros(shape[:2], torch.float32) if dynamic else None)
+            layer.self_attn.kv_cache = kv
+            self.kv_caches.append(kv)
         gen = torch.Generator(device=self.device)
         gen.manual_seed(seed)
         self.sampler = Sampler(gen)
+
+    # --- KV-cache scales ---------------------------------------------------------------
+    def calibrate_kv_scales(self, token_id_lists: list[list[int]]) -> None:
+        """Set every layer's static K/V scales to ``amax / qmax`` measured on calibration
+        sequences, per tensor or per KV head (``cache_config.kv_scale_granularity``)."""
+        m = qmax(self.cache_config.cache_dtype)
+        per_head = self.cache_config.kv_scale_granularity == "head"
+        for kv, (k_amax, v_amax) in zip(self.kv_caches,
+                                        calibrate_kv_amax(self.model, token_id_lists, self.device)):
+            scales = []
+            for amax in (k_amax, v_amax):
+                a = amax if per_head else amax.max()
+                scales.append(torch.where(a > 0, a / m, torch.ones_like(a)).to(self.device))
+            kv.set_scales(*scales)
+
+    def kv_cache_scales(self) -> dict:
+        """The scales stored with the cache: ``{"type", "granularity", "k_scale", "v_scale"}``
+        where k_scale/v_scale are per-layer lists (floats, or per-head lists); None for a
+        float cache, and the string "dynamic" for per-token scales."""
+        cc = self.cache_config
+        if not is_quantized(cc.cache_dtype):
+            return {"type": None, "granularity": None, "k_scale": None, "v_scale": None}
+        if cc.kv_scale_type == "dynamic":
+            return {"type": "dynamic", "granularity": "token", "k_scale": "dynamic",
+                    "v_scale": "dynamic"}
+        return {"type": "static", "granularity": cc.kv_scale_granularity,
+                "k_scale": [kv.k_scale.tolist() for kv in self.kv_caches],
+                "v_scale": [kv.v_scale.tolist() for kv in self.kv_caches]}
 
     # --- inputs ---------------------------------------------------------------------
     def _prepare(self, scheduled: list[tuple[Request, int]], block_tables: dict[str, list[int]]):

@@ -13,21 +13,20 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.attention.metadata import AttentionMetadata
-from minivllm.quantization.kv_cache import dequantize_kv, read_kv_slots
+from minivllm.quantization.kv_cache import LayerKVCache
 
 
 class TorchAttentionBackend:
     name = "torch"
 
-    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
-                v_scale: float = 1.0) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, kv: LayerKVCache, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
         """Attention for a flat batch.
 
         Args:
             q: [num_tokens, num_heads, head_dim], compute dtype, rotary applied.
-            k_cache, v_cache: [num_slots, num_kv_heads, head_dim], storage dtype, already
-                holding this step's keys and values.
+            kv: this layer's cache (storage [num_slots, num_kv_heads, head_dim] and
+                scales), already holding this step's keys and values.
             meta: slots and masks for this step.
             scale: softmax scale (head_dim ** -0.5).
         Returns:
@@ -36,14 +35,13 @@ class TorchAttentionBackend:
         dtype = q.dtype
         if not meta.prefills and len(meta.decodes) == 1 \
                 and meta.decodes[0].rows.numel() == q.shape[0]:
-            return self._decode(q, k_cache, v_cache, meta.decodes[0], scale, k_scale, v_scale)
+            return self._decode(q, kv, meta.decodes[0], scale)
         out = torch.empty_like(q)
         for g in meta.decodes:
-            out[g.rows] = self._decode(q[g.rows], k_cache, v_cache, g, scale, k_scale, v_scale)
+            out[g.rows] = self._decode(q[g.rows], kv, g, scale)
         for p in meta.prefills:
             qp = q[p.start:p.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-            k = dequantize_kv(read_kv_slots(k_cache, p.kv_slots), dtype, k_scale)
-            v = dequantize_kv(read_kv_slots(v_cache, p.kv_slots), dtype, v_scale)
+            k, v = kv.read(p.kv_slots, dtype)
             k = k.transpose(0, 1).unsqueeze(0)
             v = v.transpose(0, 1).unsqueeze(0)
             if p.mask is None:
@@ -56,10 +54,9 @@ class TorchAttentionBackend:
         return out
 
     @staticmethod
-    def _decode(q, k_cache, v_cache, g, scale, k_scale, v_scale) -> torch.Tensor:
+    def _decode(q, kv: LayerKVCache, g, scale) -> torch.Tensor:
         """One decode group: q [B, H, D] (rows of g, in g's order) -> [B, H, D]."""
-        k = dequantize_kv(read_kv_slots(k_cache, g.kv_slots), q.dtype, k_scale)
-        v = dequantize_kv(read_kv_slots(v_cache, g.kv_slots), q.dtype, v_scale)
+        k, v = kv.read(g.kv_slots, q.dtype)
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=g.mask,
             scale=scale, enable_gqa=True)  # [B, H, 1, D]

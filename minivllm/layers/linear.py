@@ -1,0 +1,214 @@
+"""Linear layers with a linear method: how a layer stores its weight and computes x W^T.
+
+vLLM splits this the same way (``vllm/model_executor/layers/linear.py``: ``LinearBase``
+holds a ``quant_method`` whose ``create_weights``/``apply`` own the storage and the
+kernel). Here :class:`QuantLinear` holds the method's tensors as buffers and calls
+``method.apply``. Methods:
+
+* :class:`Int8Method`: int8 weight-only, per tensor or per output channel.
+* :class:`Int4Method`: 4-bit groups (round-to-nearest, AWQ or GPTQ produce the same
+  storage: packed nibbles, per-group scale and zero point; AWQ adds a per-input-channel
+  scale ``awq_scale`` that divides x, which AutoAWQ would fold into the preceding norm).
+* :class:`Fp8Method`: W8A8 e4m3, weight scale per tensor or channel, activation scale
+  static (calibrated) or dynamic per token; fp32 accumulation.
+
+Weight-only methods compute ``F.linear(x, dequantized W)``. On CPU there are no int4/int8
+GEMM kernels to call, so the dequantized weight is kept after first use (a GPU kernel
+dequantizes in registers instead); that changes speed and memory, never the result.
+
+TF32 (``float32_matmul_precision="high"``): on CPU every float32 matmul of these layers
+(and of the LM head) rounds both inputs to TF32 first (:func:`minivllm.numerics.round_to_tf32`,
+as :func:`minivllm.numerics.tf32_linear` does); on CUDA torch's real TF32 is switched on
+instead.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minivllm.quantization import QuantConfig
+from minivllm.quantization import weight_quant as wq
+
+
+def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                 tf32: bool, owner: Optional[nn.Module] = None) -> torch.Tensor:
+    """``F.linear``, or with TF32 emulation (``tf32`` on float32 CPU data) the same with
+    both inputs rounded to TF32. ``owner`` keeps the rounded weight between calls (it is
+    recomputed when the weight tensor changes, e.g. under a fault or a permutation)."""
+    if not (tf32 and x.dtype == torch.float32 and x.device.type == "cpu"):
+        return F.linear(x, weight, bias)
+    from minivllm.numerics import round_to_tf32
+
+    key = (weight.data_ptr(), weight._version, weight.shape)
+    cached = getattr(owner, "_tf32_cache", None) if owner is not None else None
+    if cached is None or cached[0] != key:
+        cached = (key, round_to_tf32(weight))
+        if owner is not None:
+            owner._tf32_cache = cached
+    return F.linear(round_to_tf32(x), cached[1], bias)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` with the engine's matmul precision (``tf32``: emulate TF32 on CPU).
+
+    Same parameters and state-dict names as ``nn.Linear``, so checkpoints load as usual.
+    """
+
+    tf32 = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return float_linear(x, self.weight, self.bias, self.tf32, owner=self)
+
+
+class LinearMethod:
+    """Interface: ``quantize`` a float weight into named tensors, ``apply`` the layer."""
+
+    name = "base"
+
+    def __init__(self, cfg: QuantConfig):
+        self.cfg = cfg
+
+    def quantize(self, weight: torch.Tensor, stats=None) -> dict[str, torch.Tensor]:
+        """weight [out, in] float32 -> tensors to store (names are the checkpoint's)."""
+        raise NotImplementedError
+
+    def dequantize(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Stored tensors -> float32 weight [out, in] (weight-only methods)."""
+        raise NotImplementedError
+
+    def apply(self, layer: "QuantLinear", x: torch.Tensor) -> torch.Tensor:
+        w = layer.dequantized_weight(x.dtype)
+        return float_linear(x, w, layer.bias, layer.tf32, owner=layer)
+
+
+class Int8Method(LinearMethod):
+    name = "int8"
+
+    def quantize(self, weight, stats=None):
+        q, scale = wq.quantize_int8(weight, self.cfg.granularity)
+        return {"qweight": q, "weight_scale": scale.float()}
+
+    def dequantize(self, t):
+        return wq.dequantize_int8(t["qweight"], t["weight_scale"])
+
+
+class Int4Method(LinearMethod):
+    """int4 RTN, AWQ or GPTQ; all three store the same packed layout."""
+
+    def __init__(self, cfg: QuantConfig):
+        super().__init__(cfg)
+        self.name = cfg.method
+
+    def quantize(self, weight, stats=None):
+        c = self.cfg
+        out: dict[str, torch.Tensor] = {}
+        if c.method == "int4":
+            q, scale, zero = wq.quantize_int4(weight, c.group_size, c.symmetric)
+        elif c.method == "gptq":
+            q, scale, zero = wq.gptq_quantize(weight, stats.hessian_matrix(), c.group_size,
+                                              c.symmetric, act_order=c.act_order,
+                                              block_size=c.block_size, percdamp=c.percdamp)
+        elif c.method == "awq":
+            s = stats.awq_scale  # searched once per group of layers sharing the input
+            q, scale, zero = wq.awq_quantize(weight, s, stats.sample, c.group_size,
+                                             c.symmetric, clip=c.clip)
+            out["awq_scale"] = s.float()
+        else:
+            raise ValueError(f"Int4Method cannot run method {c.method!r}")
+        out.update(qweight=wq.pack_int4(q), scales=scale.float(), zeros=zero)
+        return out
+
+    def dequantize(self, t):
+        w = wq.dequantize_int4(wq.unpack_int4(t["qweight"]), t["scales"], t["zeros"],
+                               self.cfg.group_size)
+        return w
+
+    def apply(self, layer, x):
+        if layer.awq_scale is not None:
+            x = (x.float() / layer.awq_scale).to(x.dtype)
+        return super().apply(layer, x)
+
+
+class Fp8Method(LinearMethod):
+    name = "fp8"
+
+    def quantize(self, weight, stats=None):
+        q, scale = wq.quantize_fp8_weight(weight, self.cfg.granularity)
+        out = {"qweight": q, "weight_scale": scale.float()}
+        if self.cfg.activation_scheme == "static":
+            amax = stats.amax.float()
+            out["input_scale"] = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+        return out
+
+    def apply(self, layer, x):
+        shape = x.shape
+        y = wq.fp8_linear(x.reshape(-1, shape[-1]), layer.qweight, layer.weight_scale,
+                          layer.input_scale, layer.bias, out_dtype=x.dtype)
+        return y.reshape(*shape[:-1], y.shape[-1])
+
+
+def make_method(cfg: QuantConfig) -> LinearMethod:
+    if cfg.method == "int8":
+        return Int8Method(cfg)
+    if cfg.method in ("int4", "awq", "gptq"):
+        return Int4Method(cfg)
+    if cfg.method == "fp8":
+        return Fp8Method(cfg)
+    raise ValueError(f"Unknown quantization method {cfg.method!r}")
+
+
+class QuantLinear(nn.Module):
+    """A linear layer whose weight is stored by a :class:`LinearMethod`.
+
+    Args:
+        method: the linear method.
+        tensors: the method's stored tensors (``qweight``, scales...), registered as
+            buffers under the same names (what a saved checkpoint holds).
+        in_features, out_features: the float layer's shape.
+        bias: float bias [out] or None.
+        tf32: emulate TF32 matmuls on float32 CPU inputs.
+    """
+
+    _OPTIONAL = ("awq_scale", "input_scale")
+
+    def __init__(self, method: LinearMethod, tensors: dict[str, torch.Tensor],
+                 in_features: int, out_features: int, bias: Optional[torch.Tensor] = None,
+                 tf32: bool = False):
+        super().__init__()
+        self.method = method
+        self.in_features, self.out_features = in_features, out_features
+        self.tf32 = tf32
+        self.tensor_names = tuple(tensors)
+        for name, t in tensors.items():
+            self.register_buffer(name, t)
+        for name in self._OPTIONAL:
+            if name not in tensors:
+                setattr(self, name, None)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self._dequant: Optional[torch.Tensor] = None
+
+    def stored_tensors(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in self.tensor_names}
+
+    def weight_bytes(self) -> int:
+        """Bytes of the stored quantized weight and its scales (not the bias)."""
+        return sum(t.numel() * t.element_size() for t in self.stored_tensors().values())
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight as the matmul sees it, cast to ``dtype`` (kept after first use)."""
+        if self._dequant is None or self._dequant.dtype != dtype \
+                or self._dequant.device != self.qweight.device:
+            self._dequant = self.method.dequantize(self.stored_tensors()).to(
+                device=self.qweight.device, dtype=dtype)
+        return self._dequant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"method={self.method.cfg.label()}")
