@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import numbers
 import re
 from dataclasses import dataclass
 from typing import Optional
@@ -266,10 +267,14 @@ class EngineArgs:
             raise ValueError(f"kv_scale_granularity must be 'tensor' or 'head', "
                              f"got {self.kv_scale_granularity!r}")
         if self.kv_scale is not None:
+            tiny, big = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
             if (not isinstance(self.kv_scale, (tuple, list)) or len(self.kv_scale) != 2
-                    or not all(_is_real(s) and math.isfinite(s) and s > 0 for s in self.kv_scale)):
-                raise ValueError(f"kv_scale must be two finite positive floats (k_scale, v_scale), "
-                                 f"got {self.kv_scale!r}")
+                    or not all(_is_real(s) and math.isfinite(s) and tiny <= s <= big
+                               for s in self.kv_scale)):
+                raise ValueError(f"kv_scale must be two finite positive floats (k_scale, v_scale) "
+                                 f"within float32's normal range [{tiny:.3g}, {big:.3g}] (the "
+                                 f"scales are stored in float32), got {self.kv_scale!r}")
+            self.kv_scale = tuple(float(s) for s in self.kv_scale)
             if self.calculate_kv_scales is True or self.kv_scale_type == "dynamic":
                 raise ValueError("kv_scale gives fixed scales; it cannot be combined with "
                                  "calculate_kv_scales=True or kv_scale_type='dynamic'")
@@ -310,7 +315,7 @@ class EngineArgs:
 
 
 def _is_real(value) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float))
+    return not isinstance(value, bool) and isinstance(value, numbers.Real)
 
 
 def _positive_int(name: str, value) -> None:

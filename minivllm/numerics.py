@@ -84,6 +84,38 @@ class FloatFormat:
     has_inf: bool
     nan_encoding: str
 
+    def __post_init__(self) -> None:
+        """Check that the fields describe one consistent format.
+
+        Raises:
+            ValueError: a non-integer bit count or bias, or limits that do not follow from
+                them (``min_normal = 2^(1-bias)``, ``min_subnormal = 2^(1-bias-m)``,
+                ``max_normal`` a positive value on the format's grid whose exponent fits
+                the exponent field).
+        """
+        for field_name in ("exponent_bits", "mantissa_bits", "bias"):
+            v = getattr(self, field_name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"FloatFormat.{field_name} must be an int, got {v!r}")
+        if self.exponent_bits < 1 or self.mantissa_bits < 0:
+            raise ValueError("FloatFormat needs exponent_bits >= 1 and mantissa_bits >= 0")
+        m, emin = self.mantissa_bits, 1 - self.bias
+        if self.min_normal != 2.0 ** emin or self.min_subnormal != 2.0 ** (emin - m):
+            raise ValueError(f"FloatFormat {self.name!r}: min_normal must be 2^(1-bias) = "
+                             f"{2.0 ** emin!r} and min_subnormal 2^(1-bias-mantissa_bits) = "
+                             f"{2.0 ** (emin - m)!r}")
+        if not (isinstance(self.max_normal, (int, float)) and math.isfinite(self.max_normal)
+                and self.max_normal >= self.min_normal):
+            raise ValueError(f"FloatFormat {self.name!r}: max_normal must be a finite number "
+                             f">= min_normal, got {self.max_normal!r}")
+        emax = math.frexp(self.max_normal)[1] - 1
+        steps = self.max_normal / 2.0 ** (emax - m)
+        top = 2 ** self.exponent_bits - 1 - self.bias  # largest exponent field value
+        if steps != int(steps) or emax > top:
+            raise ValueError(f"FloatFormat {self.name!r}: max_normal {self.max_normal!r} is not "
+                             f"a value of a format with {self.exponent_bits} exponent and {m} "
+                             f"mantissa bits (bias {self.bias})")
+
     @property
     def emin(self) -> int:
         """Exponent of the smallest normal number (also the exponent of the subnormals)."""
@@ -147,10 +179,18 @@ def _resolve(fmt: Union[str, FloatFormat]) -> FloatFormat:
         if fmt not in FORMATS:
             raise ValueError(f"unknown format {fmt!r}; known: {sorted(FORMATS)}")
         return FORMATS[fmt]
+    if not isinstance(fmt, FloatFormat):
+        raise TypeError(f"fmt must be a format name ({sorted(FORMATS)}) or a FloatFormat, "
+                        f"got {fmt!r}")
     if not (0 <= fmt.mantissa_bits <= _F32_MANTISSA_BITS and fmt.emin >= _F32_EMIN
             and fmt.max_normal <= FORMATS["float32"].max_normal):
         raise ValueError(f"format {fmt.name!r} does not fit inside float32")
     return fmt
+
+
+def _check_saturate(saturate) -> None:
+    if not isinstance(saturate, bool):
+        raise TypeError(f"saturate must be True or False, got {saturate!r}")
 
 
 def _as_float32(x: torch.Tensor) -> torch.Tensor:
@@ -277,6 +317,7 @@ def round_to_format(x: torch.Tensor, fmt: Union[str, FloatFormat],
         TypeError: ``x`` is not a floating-point tensor.
         ValueError: ``fmt`` is unknown or does not fit inside float32.
     """
+    _check_saturate(saturate)
     spec = _resolve(fmt)
     bits = _as_float32(x).view(torch.int32)
     sign = bits & _SIGN_MASK
@@ -311,6 +352,7 @@ def round_to_tf32(x: torch.Tensor, saturate: bool = False) -> torch.Tensor:
     Inf and NaN patterns (exponent all ones) pass through. Equal, bit for bit, to
     ``round_to_format(x, "tf32")`` (tested), about 10x faster.
     """
+    _check_saturate(saturate)
     bits = _as_float32(x).contiguous().view(torch.int32)
     rounded = (bits + 0xFFF + ((bits >> 13) & 1)) & ~0x1FFF
     special = (bits & 0x7F800000) == 0x7F800000

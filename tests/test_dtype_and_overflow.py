@@ -159,3 +159,101 @@ def test_track_nonfinite_names_the_first_layer(nan_llm):
     assert counts.nan["layers.0.self_attn"] == counts.inf["layers.0.self_attn"] == 0
     assert [r["module"] for r in counts.rows()][:3] == ["embed_tokens", "layers.0.self_attn",
                                                          "layers.0.mlp"]
+
+
+def test_nan_kv_from_a_failed_request_does_not_reach_later_requests(tiny_model_dir, one_thread):
+    """A failed request leaves NaN K/V in blocks that go back to the pool (and, with
+    prefix caching, into the cache): later clean requests must not read them, neither
+    through decode padding (which reads slot 0) nor through a prefix-cache hit."""
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    prompt = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]
+    for caching in (False, True):
+        llm = LLM(str(tiny_model_dir), dtype="float32", max_model_len=32, block_size=4,
+                  num_gpu_blocks_override=12, enable_prefix_caching=caching)
+        clean = [o.outputs[0].token_ids for o in llm.generate([[5], [5, 6, 7]], params)]
+        qkv = llm.llm_engine.model_runner.model.layers[0].self_attn.qkv_proj
+        handle = qkv.register_forward_hook(lambda m, a, out: torch.full_like(out, float("nan")))
+        try:
+            bad = llm.generate([prompt] * 3, params)
+        finally:
+            handle.remove()
+        assert all(o.outputs[0].finish_reason == "error" for o in bad)
+        again = llm.generate([[5], [5, 6, 7], prompt], params)
+        assert [o.outputs[0].finish_reason for o in again] == ["length"] * 3, caching
+        assert [o.outputs[0].token_ids for o in again[:2]] == clean
+        assert llm.stats.num_free_blocks == 12
+
+
+def test_int8_kv_cache_flags_nan_it_cannot_store(tiny_model_dir, one_thread):
+    llm = LLM(str(tiny_model_dir), dtype="float32", kv_cache_dtype="int8", max_model_len=32,
+              kv_scale_type="dynamic", enable_prefix_caching=False)
+    qkv = llm.llm_engine.model_runner.model.layers[1].self_attn.qkv_proj
+    kv_cols = slice(qkv.out_features - 8, qkv.out_features)  # part of V
+
+    def hook(m, a, out):
+        out = out.clone()
+        out[..., kv_cols] = float("nan")  # V only: logits stay finite through int8
+        return out
+
+    handle = qkv.register_forward_hook(hook)
+    try:
+        out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4))[0]
+    finally:
+        handle.remove()
+    assert out.outputs[0].finish_reason == "error"
+    assert llm.stats.num_corrupted_requests == 1
+
+
+def test_nan_prompt_logprobs_are_flagged(nan_llm):
+    norm = nan_llm.llm_engine.model_runner.model.norm
+
+    def hook(m, a, out):  # NaN in the first prompt position only
+        if out.shape[0] > 1:
+            out = out.clone()
+            out[0] = float("nan")
+        return out
+
+    handle = norm.register_forward_hook(hook)
+    try:
+        out = nan_llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=2,
+                                                              prompt_logprobs=1))[0]
+    finally:
+        handle.remove()
+    assert nan_llm.stats.num_corrupted_requests == 1
+    assert out.outputs[0].finish_reason == "error"
+
+
+def test_tf32_with_weight_only_quantization_runs(tiny_model_dir, one_thread):
+    ids = [list(range(3, 30))]
+    plain = LLM(str(tiny_model_dir), dtype="float32", max_model_len=64, quantization="int8")
+    tf32 = LLM(str(tiny_model_dir), dtype="float32", max_model_len=64, quantization="int8",
+               float32_matmul_precision="high")
+    a, b = plain.score(ids)[0], tf32.score(ids)[0]
+    err = float((a - b).abs().max())
+    assert 0 < err < 0.05, f"TF32 vs float32 on the int8 model: {err:.3e}"
+    out = tf32.generate([[5, 6]], SamplingParams(temperature=0, max_tokens=3))[0]
+    assert out.outputs[0].finish_reason in ("length", "stop")
+
+
+def test_tf32_without_float32_warns(tiny_model_dir, caplog):
+    with caplog.at_level(logging.WARNING, logger="minivllm"):
+        LLM(str(tiny_model_dir), max_model_len=64, float32_matmul_precision="high")
+    assert "has no effect" in caplog.text
+
+
+def test_numerics_argument_checks():
+    from minivllm.numerics import FloatFormat
+
+    x = torch.ones(3)
+    with pytest.raises(TypeError, match="saturate must be True or False"):
+        round_to_format(x, "float16", saturate="False")
+    with pytest.raises(TypeError, match="saturate must be True or False"):
+        round_to_tf32(x, saturate=1)
+    with pytest.raises(TypeError, match="fmt must be a format name"):
+        round_to_format(x, torch.float16)
+    with pytest.raises(ValueError, match="max_normal 1000 is not a value"):
+        FloatFormat("e3m2", 3, 2, 3, 1000, 0.25, 0.0625, False, "none")
+    with pytest.raises(ValueError, match="min_normal must be"):
+        FloatFormat("bad", 4, 3, 7, 448.0, 0.5, 2.0 ** -9, False, "S.1111.111")
+    e3m2 = FloatFormat("e3m2", 3, 2, 3, 28.0, 0.25, 0.0625, False, "none")
+    assert float(round_to_format(torch.tensor([27.0]), e3m2, saturate=True)) == 28.0

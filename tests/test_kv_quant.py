@@ -168,3 +168,25 @@ def test_scale_reporting_and_misuse(tiny_model_dir):
     with pytest.raises(ValueError, match="calibration token ids must be integers"):
         fixed.llm_engine.calibrate_kv_scales([[1, -4]])
     assert fixed.kv_cache_scales() == s  # a failed calibration changes nothing
+
+
+def test_calibration_refuses_nan_and_flat_lists(tiny_model_dir, one_thread):
+    llm = LLM(str(tiny_model_dir), dtype="float32", kv_cache_dtype="int8", max_model_len=64,
+              kv_scale=(0.1, 0.1))
+    before = llm.kv_cache_scales()
+    with pytest.raises(ValueError, match="a list of token-id sequences"):
+        llm.llm_engine.calibrate_kv_scales([1, 2, 3])
+    qkv = llm.llm_engine.model_runner.model.layers[0].self_attn.qkv_proj
+    handle = qkv.register_forward_hook(lambda m, a, out: torch.full_like(out, float("inf")))
+    try:
+        with pytest.raises(ValueError, match="NaN/inf keys or values in layer 0"):
+            llm.llm_engine.calibrate_kv_scales([[5, 6, 7, 8]])
+    finally:
+        handle.remove()
+    assert llm.kv_cache_scales() == before
+
+
+def test_calibration_set_size_is_checked(tiny_model_dir):
+    with pytest.raises(ValueError, match=r"calibration_tokens=1000000 but the 'corpus'"):
+        LLM(str(tiny_model_dir), dtype="float32", max_model_len=64, quantization="gptq",
+            quantization_config={"calibration": "corpus", "calibration_tokens": 10**6})

@@ -146,7 +146,7 @@ def test_save_and_load_round_trip(tiny_model_dir, tmp_path, one_thread, name):
     assert loaded.weight_bytes() == llm.weight_bytes()
     with pytest.raises(ValueError, match="cannot re-quantize"):
         LLM(str(out), dtype="float32", max_model_len=128, quantization="int4")
-    with pytest.raises(ValueError, match="already holds a model"):
+    with pytest.raises(ValueError, match="already holds files"):
         llm.save_quantized(out)
 
 
@@ -162,3 +162,51 @@ def test_unquantized_save_and_foreign_checkpoints_are_refused(tiny_model_dir, tm
     (foreign / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="quant_method='gptq'"):
         LLM(str(foreign), dtype="float32", max_model_len=64)
+
+
+def _tamper(folder, edit):
+    from safetensors.torch import load_file, save_file
+
+    t = load_file(str(folder / "model.safetensors"))
+    edit(t)
+    save_file(t, str(folder / "model.safetensors"))
+
+
+@pytest.mark.parametrize("name,edit,pattern", [
+    ("awq", lambda t: t.pop("model.layers.0.mlp.down_proj.awq_scale"),
+     r"layers.0.mlp.down_proj: expected tensors \['awq_scale', 'qweight', 'scales', 'zeros'\]"),
+    ("fp8-static", lambda t: t.pop("model.layers.1.self_attn.o_proj.input_scale"),
+     r"expected tensors \['input_scale', 'qweight', 'weight_scale'\]"),
+    ("int8-tensor", lambda t: t.update({"model.layers.0.mlp.down_proj.awq_scale": torch.ones(128)}),
+     r"expected tensors \['qweight', 'weight_scale'\]"),
+    ("gptq", lambda t: t["model.layers.0.mlp.down_proj.zeros"].fill_(16), r"zeros must be int4"),
+    ("gptq", lambda t: t["model.layers.0.mlp.down_proj.scales"].mul_(-1),
+     r"scales must be finite and positive"),
+    ("int8-channel", lambda t: t.update({"model.layers.0.mlp.down_proj.qweight":
+                                         torch.zeros(64, 64, dtype=torch.int8)}),
+     r"qweight must be torch.int8 of shape"),
+])
+def test_tampered_checkpoints_are_refused(tiny_model_dir, tmp_path, one_thread, name, edit, pattern):
+    out = build(tiny_model_dir, name).save_quantized(tmp_path / "q")
+    _tamper(out, edit)
+    with pytest.raises(ValueError, match=pattern):
+        LLM(str(out), dtype="float32", max_model_len=128)
+
+
+def test_save_paths_and_saved_dtype(tiny_model_dir, tmp_path, one_thread):
+    llm = build(tiny_model_dir, "int8-channel", dtype="bfloat16")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="is a file"):
+        llm.save_quantized(tmp_path / "file")
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "model.safetensors").write_text("x")
+    with pytest.raises(ValueError, match="already holds files"):
+        llm.save_quantized(tmp_path / "busy")
+    with pytest.raises(ValueError, match="needs a folder path"):
+        llm.save_quantized("")
+    out = llm.save_quantized(tmp_path / "bf16")
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    back = LLM(str(out), max_model_len=128)  # auto: the saved bfloat16
+    assert back.llm_engine.model_config.dtype == torch.bfloat16
+    for a, b in zip(llm.score(IDS), back.score(IDS)):
+        assert torch.equal(a, b)

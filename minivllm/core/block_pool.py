@@ -111,6 +111,14 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached_block_hash_to_block[block_hash] = block
 
+    def uncache_block(self, block: KVCacheBlock) -> None:
+        """Remove a block from the prefix cache (its contents must not be reused); not
+        counted as an eviction."""
+        if block.block_hash is not None \
+                and self.cached_block_hash_to_block.get(block.block_hash) is block:
+            del self.cached_block_hash_to_block[block.block_hash]
+        block.block_hash = None
+
     def _maybe_evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
             return

@@ -136,8 +136,16 @@ class KVCacheManager:
             self.block_pool.cache_block(blocks[i], request.block_hashes[i])
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks, tail first (so prefix heads are evicted last)."""
+        """Release the request's blocks, tail first (so prefix heads are evicted last).
+
+        A request whose logits held NaN/inf (``request.corrupted``) may have written NaN
+        K/V: the blocks only it holds leave the prefix cache, so no later request with
+        the same prefix reuses them."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
+        if getattr(request, "corrupted", False):
+            for block in blocks:
+                if block.ref_cnt == 1:
+                    self.block_pool.uncache_block(block)
         self.block_pool.free_blocks(reversed(blocks))
 
     def get_block_ids(self, request_id: str) -> list[int]:

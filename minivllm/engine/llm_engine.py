@@ -41,7 +41,9 @@ class EngineStats:
         kv_cache_usage: fraction of blocks in use now (vllm:kv_cache_usage_perc).
         num_running, num_waiting: queue lengths now.
         num_steps, num_prompt_tokens, num_generation_tokens: totals.
-        num_corrupted_requests: requests whose logits held NaN/inf.
+        num_corrupted_requests: requests whose logits, prompt log-probs or (int8 cache)
+            K/V held NaN/inf (vllm:corrupted_requests); generation requests among them
+            finish with finish_reason "error".
         history: per step (step, num_running, num_waiting, kv_cache_usage, num_batched_tokens).
     """
 
@@ -161,9 +163,10 @@ class LLMEngine:
         """Calibrate static K/V scales (``amax / qmax`` per layer, per tensor or head).
 
         Args:
-            token_id_lists: calibration sequences; default: the bundled prose corpus
-                (``minivllm/precision/evalsets/corpus.txt``) in two sequences of up to
-                1024 tokens (not the passkey filler or the QA set used for evaluation).
+            token_id_lists: calibration sequences; default: the first 2048 tokens of the
+                bundled prose corpus (``minivllm/precision/evalsets/corpus.txt``) in
+                windows of up to 1024 tokens (not the passkey filler or the QA set used
+                for evaluation).
         Returns:
             :meth:`kv_cache_scales` after calibration.
         Raises:
@@ -179,10 +182,14 @@ class LLMEngine:
         if self.has_unfinished_requests():
             raise ValueError("calibrate_kv_scales cannot run while requests are in flight")
         if token_id_lists is None:
-            from minivllm.precision.evalsets import corpus_sequences
-
-            seq_len = min(1024, self.model_config.max_model_len)
-            token_id_lists = corpus_sequences(self.tokenizer, seq_len=seq_len, max_sequences=2)
+            token_id_lists = self._calibration_sequences("corpus", None)
+        if isinstance(token_id_lists, (str, bytes)) or not isinstance(token_id_lists, Iterable):
+            raise ValueError("calibrate_kv_scales takes a list of token-id sequences, got "
+                             f"{type(token_id_lists).__name__}")
+        token_id_lists = list(token_id_lists)
+        if any(isinstance(t, (str, bytes)) or not isinstance(t, Iterable) for t in token_id_lists):
+            raise ValueError("calibrate_kv_scales takes a list of token-id sequences (a list of "
+                             "lists of ints); got a flat sequence or a non-sequence item")
         seqs = [self._check_token_ids(ids, "calibration token ids") for ids in token_id_lists]
         for ids in seqs:
             if not 0 < len(ids) <= self.model_config.max_model_len:
@@ -198,19 +205,35 @@ class LLMEngine:
         """The KV-cache scales in use (see ``ModelRunner.kv_cache_scales``)."""
         return self.model_runner.kv_cache_scales()
 
-    def _calibration_sequences(self, name: str, max_tokens: int) -> list[list[int]]:
-        """Calibration token sequences from a bundled set, ``max_tokens`` in total (each
-        at most 1024 tokens and max_model_len)."""
+    def _calibration_sequences(self, name: str, max_tokens: Optional[int]) -> list[list[int]]:
+        """Calibration token sequences from a bundled set, ``max_tokens`` in total (None:
+        up to 2048), in windows of at most 1024 tokens and max_model_len.
+
+        Raises:
+            ValueError: more tokens asked for than the set holds, or max_model_len < 2.
+        """
         from minivllm.precision import evalsets as E
 
         limit = min(1024, self.model_config.max_model_len)
+        if limit < 2:
+            raise ValueError(f"calibration needs max_model_len >= 2 (got "
+                             f"{self.model_config.max_model_len})")
         if name == "conversations":
             seqs = E.conversation_sequences(self.tokenizer)
         else:
             seqs = E.corpus_sequences(self.tokenizer, seq_len=limit)
+        # each sequence cut into windows of at most `limit` tokens
+        windows = [ids[i:i + limit] for ids in seqs for i in range(0, len(ids), limit)]
+        available = sum(map(len, windows))
+        if max_tokens is None:
+            max_tokens = min(2048, available)
+        elif max_tokens > available:
+            raise ValueError(f"calibration_tokens={max_tokens} but the {name!r} calibration "
+                             f"set holds {available} tokens with this tokenizer; ask for at "
+                             f"most {available}")
         out, total = [], 0
-        for ids in seqs:
-            ids = ids[:min(limit, max_tokens - total)]
+        for ids in windows:
+            ids = ids[:max_tokens - total]
             if not ids:
                 break
             out.append(ids)
@@ -460,11 +483,18 @@ class LLMEngine:
             by_id[rid].score.add(first_pos, rows)
         so = result.sampler_output
         now = time.monotonic()
+        sampled_ids = set(result.sampled_request_ids)
+        for rid in sorted(corrupted - sampled_ids):  # e.g. NaN K/V in a prefill chunk
+            req = by_id[rid]
+            if req.score is None and not req.is_finished:
+                self.scheduler.finish_request(req, RequestStatus.FINISHED_ERROR)
+                req.finish_time = now
+                finished.append(self._make_output(req))
         sampled = so.sampled.tolist() if so is not None else []
         for i, rid in enumerate(result.sampled_request_ids):
             req = by_id[rid]
             token = sampled[i]
-            if rid in corrupted and req.score is None:
+            if req.corrupted and req.score is None:
                 # NaN/inf logits: sampling them would emit garbage. Finish with "error"
                 # and keep the tokens produced so far (vLLM counts such requests in
                 # vllm:corrupted_requests; we also stop them).

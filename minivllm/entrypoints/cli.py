@@ -31,7 +31,7 @@ def _json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
     return value
-_SKIP = {"kv_scale"}
+_SKIP = {"kv_scale"}  # added by hand below: two numbers
 
 
 def add_engine_args(parser: argparse.ArgumentParser, only_given: bool = False) -> None:
@@ -57,11 +57,16 @@ def add_engine_args(parser: argparse.ArgumentParser, only_given: bool = False) -
                                help='JSON object, e.g. \'{"group_size": 64}\'')
         else:
             group.add_argument(flag, type=str, default=default, choices=_CHOICES.get(f.name))
+    group.add_argument("--kv-scale", nargs=2, type=float, metavar=("K_SCALE", "V_SCALE"),
+                       default=argparse.SUPPRESS if only_given else None,
+                       help="static KV-cache scales for fp8/int8 (stored = value / scale)")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     names = {f.name for f in dataclasses.fields(EngineArgs)} - _SKIP
-    return EngineArgs(**{n: getattr(ns, n) for n in names})
+    kv_scale = getattr(ns, "kv_scale", None)
+    return EngineArgs(**{n: getattr(ns, n) for n in names},
+                      kv_scale=tuple(kv_scale) if kv_scale is not None else None)
 
 
 def _cmd_generate(ns: argparse.Namespace) -> int:

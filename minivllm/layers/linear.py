@@ -34,16 +34,34 @@ from minivllm.quantization import QuantConfig
 from minivllm.quantization import weight_quant as wq
 
 
+def _version(t: torch.Tensor) -> int:
+    """In-place (autograd-visible) edits bump a tensor's version; inference-mode tensors
+    have none. Edits through ``.data`` are invisible: call :func:`clear_weight_caches`."""
+    return 0 if t.is_inference() else t._version
+
+
+def clear_weight_caches(model: nn.Module) -> None:
+    """Forget the TF32-rounded and dequantized weights every layer keeps, so the next
+    forward recomputes them (needed after editing weights or scales in place through
+    ``.data`` or under inference mode, which the caches cannot see)."""
+    for module in model.modules():
+        if hasattr(module, "_tf32_cache"):
+            del module._tf32_cache
+        if isinstance(module, QuantLinear):
+            module._dequant = None
+
+
 def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  tf32: bool, owner: Optional[nn.Module] = None) -> torch.Tensor:
     """``F.linear``, or with TF32 emulation (``tf32`` on float32 CPU data) the same with
     both inputs rounded to TF32. ``owner`` keeps the rounded weight between calls (it is
-    recomputed when the weight tensor changes, e.g. under a fault or a permutation)."""
+    recomputed when the weight tensor is replaced or edited in place; see
+    :func:`clear_weight_caches` for edits it cannot see)."""
     if not (tf32 and x.dtype == torch.float32 and x.device.type == "cpu"):
         return F.linear(x, weight, bias)
     from minivllm.numerics import round_to_tf32
 
-    key = (weight.data_ptr(), weight._version, weight.shape)
+    key = (weight.data_ptr(), _version(weight), weight.shape)
     cached = getattr(owner, "_tf32_cache", None) if owner is not None else None
     if cached is None or cached[0] != key:
         cached = (key, round_to_tf32(weight))
@@ -80,6 +98,34 @@ class LinearMethod:
         """Stored tensors -> float32 weight [out, in] (weight-only methods)."""
         raise NotImplementedError
 
+    def expected(self, out_features: int, in_features: int) -> dict[str, tuple]:
+        """Stored tensor name -> (dtype, shape) for a layer of this shape."""
+        raise NotImplementedError
+
+    def check_tensors(self, t: dict[str, torch.Tensor], out_features: int,
+                      in_features: int) -> None:
+        """Exactly the expected tensors, with their dtypes, shapes and value ranges.
+
+        Raises:
+            ValueError: naming the tensor and what was expected.
+        """
+        want = self.expected(out_features, in_features)
+        if set(t) != set(want):
+            raise ValueError(f"expected tensors {sorted(want)} for {self.cfg.label()}, "
+                             f"got {sorted(t)}")
+        for name, (dtype, shape) in want.items():
+            x = t[name]
+            if x.dtype != dtype or tuple(x.shape) != tuple(shape):
+                raise ValueError(f"{name} must be {dtype} of shape {list(shape)}, got "
+                                 f"{x.dtype} of shape {list(x.shape)}")
+            if name in ("weight_scale", "scales", "awq_scale", "input_scale") and not bool(
+                    (torch.isfinite(x) & (x > 0)).all()):
+                raise ValueError(f"{name} must be finite and positive")
+        if "zeros" in t and int(t["zeros"].max()) > 15:
+            raise ValueError("zeros must be int4 codes (0..15)")
+        if "zeros" in t and self.cfg.symmetric and not bool((t["zeros"] == 8).all()):
+            raise ValueError("a symmetric int4 checkpoint has zeros == 8 everywhere")
+
     def apply(self, layer: "QuantLinear", x: torch.Tensor) -> torch.Tensor:
         w = layer.dequantized_weight(x.dtype)
         return float_linear(x, w, layer.bias, layer.tf32, owner=layer)
@@ -94,6 +140,11 @@ class Int8Method(LinearMethod):
 
     def dequantize(self, t):
         return wq.dequantize_int8(t["qweight"], t["weight_scale"])
+
+    def expected(self, out_features, in_features):
+        scale = () if self.cfg.granularity == "tensor" else (out_features, 1)
+        return {"qweight": (torch.int8, (out_features, in_features)),
+                "weight_scale": (torch.float32, scale)}
 
 
 class Int4Method(LinearMethod):
@@ -127,6 +178,15 @@ class Int4Method(LinearMethod):
                                self.cfg.group_size)
         return w
 
+    def expected(self, out_features, in_features):
+        groups = -(-in_features // self.cfg.group_size)
+        want = {"qweight": (torch.uint8, (out_features, -(-in_features // 2))),
+                "scales": (torch.float32, (out_features, groups)),
+                "zeros": (torch.uint8, (out_features, groups))}
+        if self.cfg.method == "awq":
+            want["awq_scale"] = (torch.float32, (in_features,))
+        return want
+
     def apply(self, layer, x):
         if layer.awq_scale is not None:
             x = (x.float() / layer.awq_scale).to(x.dtype)
@@ -144,10 +204,22 @@ class Fp8Method(LinearMethod):
             out["input_scale"] = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
         return out
 
+    def dequantize(self, t):
+        return t["qweight"].to(torch.float32)  # exact; the scales apply after the GEMM
+
+    def expected(self, out_features, in_features):
+        scale = () if self.cfg.granularity == "tensor" else (out_features, 1)
+        want = {"qweight": (torch.float8_e4m3fn, (out_features, in_features)),
+                "weight_scale": (torch.float32, scale)}
+        if self.cfg.activation_scheme == "static":
+            want["input_scale"] = (torch.float32, ())
+        return want
+
     def apply(self, layer, x):
         shape = x.shape
         y = wq.fp8_linear(x.reshape(-1, shape[-1]), layer.qweight, layer.weight_scale,
-                          layer.input_scale, layer.bias, out_dtype=x.dtype)
+                          layer.input_scale, layer.bias, out_dtype=x.dtype,
+                          q_w_float32=layer.dequantized_weight(torch.float32))
         return y.reshape(*shape[:-1], y.shape[-1])
 
 
@@ -199,7 +271,9 @@ class QuantLinear(nn.Module):
         return sum(t.numel() * t.element_size() for t in self.stored_tensors().values())
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight as the matmul sees it, cast to ``dtype`` (kept after first use)."""
+        """The weight as the matmul sees it, cast to ``dtype`` (kept after first use; after
+        editing the stored tensors call :func:`clear_weight_caches`). For fp8 that is the
+        e4m3 values in float32; the scales apply to the GEMM's output."""
         if self._dequant is None or self._dequant.dtype != dtype \
                 or self._dequant.device != self.qweight.device:
             self._dequant = self.method.dequantize(self.stored_tensors()).to(

@@ -34,8 +34,11 @@ KV cache: see :mod:`minivllm.quantization.kv_cache`.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any, Optional
+
+import numpy as np
 
 QUANTIZATION_METHODS = ("int8", "int4", "awq", "gptq", "fp8")
 CALIBRATION_SETS = ("conversations", "corpus")
@@ -104,19 +107,31 @@ def parse_quantization(method: Optional[str], options: Optional[dict]) -> Option
         if options:
             raise ValueError("quantization_config was given without quantization")
         return None
-    if method not in _DEFAULTS:
+    if not isinstance(method, str) or method not in _DEFAULTS:
         raise ValueError(f"Unknown quantization {method!r}; allowed: "
                          f"{', '.join(QUANTIZATION_METHODS)} (or None)")
     allowed = dict(_DEFAULTS[method])
     if method in _CALIBRATED or method == "fp8":
         allowed.update(_CALIB_DEFAULTS)
+    if options is not None and not isinstance(options, dict):
+        raise ValueError(f"quantization_config must be a dict of options, got {options!r}")
     options = dict(options or {})
-    unknown = sorted(set(options) - set(allowed))
+    unknown = sorted((str(k) for k in set(options) - set(allowed)))
     if unknown:
         raise ValueError(f"Unknown quantization_config option(s) {unknown} for quantization="
                          f"{method!r}; allowed: {sorted(allowed)}")
     values = {**allowed, **options}
     _check_options(method, values)
+    if method == "fp8" and values["activation_scheme"] == "dynamic":
+        given = sorted(set(options) & set(_CALIB_DEFAULTS))
+        if given:
+            raise ValueError(f"quantization_config {given} only apply to fp8 with "
+                             "activation_scheme='static' (dynamic scales need no calibration)")
+    for name in ("group_size", "n_grid", "block_size", "calibration_tokens"):
+        if name in values:
+            values[name] = int(values[name])  # numpy integers -> int
+    if "percdamp" in values:
+        values["percdamp"] = float(values["percdamp"])
     return QuantConfig(method=method, **values)
 
 
@@ -127,18 +142,20 @@ def _check_options(method: str, o: dict) -> None:
 
     if "granularity" in o and o["granularity"] not in ("tensor", "channel"):
         bad("granularity", "'tensor' or 'channel'")
-    if "group_size" in o and (isinstance(o["group_size"], bool)
-                              or o["group_size"] not in (32, 64, 128)):
-        bad("group_size", "32, 64 or 128")
+    def is_int(v) -> bool:
+        return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
+
+    if "group_size" in o and (not is_int(o["group_size"]) or o["group_size"] not in (32, 64, 128)):
+        bad("group_size", "the integer 32, 64 or 128")
     for flag in ("symmetric", "act_order", "clip"):
         if flag in o and not isinstance(o[flag], bool):
             bad(flag, "True or False")
-    for name, lo in (("n_grid", 2), ("block_size", 1), ("calibration_tokens", 16)):
-        if name in o and (isinstance(o[name], bool) or not isinstance(o[name], int)
-                          or o[name] < lo):
-            bad(name, f"an integer >= {lo}")
-    if "percdamp" in o and (isinstance(o["percdamp"], bool)
-                            or not isinstance(o["percdamp"], (int, float))
+    for name, lo, hi in (("n_grid", 2, 1000), ("block_size", 1, 1 << 16),
+                         ("calibration_tokens", 16, 1 << 20)):
+        if name in o and (not is_int(o[name]) or not lo <= o[name] <= hi):
+            bad(name, f"an integer in [{lo}, {hi}]")
+    if "percdamp" in o and (isinstance(o["percdamp"], (bool, np.bool_))
+                            or not isinstance(o["percdamp"], numbers.Real)
                             or not 0 < o["percdamp"] <= 1):
         bad("percdamp", "a number in (0, 1]")
     if "activation_scheme" in o and o["activation_scheme"] not in ("dynamic", "static"):

@@ -33,6 +33,7 @@ Format (version 1), an HF-style folder:
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Optional
@@ -62,10 +63,15 @@ def saved_quant_config(cfg: dict) -> Optional[QuantConfig]:
         raise ValueError(f"This checkpoint is quantized with quant_method={method!r}; minivllm "
                          "loads float checkpoints (and quantizes them with quantization=...) "
                          "or its own saved format (quant_method='minivllm').")
-    if qc.get("format_version") != FORMAT_VERSION:
+    version = qc.get("format_version")
+    if isinstance(version, bool) or version != FORMAT_VERSION:
         raise ValueError(f"Unsupported minivllm quantized format_version "
                          f"{qc.get('format_version')!r} (this version reads {FORMAT_VERSION})")
-    return parse_quantization(qc.get("method"), qc.get("options") or {})
+    options = qc.get("options", {})
+    if not isinstance(qc.get("method"), str) or not isinstance(options, dict):
+        raise ValueError(f"quantization_config of a minivllm checkpoint needs 'method' (a "
+                         f"string) and 'options' (an object); got {qc!r}")
+    return parse_quantization(qc["method"], options)
 
 
 def save_quantized(engine, path: str | Path) -> Path:
@@ -74,7 +80,8 @@ def save_quantized(engine, path: str | Path) -> Path:
     Args:
         engine: an LLMEngine (``llm.llm_engine``) built with ``quantization=...``.
     Raises:
-        ValueError: the engine is not quantized, or ``path`` already holds a model.
+        ValueError: the engine is not quantized; ``path`` is empty, a file, or a folder
+            that is not empty.
     """
     from minivllm.layers.linear import QuantLinear
     from safetensors.torch import save_file
@@ -82,9 +89,14 @@ def save_quantized(engine, path: str | Path) -> Path:
     quant = engine.quant_config
     if quant is None:
         raise ValueError("save_quantized needs an engine built with quantization=...")
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise ValueError(f"save_quantized needs a folder path, got {path!r}")
     out = Path(path)
-    if (out / "config.json").exists():
-        raise ValueError(f"{out} already holds a model (config.json); pick an empty folder")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} is a file; save_quantized writes a folder")
+    if out.is_dir() and any(out.iterdir()):
+        raise ValueError(f"{out} already holds files (e.g. a model's config.json); pick a new "
+                         "or empty folder")
     out.mkdir(parents=True, exist_ok=True)
     src = Path(engine.model_config.path)
     model = engine.model_runner.model
@@ -102,6 +114,9 @@ def save_quantized(engine, path: str | Path) -> Path:
         tensors[hf] = p.detach().cpu().contiguous()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((src / "config.json").read_text(encoding="utf-8"))
+    float_dtype = next(p.dtype for p in model.parameters())  # the engine's dtype
+    cfg["torch_dtype"] = str(float_dtype).removeprefix("torch.")
+    cfg.pop("dtype", None)
     cfg["quantization_config"] = {"quant_method": "minivllm", "format_version": FORMAT_VERSION,
                                   "method": quant.method, "options": quant.options()}
     (out / "config.json").write_text(json.dumps(cfg, indent=2), encoding="utf-8")
@@ -123,23 +138,20 @@ def load_quantized_weights(model, path: Path, quant: QuantConfig) -> None:
     from minivllm.quantization.quantize import _replace, target_layers
 
     file = Path(path) / "model.safetensors"
-    with safe_open(str(file), framework="pt") as st:
-        stored = {name: st.get_tensor(name) for name in st.keys()}
+    try:
+        with safe_open(str(file), framework="pt") as st:
+            stored = {name: st.get_tensor(name) for name in st.keys()}
+    except Exception as e:  # missing, truncated or not safetensors
+        raise ValueError(f"cannot read {file}: {type(e).__name__}: {e}") from None
     method = make_method(quant)
     for name, lin in target_layers(model).items():
         prefix = f"model.{name}."
         tensors = {k[len(prefix):]: stored.pop(k) for k in list(stored) if k.startswith(prefix)}
         bias = tensors.pop("bias", None)
-        if "qweight" not in tensors:
-            raise ValueError(f"{file} has no quantized tensors for {name} (expected "
-                             f"{prefix}qweight)")
-        try:  # dequantize once to check the shapes against the model
-            probe = method.dequantize(tensors) if quant.method != "fp8" else tensors["qweight"]
-        except Exception as e:
-            raise ValueError(f"{file}: bad quantized tensors for {name}: {e}") from None
-        if tuple(probe.shape) != (lin.out_features, lin.in_features):
-            raise ValueError(f"{file}: {name} holds a [{probe.shape[0]}, {probe.shape[1]}] weight, "
-                             f"the model expects [{lin.out_features}, {lin.in_features}]")
+        try:
+            method.check_tensors(tensors, lin.out_features, lin.in_features)
+        except ValueError as e:
+            raise ValueError(f"{file}: {name}: {e}") from None
         _replace(model, name, QuantLinear(method, tensors, lin.in_features, lin.out_features,
                                           bias))
     params = dict(model.named_parameters())
@@ -147,9 +159,9 @@ def load_quantized_weights(model, path: Path, quant: QuantConfig) -> None:
         name = hf_name.removeprefix("model.")
         if name not in params:
             raise ValueError(f"{file}: unexpected tensor {hf_name!r}")
-        if tuple(params[name].shape) != tuple(t.shape):
-            raise ValueError(f"{file}: {hf_name!r} has shape {tuple(t.shape)}, expected "
-                             f"{tuple(params[name].shape)}")
+        if tuple(params[name].shape) != tuple(t.shape) or not t.is_floating_point():
+            raise ValueError(f"{file}: {hf_name!r} is {t.dtype} of shape {tuple(t.shape)}, "
+                             f"expected a float tensor of shape {tuple(params[name].shape)}")
         with torch.no_grad():
             params[name].copy_(t)
         params.pop(name)

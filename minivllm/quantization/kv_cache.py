@@ -9,7 +9,8 @@ Quantized caches (fp8_e4m3, fp8_e5m2, int8) store ``q = Q(x / scale)`` and read 
 * fp8: ``Q`` saturates to the format's largest finite value (448 for e4m3, 57344 for
   e5m2) and rounds to nearest even, as vLLM's CUDA cache kernels do
   (``__nv_cvt_float_to_fp8(..., __NV_SATFINITE, ...)`` in ``csrc/quantization/fp8``);
-  torch's plain cast would give NaN (e4m3fn) or inf (e5m2) instead.
+  a plain cast gives inf for e5m2, and NaN or max for e4m3fn depending on the torch
+  version (older releases NaN, 2.13 saturates), so we clamp first and never depend on it.
 * int8: ``Q(y) = clamp(round_half_even(y), -127, 127)`` (symmetric, -128 unused).
 
 Scale granularity (``kv_scale_type`` / ``kv_scale_granularity``):
@@ -136,6 +137,7 @@ class LayerKVCache:
 
     def __post_init__(self) -> None:
         self.set_scales(self.k_scale, self.v_scale)
+        self.nonfinite_rows: Optional[torch.Tensor] = None
 
     def set_scales(self, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
         """Replace the static scales (float32, shape [] or [num_kv_heads])."""
@@ -152,7 +154,17 @@ class LayerKVCache:
         return self.k_scale_cache is not None
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store this step's K and V ([T, kv_heads, head_dim], compute dtype) at slots [T]."""
+        """Store this step's K and V ([T, kv_heads, head_dim], compute dtype) at slots [T].
+
+        int8 has no NaN or inf: a token whose K or V is not finite would be stored as a
+        clamped number and its attention would look healthy. Such tokens are recorded in
+        ``nonfinite_rows`` ([T] bool, read and cleared by the model runner), which marks
+        their requests as corrupted."""
+        if self.key.dtype == torch.int8:
+            bad = ~(torch.isfinite(k).flatten(1).all(1) & torch.isfinite(v).flatten(1).all(1))
+            if bool(bad.any()):
+                self.nonfinite_rows = bad if self.nonfinite_rows is None \
+                    else self.nonfinite_rows | bad
         for x, cache, static, dyn in ((k, self.key, self._k_b, self.k_scale_cache),
                                       (v, self.value, self._v_b, self.v_scale_cache)):
             if dyn is not None:

@@ -16,6 +16,7 @@ Calibration:
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
@@ -25,6 +26,7 @@ from minivllm.layers.linear import Linear, QuantLinear, make_method
 from minivllm.quantization import QuantConfig
 from minivllm.quantization.calibration import calibration_forward, layer_forward, observe_inputs
 
+logger = logging.getLogger("minivllm")
 TARGETS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 AWQ_SAMPLE_ROWS = 512  # input rows kept per layer for AWQ's scale and clip searches
 
@@ -92,6 +94,7 @@ def _quantize_layers(model, layers: dict, method, stats: dict, bar) -> None:
             st.awq_scale, _ = wq.awq_search_scale([weight], st.sample, cfg.group_size,
                                                   cfg.symmetric, n_grid=cfg.n_grid)
         tensors = {k: v.to(lin.weight.device) for k, v in method.quantize(weight, st).items()}
+        method.check_tensors(tensors, lin.out_features, lin.in_features)
         bias = None if lin.bias is None else lin.bias.detach().clone()
         _replace(model, name, QuantLinear(method, tensors, lin.in_features, lin.out_features,
                                           bias, tf32=lin.tf32))
@@ -110,6 +113,11 @@ def set_float32_matmul_precision(model, precision: str, device: str) -> None:
     matmuls are not rounded).
     """
     high = precision == "high"
+    dtype = model.embed_tokens.weight.dtype
+    if high and dtype != torch.float32:
+        logger.warning("float32_matmul_precision='high' (TF32) changes only float32 matmuls; "
+                       "this model runs in %s, so it has no effect (dtype='auto' serves "
+                       "float32 checkpoints in bfloat16: pass dtype='float32')", dtype)
     if str(device).startswith("cuda"):
         torch.set_float32_matmul_precision(precision)
         high = False  # the hardware does it

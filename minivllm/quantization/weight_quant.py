@@ -700,7 +700,8 @@ def awq_quantize(w: torch.Tensor, s: torch.Tensor, x: torch.Tensor, group_size: 
 # --- fp8 (e4m3) ----------------------------------------------------------------------------
 
 def _to_fp8(v: torch.Tensor) -> torch.Tensor:
-    """Saturating cast to e4m3 (plain ``.to`` gives NaN above 448), round to nearest even."""
+    """Saturating cast to e4m3, round to nearest even (clamped first: a plain ``.to`` gave
+    NaN above 448 in older torch releases; 2.13 saturates)."""
     return v.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
@@ -765,7 +766,8 @@ def quantize_fp8_activation(x: torch.Tensor, scale: torch.Tensor | None
 
 def fp8_linear(x: torch.Tensor, q_w: torch.Tensor, w_scale: torch.Tensor,
                x_scale_static: torch.Tensor | None, bias: torch.Tensor | None = None,
-               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+               out_dtype: torch.dtype | None = None,
+               q_w_float32: torch.Tensor | None = None) -> torch.Tensor:
     """W8A8 fp8 linear layer: what vLLM's fp8 scaled GEMM computes, in float32 on CPU.
 
     Args:
@@ -773,6 +775,8 @@ def fp8_linear(x: torch.Tensor, q_w: torch.Tensor, w_scale: torch.Tensor,
         w_scale: float32 ``[]`` or ``[out, 1]`` (quantize_fp8_weight);
         x_scale_static: one-element static activation scale, or None for dynamic per token;
         bias: optional ``[out]``; out_dtype: result dtype (default x.dtype).
+        q_w_float32: optional ``q_w.float()`` kept by the caller (the conversion is exact;
+            a layer keeps it so each call does not convert the whole weight again).
 
     Returns:
         ``[..., out]`` in out_dtype.
@@ -793,7 +797,8 @@ def fp8_linear(x: torch.Tensor, q_w: torch.Tensor, w_scale: torch.Tensor,
         raise ValueError(f"x must be [..., {q_w.shape[1]}] (in_features of q_w), got {got}")
     ws = _check_scale_tensor(w_scale, "w_scale", q_w.shape[0]).reshape(-1)
     x_q, x_scale = quantize_fp8_activation(x, x_scale_static)
-    y = (x_q.to(torch.float32) @ q_w.to(torch.float32).T) * x_scale * ws
+    w32 = q_w.to(torch.float32) if q_w_float32 is None else q_w_float32
+    y = (x_q.to(torch.float32) @ w32.T) * x_scale * ws
     y = y.to(out_dtype or x.dtype)
     return y if bias is None else y + bias.to(y.dtype)
 

@@ -104,8 +104,14 @@ class ModelRunner:
         sequences, per tensor or per KV head (``cache_config.kv_scale_granularity``)."""
         m = qmax(self.cache_config.cache_dtype)
         per_head = self.cache_config.kv_scale_granularity == "head"
-        for kv, (k_amax, v_amax) in zip(self.kv_caches,
-                                        calibrate_kv_amax(self.model, token_id_lists, self.device)):
+        amaxes = calibrate_kv_amax(self.model, token_id_lists, self.device)
+        for layer, (k_amax, v_amax) in enumerate(amaxes):
+            if not bool(torch.isfinite(k_amax).all() & torch.isfinite(v_amax).all()):
+                raise ValueError(f"KV-scale calibration saw NaN/inf keys or values in layer "
+                                 f"{layer} (K amax {k_amax.tolist()}, V amax {v_amax.tolist()}); "
+                                 "the model overflows on the calibration data, so no scale "
+                                 "would be meaningful. Scales are unchanged.")
+        for kv, (k_amax, v_amax) in zip(self.kv_caches, amaxes):
             scales = []
             for amax in (k_amax, v_amax):
                 a = amax if per_head else amax.max()
@@ -256,28 +262,50 @@ class ModelRunner:
             self._prepare(scheduled, block_tables)
         hidden = self.model(ids, pos, meta)
         out = ModelRunnerOutput()
+        bad_ids = self._nonfinite_kv_requests(scheduled)
         if sample_reqs:
             logits = self.model.compute_logits(hidden[logits_rows])
             # A row holds NaN/inf iff its sum does (finite logits cannot overflow a sum
             # of 1e5 float32 terms); cheaper than isfinite over [rows, vocab].
             finite = torch.isfinite(logits.sum(dim=-1))
             if not bool(finite.all()):
-                out.nonfinite_request_ids = [r.request_id for r, ok in
-                                             zip(sample_reqs, finite.tolist()) if not ok]
+                bad_ids.update(r.request_id for r, ok in zip(sample_reqs, finite.tolist())
+                               if not ok)
             out.sampler_output = self.sampler(logits, self._sampling_metadata(sample_reqs))
             out.sampled_request_ids = [r.request_id for r in sample_reqs]
         for req, _ in scheduled:
             if req.request_id in prompt_rows:
                 row0, pos0, count = prompt_rows[req.request_id]
-                out.prompt_logprobs[req.request_id] = self._prompt_logprobs(
-                    req, hidden[row0:row0 + count], pos0)
+                chunk = self._prompt_logprobs(req, hidden[row0:row0 + count], pos0)
+                out.prompt_logprobs[req.request_id] = chunk
+                if not bool(torch.isfinite(chunk.token_logprobs).all()):
+                    bad_ids.add(req.request_id)
             if req.request_id in score_rows:
                 row0, pos0, count = score_rows[req.request_id]
                 rows = self.model.compute_logits(hidden[row0:row0 + count])
                 if not req.score.logits:
                     rows = torch.log_softmax(rows, dim=-1)
                 out.score_rows[req.request_id] = (pos0, rows.cpu())
+        out.nonfinite_request_ids = sorted(bad_ids)
         return out
+
+    def _nonfinite_kv_requests(self, scheduled: list[tuple[Request, int]]) -> set[str]:
+        """Requests with a token whose K/V was not finite in an int8 cache (which cannot
+        store NaN/inf, see ``LayerKVCache.write``)."""
+        bad_rows = None
+        for kv in self.kv_caches:
+            if kv.nonfinite_rows is not None:
+                bad_rows = kv.nonfinite_rows if bad_rows is None else bad_rows | kv.nonfinite_rows
+                kv.nonfinite_rows = None
+        if bad_rows is None:
+            return set()
+        bad, row = set(), 0
+        flags = bad_rows.tolist()
+        for req, n in scheduled:
+            if any(flags[row:row + n]):
+                bad.add(req.request_id)
+            row += n
+        return bad
 
     def _prompt_logprobs(self, req: Request, hidden: torch.Tensor, pos0: int) -> PromptLogprobsChunk:
         logprobs = torch.log_softmax(self.model.compute_logits(hidden), dim=-1)

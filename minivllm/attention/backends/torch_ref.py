@@ -57,6 +57,13 @@ class TorchAttentionBackend:
     def _decode(q, kv: LayerKVCache, g, scale) -> torch.Tensor:
         """One decode group: q [B, H, D] (rows of g, in g's order) -> [B, H, D]."""
         k, v = kv.read(g.kv_slots, q.dtype)
+        if not bool(g.mask.all()):
+            # Padded positions read slot 0, which may hold anything (even NaN from a
+            # failed request): the mask gives them weight 0, but 0 * NaN = NaN, so the
+            # values themselves must be zeroed (a paged kernel would never load them).
+            keep = g.mask[:, 0, 0, :, None, None]
+            k = k.masked_fill(~keep, 0)
+            v = v.masked_fill(~keep, 0)
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=g.mask,
             scale=scale, enable_gqa=True)  # [B, H, 1, D]
