@@ -745,7 +745,10 @@ def quantize_fp8_activation(x: torch.Tensor, scale: torch.Tensor | None
     Formulas: static ``x_q = e4m3(clamp(x / scale, ±448))``: values beyond
     ``448 * scale`` saturate. Dynamic ``scale = max(amax_row / 448, 1 / (448 * 512))``,
     the floor being vLLM's ``_FP8_MIN_SCALING_FACTOR`` (guards all-zero rows).
-    x is not checked for NaN/inf (forward path): they propagate to the output.
+    x is not checked on this forward path: NaN propagates to the output, while +-inf
+    saturates to +-448 * scale (as the saturating fp8 casts of vLLM's kernels do), so an
+    overflow upstream is hidden here; the dynamic per-token scale of an inf row is inf,
+    which does make that row NaN.
 
     Raises:
         ValueError: x not a floating-point tensor with at least one dimension; static
