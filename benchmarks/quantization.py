@@ -51,6 +51,9 @@ SCHEMES: dict[str, dict] = {
     "gptq-sym-g64-actorder-damp0.01": {
         "quantization": "gptq",
         "quantization_config": {"group_size": 64, "act_order": True, "percdamp": 0.01}},
+    "gptq-sym-g64-actorder-damp1": {
+        "quantization": "gptq",
+        "quantization_config": {"group_size": 64, "act_order": True, "percdamp": 1.0}},
     "int4-sym-g128": {"quantization": "int4", "quantization_config": {"group_size": 128}},
     "int4-asym-g128": {"quantization": "int4",
                        "quantization_config": {"group_size": 128, "symmetric": False}},
