@@ -1,5 +1,6 @@
 # minivllm / precision course: the front door.
-#   make demo   fetch + convert the embedded model (first run), run the first incident
+#   make demo   fetch + convert the embedded model (first run), measure KV-cache dtypes
+#               against the float32 reference (the first incident)
 #   make test   the test suite (what CI runs; includes the chapter notebooks and the
 #               nbgrader labs graded both ways)
 #   make lab    JupyterLab on the course, with nbgrader's extensions
