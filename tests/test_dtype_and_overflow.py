@@ -257,3 +257,12 @@ def test_numerics_argument_checks():
         FloatFormat("bad", 4, 3, 7, 448.0, 0.5, 2.0 ** -9, False, "S.1111.111")
     e3m2 = FloatFormat("e3m2", 3, 2, 3, 28.0, 0.25, 0.0625, False, "none")
     assert float(round_to_format(torch.tensor([27.0]), e3m2, saturate=True)) == 28.0
+
+
+def test_float64_checkpoint_under_auto_warns_and_falls_back(caplog):
+    with caplog.at_level(logging.WARNING, logger="minivllm"):
+        assert parse_dtype("auto", torch.float64, "cpu") == torch.bfloat16
+    assert "does not support torch.float64" in caplog.text
+    from minivllm.models.loader import checkpoint_dtype
+
+    assert checkpoint_dtype({"torch_dtype": "float64"}) == torch.float64

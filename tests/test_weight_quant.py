@@ -525,3 +525,11 @@ def test_bad_arguments_raise_value_error(call, pattern):
 def test_weight_bytes():
     q, scale, zero = wq.quantize_int4(W, 32, False)
     assert wq.weight_bytes(wq.pack_int4(q), scale, zero) == 4 * 32 + 4 * 2 * 4 + 4 * 2
+
+
+def test_int4_range_overflow_is_refused():
+    w = torch.tensor([[3e38, -3e38] * 16])
+    with pytest.raises(ValueError, match="overflows float32"):
+        wq.quantize_int4(w, 32, symmetric=False)
+    q, scale, zero = wq.quantize_int4(w, 32, symmetric=True)  # amax / 7 is fine
+    assert bool(torch.isfinite(scale).all())

@@ -17,7 +17,8 @@ ALIASES = {embedded.ALIAS: embedded.ensure_embedded_model}
 SUPPORTED_MODEL_TYPES = ("llama",)
 _REQUIRED_INT_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                       "num_attention_heads")
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "float64": torch.float64}
 
 
 def resolve_model_path(model: str) -> Path:

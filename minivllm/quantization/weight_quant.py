@@ -213,6 +213,9 @@ def _int4_group_params(wg: torch.Tensor, symmetric: bool,
     hi = wg.amax(dim=-1).clamp(min=0.0)
     if ratio is not None:
         lo, hi = lo * ratio, hi * ratio
+    if not bool(torch.isfinite(hi - lo).all()):
+        raise ValueError("a group's weight range max - min overflows float32 (|w| near "
+                         "3.4e38); such weights cannot be given an int4 scale")
     scale = _absmax_scale(hi - lo, INT4_MAX_CODE)
     zero = torch.round(-lo / scale).clamp(0, INT4_MAX_CODE)
     return scale, zero
