@@ -151,7 +151,6 @@ class CacheConfig:
     v_scale: float = 1.0
     kv_scale_type: str = "static"  # "static" or "dynamic" (per token and head)
     kv_scale_granularity: str = "tensor"  # static scales per "tensor" or per "head"
-    calculate_kv_scales: bool = False  # calibrate static scales at startup
     enable_prefix_caching: bool = True
 
 

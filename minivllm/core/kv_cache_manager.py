@@ -142,7 +142,7 @@ class KVCacheManager:
         K/V: the blocks only it holds leave the prefix cache, so no later request with
         the same prefix reuses them."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
-        if getattr(request, "corrupted", False):
+        if request.corrupted:
             for block in blocks:
                 if block.ref_cnt == 1:
                     self.block_pool.uncache_block(block)

@@ -25,6 +25,7 @@ from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.scheduler import Scheduler
 from minivllm.engine.request import Request, RequestStatus, ScoreState
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
+from minivllm.quantization.kv_cache import is_quantized
 from minivllm.sampling_params import SamplingParams
 from minivllm.utils import check_valid_unicode
 from minivllm.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
@@ -174,8 +175,7 @@ class LLMEngine:
                 not change under a request whose K/V is already stored).
         """
         cc = self.cache_config
-        if cc.kv_scale_type != "static" or cc.cache_dtype in (torch.float32, torch.float16,
-                                                              torch.bfloat16):
+        if cc.kv_scale_type != "static" or not is_quantized(cc.cache_dtype):
             raise ValueError(f"calibrate_kv_scales needs a quantized KV cache with static "
                              f"scales; kv_cache_dtype={cc.kv_cache_dtype!r}, "
                              f"kv_scale_type={cc.kv_scale_type!r}")
@@ -291,7 +291,6 @@ class LLMEngine:
                            cache_dtype=cache_dtype, kv_cache_dtype=a.kv_cache_dtype,
                            k_scale=k_scale, v_scale=v_scale, kv_scale_type=a.kv_scale_type,
                            kv_scale_granularity=a.kv_scale_granularity,
-                           calculate_kv_scales=a.calculate_kv_scales,
                            enable_prefix_caching=a.enable_prefix_caching)
 
     def _make_scheduler_config(self) -> SchedulerConfig:
@@ -468,25 +467,22 @@ class LLMEngine:
         self.scheduler.update_after_step(sched.scheduled)
         finished: list[RequestOutput] = []
         by_id = {req.request_id: req for req, _ in sched.scheduled}
-        corrupted = set(result.nonfinite_request_ids)
-        for rid, (_, rows) in result.score_rows.items():
-            if rid not in corrupted and by_id[rid].score is not None \
-                    and not bool(torch.isfinite(rows.sum(dim=-1)).all()):
-                corrupted.add(rid)
-        for rid in corrupted:
-            if not by_id[rid].corrupted:
-                by_id[rid].corrupted = True
-                self._stats.num_corrupted_requests += 1
         for rid, chunk in result.prompt_logprobs.items():
             self._append_prompt_logprobs(by_id[rid], chunk)
         for rid, (first_pos, rows) in result.score_rows.items():
             by_id[rid].score.add(first_pos, rows)
         so = result.sampler_output
         now = time.monotonic()
-        sampled_ids = set(result.sampled_request_ids)
-        for rid in sorted(corrupted - sampled_ids):  # e.g. NaN K/V in a prefill chunk
+        for rid in result.nonfinite_request_ids:
             req = by_id[rid]
-            if req.score is None and not req.is_finished:
+            if not req.corrupted:
+                req.corrupted = True
+                self._stats.num_corrupted_requests += 1
+            if req.score is None:
+                # NaN/inf logits (or K/V): sampling would emit garbage. Finish with
+                # "error" and keep the tokens produced so far (vLLM counts such requests
+                # in vllm:corrupted_requests; we also stop them). Score requests keep
+                # their (NaN) rows and finish normally.
                 self.scheduler.finish_request(req, RequestStatus.FINISHED_ERROR)
                 req.finish_time = now
                 finished.append(self._make_output(req))
@@ -494,13 +490,7 @@ class LLMEngine:
         for i, rid in enumerate(result.sampled_request_ids):
             req = by_id[rid]
             token = sampled[i]
-            if req.corrupted and req.score is None:
-                # NaN/inf logits: sampling them would emit garbage. Finish with "error"
-                # and keep the tokens produced so far (vLLM counts such requests in
-                # vllm:corrupted_requests; we also stop them).
-                self.scheduler.finish_request(req, RequestStatus.FINISHED_ERROR)
-                req.finish_time = now
-                finished.append(self._make_output(req))
+            if req.is_finished:  # finished with "error" above
                 continue
             if req.score is not None:  # teacher forcing: no sampling, no stop checks
                 if req.score.done:

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minivllm.numerics import round_to_tf32
 from minivllm.quantization import QuantConfig
 from minivllm.quantization import weight_quant as wq
 
@@ -59,8 +60,6 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     :func:`clear_weight_caches` for edits it cannot see)."""
     if not (tf32 and x.dtype == torch.float32 and x.device.type == "cpu"):
         return F.linear(x, weight, bias)
-    from minivllm.numerics import round_to_tf32
-
     key = (weight.data_ptr(), _version(weight), weight.shape)
     cached = getattr(owner, "_tf32_cache", None) if owner is not None else None
     if cached is None or cached[0] != key:
@@ -84,8 +83,6 @@ class Linear(nn.Linear):
 
 class LinearMethod:
     """Interface: ``quantize`` a float weight into named tensors, ``apply`` the layer."""
-
-    name = "base"
 
     def __init__(self, cfg: QuantConfig):
         self.cfg = cfg
@@ -132,7 +129,6 @@ class LinearMethod:
 
 
 class Int8Method(LinearMethod):
-    name = "int8"
 
     def quantize(self, weight, stats=None):
         q, scale = wq.quantize_int8(weight, self.cfg.granularity)
@@ -149,10 +145,6 @@ class Int8Method(LinearMethod):
 
 class Int4Method(LinearMethod):
     """int4 RTN, AWQ or GPTQ; all three store the same packed layout."""
-
-    def __init__(self, cfg: QuantConfig):
-        super().__init__(cfg)
-        self.name = cfg.method
 
     def quantize(self, weight, stats=None):
         c = self.cfg
@@ -194,7 +186,6 @@ class Int4Method(LinearMethod):
 
 
 class Fp8Method(LinearMethod):
-    name = "fp8"
 
     def quantize(self, weight, stats=None):
         q, scale = wq.quantize_fp8_weight(weight, self.cfg.granularity)

@@ -146,6 +146,7 @@ def load_model(path: Path, cfg: dict, dtype: torch.dtype, max_position: int,
     :func:`minivllm.quantization.checkpoint.save_quantized` loads its stored quantized
     tensors instead (``quant`` must then be None or the same method).
     """
+    from minivllm.layers.linear import QuantLinear
     from minivllm.layers.rotary_embedding import RotaryEmbedding, get_rope
     from minivllm.models.llama import LlamaForCausalLM
     from minivllm.quantization import checkpoint as qckpt
@@ -170,22 +171,15 @@ def load_model(path: Path, cfg: dict, dtype: torch.dtype, max_position: int,
     else:
         model.load_weights(iter_checkpoint(path))
         if quant is not None:
-            quantize_model(model.float(), quant, calibration_ids)
+            quantize_model(model, quant, calibration_ids)
     for module in model.modules():  # cast float weights; quantized storage keeps its dtypes
         if isinstance(module, RotaryEmbedding):
             continue
+        stored = module.tensor_names if isinstance(module, QuantLinear) else ()
         for name, t in list(module.named_parameters(recurse=False)) + \
                 list(module.named_buffers(recurse=False)):
-            if t.is_floating_point() and t.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) \
-                    and not _is_quant_storage(module, name):
+            if t.is_floating_point() and name not in stored:
                 t.data = t.data.to(dtype)
     model = model.to(device).eval()
     set_float32_matmul_precision(model, float32_matmul_precision, device)
     return model
-
-
-def _is_quant_storage(module, name: str) -> bool:
-    """Scales and other stored tensors of a quantized layer stay float32."""
-    from minivllm.layers.linear import QuantLinear
-
-    return isinstance(module, QuantLinear) and name in module.tensor_names

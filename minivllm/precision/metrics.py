@@ -74,9 +74,16 @@ def kl_divergence(ref, cand) -> torch.Tensor:
     """
     lr, lc = log_softmax(ref), log_softmax(cand)
     _pair(lr, lc)
+    return _kl_rows(lr, lr - lc)
+
+
+def _kl_rows(lr: torch.Tensor, diff: torch.Tensor) -> torch.Tensor:
+    """``sum_v p_v * diff_v`` per row with ``p = exp(lr)``, ``diff = lr - lc``.
+
+    p == 0 contributes 0 (0 log 0 = 0); NaN stays NaN so a broken row is never "perfect".
+    """
     p = lr.exp()
-    # p == 0 contributes 0 (0 log 0 = 0); NaN stays NaN so a broken row is never "perfect"
-    terms = p * (lr - lc)
+    terms = p * diff
     terms.masked_fill_(p == 0, 0.0)
     return terms.sum(dim=-1)
 
@@ -257,11 +264,7 @@ def sequence_drift(ref, cand, token_ids: Sequence[int], k: int = 5) -> SequenceD
     if ids.shape[0] != lr.shape[0]:
         raise ValueError(f"{lr.shape[0]} rows of log-probs for {ids.shape[0]} tokens")
     diff = lr - lc                      # one [T, vocab] temporary, reused below
-    p = lr.exp()
-    terms = p * diff
-    terms.masked_fill_(p == 0, 0.0)     # 0 log 0 = 0; a NaN p stays NaN
-    kl = terms.sum(-1)
-    del p, terms
+    kl = _kl_rows(lr, diff)
     # rows with NaN/+inf (rare): a cheap finiteness test of the row sums first
     valid = torch.ones(lr.shape[0], dtype=torch.bool)
     if not (bool(torch.isfinite(kl).all()) and bool(torch.isfinite(diff.sum(-1)).all())):

@@ -19,9 +19,8 @@ from minivllm.quantization.kv_cache import LayerKVCache
 
 
 @contextmanager
-def _scratch_kv_caches(model, n: int, device) -> Iterator[None]:
-    """Bind fresh float32 caches of n slots to every attention layer, restore after."""
-    attns = [layer.self_attn for layer in model.layers]
+def _scratch_kv_caches(attns: list, n: int, device) -> Iterator[None]:
+    """Bind fresh float32 caches of n slots to the given attention layers, restore after."""
     saved = [a.kv_cache for a in attns]
     one = torch.ones((), device=device)
     try:
@@ -33,6 +32,12 @@ def _scratch_kv_caches(model, n: int, device) -> Iterator[None]:
     finally:
         for a, kv in zip(attns, saved):
             a.kv_cache = kv
+
+
+def _prefill_meta(n: int, device) -> AttentionMetadata:
+    """One causal prefill of n tokens in slots 0..n-1."""
+    slots = torch.arange(n, device=device)
+    return AttentionMetadata(slot_mapping=slots, prefills=[PrefillSeq(0, n, slots, None)])
 
 
 @torch.inference_mode()
@@ -50,13 +55,11 @@ def calibration_forward(model, token_id_lists: list[list[int]], device="cpu",
     """
     if not token_id_lists or any(len(t) == 0 for t in token_id_lists):
         raise ValueError("calibration needs at least one non-empty token sequence")
+    attns = [layer.self_attn for layer in model.layers]
     for ids in token_id_lists:
-        n = len(ids)
-        slots = torch.arange(n, device=device)
-        with _scratch_kv_caches(model, n, device):
-            meta = AttentionMetadata(slot_mapping=slots,
-                                     prefills=[PrefillSeq(0, n, slots, None)])
-            model(torch.tensor(ids, device=device), slots, meta)
+        meta = _prefill_meta(len(ids), device)
+        with _scratch_kv_caches(attns, len(ids), device):
+            model(torch.tensor(ids, device=device), meta.slot_mapping, meta)
             if after_sequence is not None:
                 after_sequence()
 
@@ -65,19 +68,10 @@ def calibration_forward(model, token_id_lists: list[list[int]], device="cpu",
 def layer_forward(layer, hidden: torch.Tensor) -> torch.Tensor:
     """Run one decoder layer on one sequence's hidden states ``[n, hidden]`` as a causal
     prefill with a scratch float32 KV cache (for layer-by-layer calibration)."""
-    n = hidden.shape[0]
-    slots = torch.arange(n, device=hidden.device)
-    attn = layer.self_attn
-    saved = attn.kv_cache
-    shape = (n, attn.num_kv_heads, attn.head_dim)
-    one = torch.ones((), device=hidden.device)
-    attn.kv_cache = LayerKVCache(torch.zeros(shape, device=hidden.device),
-                                 torch.zeros(shape, device=hidden.device), one, one)
-    try:
-        meta = AttentionMetadata(slot_mapping=slots, prefills=[PrefillSeq(0, n, slots, None)])
-        return layer(slots, hidden, meta)
-    finally:
-        attn.kv_cache = saved
+    n, device = hidden.shape[0], hidden.device
+    meta = _prefill_meta(n, device)
+    with _scratch_kv_caches([layer.self_attn], n, device):
+        return layer(meta.slot_mapping, hidden, meta)
 
 
 class InputObserver:

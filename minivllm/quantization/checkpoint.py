@@ -105,11 +105,7 @@ def save_quantized(engine, path: str | Path) -> Path:
         if isinstance(module, QuantLinear):
             for t_name, t in module.stored_tensors().items():
                 tensors[f"model.{name}.{t_name}"] = t.detach().cpu().contiguous()
-            if module.bias is not None:
-                tensors[f"model.{name}.bias"] = module.bias.detach().cpu().contiguous()
-    for name, p in model.named_parameters():
-        if name.endswith(".bias") and f"model.{name}" in tensors:
-            continue
+    for name, p in model.named_parameters():  # float weights, norms, biases
         hf = name if name == "lm_head.weight" else f"model.{name}"
         tensors[hf] = p.detach().cpu().contiguous()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -46,6 +46,7 @@ class ModelRunnerOutput:
     sampled_request_ids: list[str] = field(default_factory=list)
     sampler_output: Optional[SamplerOutput] = None
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+    # requests whose logits, prompt log-probs, score rows or int8 K/V held NaN/inf
     nonfinite_request_ids: list[str] = field(default_factory=list)
     # LLM.score requests: (first position, [n, vocab] float32 log-probs or logits)
     score_rows: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
@@ -82,10 +83,11 @@ class ModelRunner:
         # Zero-filled: padded (masked) reads then never meet NaN garbage.
         self.kv_caches: list[LayerKVCache] = []
         dynamic = cache_config.kv_scale_type == "dynamic"
-        for layer in model.layers:
-            def zeros(shape_, dtype=cache_config.cache_dtype):
-                return torch.zeros(shape_, dtype=dtype, device=self.device)
 
+        def zeros(shape_, dtype=cache_config.cache_dtype):
+            return torch.zeros(shape_, dtype=dtype, device=self.device)
+
+        for layer in model.layers:
             kv = LayerKVCache(
                 zeros(shape), zeros(shape),
                 torch.tensor(cache_config.k_scale, device=self.device),
@@ -286,6 +288,8 @@ class ModelRunner:
                 if not req.score.logits:
                     rows = torch.log_softmax(rows, dim=-1)
                 out.score_rows[req.request_id] = (pos0, rows.cpu())
+                if not bool(torch.isfinite(rows.sum(dim=-1)).all()):
+                    bad_ids.add(req.request_id)
         out.nonfinite_request_ids = sorted(bad_ids)
         return out
 
