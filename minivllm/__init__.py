@@ -1,5 +1,7 @@
 """minivllm: a compact, readable vLLM-style inference engine for the precision course."""
 
+import kernels as _kernels  # noqa: F401  (first: on CPU-only machines it sets TRITON_INTERPRET=1)
+
 from minivllm.config import EngineArgs
 from minivllm.llm import LLM
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput

@@ -200,8 +200,16 @@ class EngineArgs:
     float32_matmul_precision: str = "highest"
     seed: int = 0
     device: str = "cpu"
-    enforce_eager: bool = True  # CUDA graphs come in a later issue
-    attention_backend: str = "torch"
+    # CUDA only: capture decode steps in CUDA graphs (sizes 1, 2, 4, 8, 16, ... up to
+    # min(max_num_seqs, 256)), needs the TRITON backend; True runs every step eagerly.
+    enforce_eager: bool = False
+    # "TORCH" (reference) or "TRITON" (kernels/); None: TORCH on CPU, TRITON on CUDA.
+    attention_backend: Optional[str] = None
+    # "auto": read the checkpoint; "dummy": random weights, only config.json is read
+    # (vLLM's name; for benchmarks of model shapes one does not have).
+    load_format: str = "auto"
+    # True: no tokenizer is loaded; prompts must be token ids and outputs carry no text.
+    skip_tokenizer_init: bool = False
 
     def validate(self) -> None:
         """Check arguments that can be checked without the model.
@@ -239,7 +247,7 @@ class EngineArgs:
                 self.device in ("cpu", "cuda") or re.fullmatch(r"cuda:\d+", self.device)):
             raise ValueError(f"Unknown device {self.device!r}; allowed: cpu, cuda, cuda:N")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "calculate_kv_scales",
-                     "enforce_eager"):
+                     "enforce_eager", "skip_tokenizer_init"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be True or False, got {value!r}")
@@ -251,11 +259,14 @@ class EngineArgs:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) \
                 or not -(2**63) <= self.seed < 2**63:
             raise ValueError(f"seed must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
-        from minivllm.attention.backends import BACKENDS
+        from minivllm.attention.backends import resolve_attention_backend
 
-        if self.attention_backend not in BACKENDS:
-            raise ValueError(f"Unknown attention_backend {self.attention_backend!r}; "
-                             f"allowed: {', '.join(BACKENDS)}")
+        resolve_attention_backend(self.attention_backend, self.device)
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.load_format == "dummy" and self.quantization is not None:
+            raise ValueError("load_format='dummy' (random weights) cannot be combined with "
+                             "quantization: there are no real weights to quantize")
 
     def _validate_kv_scales(self) -> None:
         quantized = self.kv_cache_dtype.startswith("fp8") or self.kv_cache_dtype == "int8"

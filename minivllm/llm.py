@@ -138,6 +138,9 @@ class LLM:
         else:
             conversations = list(messages)
         tok = self.get_tokenizer()
+        if tok is None:
+            raise ValueError("chat() applies the tokenizer's chat template; this LLM was built "
+                             "with skip_tokenizer_init=True")
         prompts = []
         for conv in conversations:
             if not isinstance(conv, (list, tuple)):

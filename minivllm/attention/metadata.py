@@ -2,13 +2,20 @@
 
 vLLM: ``vllm/v1/attention/backends/*`` (``*AttentionMetadata``). The flat token batch is
 ``[num_tokens]``; ``slot_mapping[t]`` is where token t's K/V is written
-(``block_id * block_size + offset``). Reads go through per-sequence slot lists derived
-from the block tables.
+(``block_id * block_size + offset``; negative = padding, not written).
+
+Two read forms, one per backend:
+
+* TORCH (reference): per-sequence slot lists and masks (``decodes``, ``prefills``),
+  gathered into dense tensors for ``scaled_dot_product_attention``;
+* TRITON: block tables and lengths (``paged``), walked by the kernels in
+  :mod:`kernels`, which never materialise the gathered keys.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -46,6 +53,41 @@ class DecodeGroup:
 
 
 @dataclass
+class PagedMetadata:
+    """Block-table form of a step (TRITON backend). int32 tensors on the device.
+
+    Attributes:
+        block_size: tokens per cache block.
+        decode_rows: [Bd] int64 rows of the single-token queries in the flat batch, or
+            None when every row is a decode, in order (pure-decode steps, CUDA graphs).
+        decode_block_tables: [Bd, max_blocks]; decode_seq_lens: [Bd] (0 = padding row).
+        decode_max_seq_len: an upper bound of decode_seq_lens (host int: no sync).
+        prefill_query_starts, prefill_query_lens, prefill_seq_lens: [Bp] for the
+            sequences with several new tokens; prefill_block_tables: [Bp, max_blocks].
+        prefill_max_query_len: host int.
+    """
+
+    block_size: int
+    decode_rows: Optional[torch.Tensor] = None
+    decode_block_tables: Optional[torch.Tensor] = None
+    decode_seq_lens: Optional[torch.Tensor] = None
+    decode_max_seq_len: int = 0
+    prefill_query_starts: Optional[torch.Tensor] = None
+    prefill_query_lens: Optional[torch.Tensor] = None
+    prefill_seq_lens: Optional[torch.Tensor] = None
+    prefill_block_tables: Optional[torch.Tensor] = None
+    prefill_max_query_len: int = 0
+
+    @property
+    def num_decodes(self) -> int:
+        return 0 if self.decode_seq_lens is None else self.decode_seq_lens.shape[0]
+
+    @property
+    def num_prefills(self) -> int:
+        return 0 if self.prefill_query_lens is None else self.prefill_query_lens.shape[0]
+
+
+@dataclass
 class AttentionMetadata:
     """Everything attention needs for one step.
 
@@ -54,8 +96,24 @@ class AttentionMetadata:
         decodes: decode queries, grouped by sequence length so that one long sequence
             does not make every short one pad to its length.
         prefills: sequences with several new tokens.
+        paged: the block-table form (built when the backend asks for it).
     """
 
     slot_mapping: torch.Tensor
     decodes: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSeq] = field(default_factory=list)
+    paged: Optional[PagedMetadata] = None
+
+
+def single_prefill_metadata(n: int, device) -> AttentionMetadata:
+    """One causal prefill of n tokens stored in slots 0..n-1 (a scratch cache of n slots,
+    seen as one block of n tokens), in both read forms."""
+    slots = torch.arange(n, device=device)
+    one = torch.tensor([n], dtype=torch.int32, device=device)
+    paged = PagedMetadata(
+        block_size=n, prefill_query_starts=torch.zeros(1, dtype=torch.int32, device=device),
+        prefill_query_lens=one, prefill_seq_lens=one,
+        prefill_block_tables=torch.zeros(1, 1, dtype=torch.int32, device=device),
+        prefill_max_query_len=n)
+    return AttentionMetadata(slot_mapping=slots, prefills=[PrefillSeq(0, n, slots, None)],
+                             paged=paged)

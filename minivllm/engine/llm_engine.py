@@ -94,6 +94,7 @@ class LLMEngine:
     def __init__(self, args: EngineArgs):
         from minivllm.models.loader import (checkpoint_dtype, load_hf_config, load_model,
                                             resolve_model_path)
+        from minivllm.attention.backends import resolve_attention_backend
         from minivllm.tokenizer import get_tokenizer
 
         args.validate()
@@ -115,10 +116,12 @@ class LLMEngine:
         if max_model_len > max_pos:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
                              f"max_position_embeddings={max_pos}")
-        self.tokenizer = get_tokenizer(args.tokenizer or str(path))
+        self.tokenizer = None if args.skip_tokenizer_init \
+            else get_tokenizer(args.tokenizer or str(path))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos_ids:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None \
+                and self.tokenizer.eos_token_id not in eos_ids:
             eos_ids = eos_ids + (self.tokenizer.eos_token_id,)
         num_heads = cfg["num_attention_heads"]
         self.model_config = ModelConfig(
@@ -139,15 +142,19 @@ class LLMEngine:
         if quant is not None and saved_quant is None and quant.needs_calibration:
             calibration_ids = self._calibration_sequences(quant.calibration,
                                                           quant.calibration_tokens)
-        model = load_model(path, cfg, dtype, max_model_len, device, args.attention_backend,
-                           quant, calibration_ids, args.float32_matmul_precision)
+        self.attention_backend = resolve_attention_backend(args.attention_backend, device)
+        model = load_model(path, cfg, dtype, max_model_len, device, self.attention_backend,
+                           quant, calibration_ids, args.float32_matmul_precision,
+                           load_format=args.load_format, seed=args.seed)
         self.quant_config = saved_quant or quant
         self.kv_cache_manager = KVCacheManager(self.cache_config.num_blocks,
                                                self.cache_config.block_size,
                                                self.cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
-        self.model_runner = ModelRunner(model, self.model_config, self.cache_config, device,
-                                        args.seed)
+        self.model_runner = ModelRunner(
+            model, self.model_config, self.cache_config, device, args.seed,
+            cuda_graph_max_batch_size=None if args.enforce_eager
+            else min(self.scheduler_config.max_num_seqs, 256))
         if args.calculate_kv_scales:
             self.calibrate_kv_scales()
         self._counter = itertools.count()
@@ -214,6 +221,9 @@ class LLMEngine:
         """
         from minivllm.precision import evalsets as E
 
+        if self.tokenizer is None:
+            raise ValueError("calibration on the bundled text needs a tokenizer "
+                             "(skip_tokenizer_init=True); pass token ids instead")
         limit = min(1024, self.model_config.max_model_len)
         if limit < 2:
             raise ValueError(f"calibration needs max_model_len >= 2 (got "
@@ -332,10 +342,16 @@ class LLMEngine:
             if n is not None and n > vocab:
                 raise ValueError(f"{name}={n} is more than the vocabulary size ({vocab}); "
                                  f"allowed: None or 0..{vocab}")
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer (skip_tokenizer_init=True); use "
+                             "stop_token_ids instead")
         for t in params.stop_token_ids:
             if t >= vocab:
                 raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}), got {t}")
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("skip_tokenizer_init=True: there is no tokenizer, so prompts "
+                                 "must be lists of token ids, not text")
             text: Optional[str] = prompt
             check_valid_unicode(prompt, "prompt")
             token_ids = self.tokenizer.encode(prompt)
@@ -547,6 +563,8 @@ class LLMEngine:
         return None
 
     def _decode(self, req: Request) -> str:
+        if self.tokenizer is None:
+            return ""
         return self.tokenizer.decode(req.output_token_ids,
                                      skip_special_tokens=req.params.skip_special_tokens)
 
@@ -562,7 +580,8 @@ class LLMEngine:
         d: dict[int, Logprob] = {}
         for t, lp, r in zip(ids, lps, ranks):
             if t not in d:
-                d[t] = Logprob(lp, r, self.tokenizer.decode([t]))
+                d[t] = Logprob(lp, r, None if self.tokenizer is None
+                               else self.tokenizer.decode([t]))
         return d
 
     def _append_logprobs(self, req: Request, so, i: int, token: int) -> None:
@@ -588,7 +607,7 @@ class LLMEngine:
             if req.status == RequestStatus.FINISHED_STOPPED \
                     and not req.params.include_stop_str_in_output:
                 ids = ids[:-1]  # as vLLM v1: the EOS / stop token id is not in the text
-            req.output_text = self.tokenizer.decode(
+            req.output_text = "" if self.tokenizer is None else self.tokenizer.decode(
                 ids, skip_special_tokens=req.params.skip_special_tokens)
         finish = req.status.value if req.status.finished else None
         comp = CompletionOutput(

@@ -19,7 +19,8 @@ from minivllm.quantization import QUANTIZATION_METHODS
 _CHOICES = {"dtype": ALLOWED_DTYPES, "kv_cache_dtype": ALLOWED_KV_CACHE_DTYPES,
             "device": None, "quantization": QUANTIZATION_METHODS,
             "kv_scale_type": ("static", "dynamic"), "kv_scale_granularity": ("tensor", "head"),
-            "float32_matmul_precision": ("highest", "high")}
+            "float32_matmul_precision": ("highest", "high"),
+            "attention_backend": ("TORCH", "TRITON"), "load_format": ("auto", "dummy")}
 
 
 def _json_object(text: str) -> dict:

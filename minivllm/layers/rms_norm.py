@@ -29,6 +29,23 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
         self.impl = rms_norm_ref
+        self.fused_add_impl = None  # (x, residual, weight, eps) -> (normed, x + residual)
+        self._kernel_impl = None  # the impl fused_add_impl belongs to
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.impl(x, self.weight, self.eps)
+
+    def use_kernels(self, impl, fused_add_impl) -> None:
+        """Run ``impl`` (e.g. ``kernels.rms_norm.rms_norm``) and, in :meth:`add_and_norm`,
+        the fused residual-add version."""
+        self.impl = self._kernel_impl = impl
+        self.fused_add_impl = fused_add_impl
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor):
+        """``h = residual + x; return self(h), h``, in one fused kernel when kernels are in
+        use and ``impl`` has not been swapped since (a planted fault still runs).
+        Forward hooks on this module do not see the fused call."""
+        if self.fused_add_impl is not None and self.impl is self._kernel_impl:
+            return self.fused_add_impl(x, residual, self.weight, self.eps)
+        h = residual + x
+        return self(h), h

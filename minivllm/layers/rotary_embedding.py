@@ -54,8 +54,13 @@ class RotaryEmbedding(nn.Module):
         self._last = (positions, dtype, cos, sin)
         return cos, sin
 
+    kernel = None  # e.g. kernels.rotary.rotary_embedding (in place, same numbers)
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """positions: [num_tokens] int64; q: [T, Hq, D]; k: [T, Hkv, D]. Returns (q, k)."""
+        """positions: [num_tokens] int64; q: [T, Hq, D]; k: [T, Hkv, D]. Returns (q, k)
+        (rotated in place when ``kernel`` is set)."""
+        if self.kernel is not None:
+            return self.kernel(positions, q, k, self.cos_cached, self.sin_cached)
         cos, sin = self.cos_sin(positions, q.dtype)
         return apply_rotary_ref(q, cos, sin), apply_rotary_ref(k, cos, sin)
 

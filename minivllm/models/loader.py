@@ -134,9 +134,10 @@ def iter_checkpoint(path: Path):
 
 
 def load_model(path: Path, cfg: dict, dtype: torch.dtype, max_position: int,
-               device: str = "cpu", attention_backend: str = "torch", quant=None,
+               device: str = "cpu", attention_backend: str = "TORCH", quant=None,
                calibration_ids: Optional[list[list[int]]] = None,
-               float32_matmul_precision: str = "highest"):
+               float32_matmul_precision: str = "highest", load_format: str = "auto",
+               seed: int = 0):
     """Build our LlamaForCausalLM, load weights, quantize, cast to ``dtype``, move to
     ``device``.
 
@@ -145,6 +146,10 @@ def load_model(path: Path, cfg: dict, dtype: torch.dtype, max_position: int,
     same numbers a float32 one does. A folder saved by
     :func:`minivllm.quantization.checkpoint.save_quantized` loads its stored quantized
     tensors instead (``quant`` must then be None or the same method).
+
+    ``load_format="dummy"`` reads no weights: every parameter is drawn from
+    U(-1e-3, 1e-3) (vLLM's ``DummyModelLoader``), directly on ``device`` in ``dtype``;
+    for benchmarks of a model shape (e.g. Llama-3-8B) without its checkpoint.
     """
     from minivllm.layers.linear import QuantLinear
     from minivllm.layers.rotary_embedding import RotaryEmbedding, get_rope
@@ -159,6 +164,9 @@ def load_model(path: Path, cfg: dict, dtype: torch.dtype, max_position: int,
                          "it. Drop quantization= (or load the float model).")
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_position=1, backend=attention_backend)
+    if load_format == "dummy":
+        return _dummy_model(model, cfg, dtype, max_position, device, seed,
+                            float32_matmul_precision)
     model = model.to_empty(device="cpu")
     # One rotary table shared by all layers, float32 (cast to the activation dtype at use,
     # as HF does).
@@ -182,4 +190,34 @@ def load_model(path: Path, cfg: dict, dtype: torch.dtype, max_position: int,
                 t.data = t.data.to(dtype)
     model = model.to(device).eval()
     set_float32_matmul_precision(model, float32_matmul_precision, device)
+    _maybe_use_kernels(model, attention_backend, device)
+    return model
+
+
+def _maybe_use_kernels(model, attention_backend: str, device: str) -> None:
+    """With the TRITON backend on CUDA, RMSNorm and rotary run as Triton kernels too (on
+    CPU they would run in the interpreter: only attention does, for learning)."""
+    if attention_backend == "TRITON" and str(device).startswith("cuda"):
+        model.use_triton_kernels()
+
+
+def _dummy_model(model, cfg: dict, dtype: torch.dtype, max_position: int, device: str,
+                 seed: int, float32_matmul_precision: str):
+    """Random U(-1e-3, 1e-3) weights, made on the device (see ``load_model``)."""
+    from minivllm.layers.rotary_embedding import get_rope
+    from minivllm.quantization.quantize import set_float32_matmul_precision
+
+    model = model.to(dtype).to_empty(device=device)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.uniform_(-1e-3, 1e-3, generator=gen)
+    head_dim = model.layers[0].self_attn.head_dim
+    rope = get_rope(head_dim, max_position, cfg["rope_theta"], cfg.get("rope_scaling")).to(device)
+    for layer in model.layers:
+        layer.self_attn.rotary_emb = rope
+    model = model.eval()
+    set_float32_matmul_precision(model, float32_matmul_precision, device)
+    _maybe_use_kernels(model, model.layers[0].self_attn.backend.name, device)
     return model

@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from minivllm.attention.metadata import AttentionMetadata, PrefillSeq
+from minivllm.attention.metadata import single_prefill_metadata as _prefill_meta
 from minivllm.quantization.kv_cache import LayerKVCache
 
 
@@ -32,12 +32,6 @@ def _scratch_kv_caches(attns: list, n: int, device) -> Iterator[None]:
     finally:
         for a, kv in zip(attns, saved):
             a.kv_cache = kv
-
-
-def _prefill_meta(n: int, device) -> AttentionMetadata:
-    """One causal prefill of n tokens in slots 0..n-1."""
-    slots = torch.arange(n, device=device)
-    return AttentionMetadata(slot_mapping=slots, prefills=[PrefillSeq(0, n, slots, None)])
 
 
 @torch.inference_mode()

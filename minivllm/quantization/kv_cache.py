@@ -160,21 +160,27 @@ class LayerKVCache:
         clamped number and its attention would look healthy. Such tokens are recorded in
         ``nonfinite_rows`` ([T] bool, read and cleared by the model runner), which marks
         their requests as corrupted."""
-        if self.key.dtype == torch.int8:
-            bad = ~(torch.isfinite(k).flatten(1).all(1) & torch.isfinite(v).flatten(1).all(1))
-            if bool(bad.any()):
-                self.nonfinite_rows = bad if self.nonfinite_rows is None \
-                    else self.nonfinite_rows | bad
+        self.note_nonfinite(k, v)
         for x, cache, static, dyn in ((k, self.key, self._k_b, self.k_scale_cache),
                                       (v, self.value, self._v_b, self.v_scale_cache)):
             if dyn is not None:
-                scale = x.detach().float().abs().amax(dim=-1) / qmax(cache.dtype)  # [T, H]
+                # amax * (1/qmax): the same float32 on CPU and CUDA (see kernels/reshape_and_cache)
+                scale = x.detach().float().abs().amax(dim=-1) * (1.0 / qmax(cache.dtype))  # [T, H]
                 scale = torch.where(scale > 0, scale, torch.ones_like(scale))
                 dyn[slots] = scale
                 q = quantize_kv(x, cache.dtype, scale[..., None])
             else:
                 q = quantize_kv(x, cache.dtype, static)
             write_kv_slots(cache, slots, q)
+
+    def note_nonfinite(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """int8 caches: record which of this step's tokens had NaN/inf K or V (a device
+        sync; int8 caches therefore run without CUDA graphs). No-op for other dtypes."""
+        if self.key.dtype == torch.int8:
+            bad = ~(torch.isfinite(k).flatten(1).all(1) & torch.isfinite(v).flatten(1).all(1))
+            if bool(bad.any()):
+                self.nonfinite_rows = bad if self.nonfinite_rows is None \
+                    else self.nonfinite_rows | bad
 
     def read(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather and dequantize slots (any shape [...]) -> K, V [..., kv_heads, head_dim]."""

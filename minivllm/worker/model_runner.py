@@ -13,17 +13,21 @@ Batch tensors for a step with requests r scheduled for n_r new tokens each:
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
-from minivllm.attention.metadata import AttentionMetadata, DecodeGroup, PrefillSeq
+from minivllm.attention.metadata import (AttentionMetadata, DecodeGroup, PagedMetadata,
+                                         PrefillSeq)
 from minivllm.config import CacheConfig, ModelConfig
 from minivllm.engine.request import Request
 from minivllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 from minivllm.quantization.kv_cache import (LayerKVCache, calibrate_kv_amax, is_quantized, qmax,
                                             kv_scale_bytes_per_token)
+
+logger = logging.getLogger("minivllm")
 
 
 @dataclass
@@ -69,10 +73,15 @@ class ModelRunner:
         model_config, cache_config: engine configs.
         device: torch device string.
         seed: seeds the generator used by unseeded random requests.
+        cuda_graph_max_batch_size: on CUDA, capture decode steps of up to this many
+            sequences in CUDA graphs (None: run eagerly). Needs the TRITON backend and a
+            cache that is not int8 (whose NaN check syncs); otherwise a warning says why
+            it runs eagerly.
     """
 
     def __init__(self, model, model_config: ModelConfig, cache_config: CacheConfig,
-                 device: str = "cpu", seed: int = 0):
+                 device: str = "cpu", seed: int = 0,
+                 cuda_graph_max_batch_size: Optional[int] = None):
         self.model = model
         self.model_config = model_config
         self.cache_config = cache_config
@@ -99,6 +108,25 @@ class ModelRunner:
         gen = torch.Generator(device=self.device)
         gen.manual_seed(seed)
         self.sampler = Sampler(gen)
+        self.backend = model.layers[0].self_attn.backend
+        self.paged = self.backend.needs_paged_metadata
+        self.cuda_graphs = None
+        if cuda_graph_max_batch_size and self.device.type == "cuda":
+            why = None
+            if not self.paged:
+                why = f"the {self.backend.name} attention backend builds shapes per step"
+            elif cache_config.cache_dtype == torch.int8:
+                why = "an int8 KV cache checks every step for NaN/inf K/V (a device sync)"
+            if why:
+                logger.warning("CUDA graphs are off: %s; decode runs eagerly "
+                               "(use attention_backend='TRITON', or enforce_eager=True to "
+                               "silence this)", why)
+            else:
+                from minivllm.worker.cuda_graph import CUDAGraphRunner
+
+                self.cuda_graphs = CUDAGraphRunner(
+                    model, cuda_graph_max_batch_size, model_config.max_model_len,
+                    self.block_size, self.device)
 
     # --- KV-cache scales ---------------------------------------------------------------
     def calibrate_kv_scales(self, token_id_lists: list[list[int]]) -> None:
@@ -140,9 +168,9 @@ class ModelRunner:
         dev = self.device
         input_ids: list[int] = []
         positions: list[int] = []
-        slot_chunks: list[torch.Tensor] = []
+        slots: list[int] = []
         decode_rows, decode_tables, decode_lens = [], [], []
-        prefills: list[PrefillSeq] = []
+        prefill_rows, prefill_tables, prefill_ns, prefill_lens = [], [], [], []
         logits_rows: list[int] = []
         sample_reqs: list[Request] = []
         prompt_rows: dict[str, tuple[int, int, int]] = {}  # req -> (row0, pos0, count)
@@ -151,22 +179,19 @@ class ModelRunner:
         for req, n in scheduled:
             start = req.num_computed_tokens
             seq_len = start + n
+            table = block_tables[req.request_id]
             input_ids.extend(req.all_token_ids[start:seq_len])
             positions.extend(range(start, seq_len))
-            table = torch.tensor(block_tables[req.request_id], dtype=torch.int64)
-            pos = torch.arange(start, seq_len)
-            slot_chunks.append(table[pos // bs] * bs + pos % bs)
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, seq_len))
             if n == 1:
                 decode_rows.append(row)
                 decode_tables.append(table)
                 decode_lens.append(seq_len)
             else:
-                all_pos = torch.arange(seq_len)
-                kv_slots = (table[all_pos // bs] * bs + all_pos % bs).to(dev)
-                mask = None
-                if start > 0:
-                    mask = (all_pos[None, :] <= pos[:, None]).to(dev)
-                prefills.append(PrefillSeq(row, row + n, kv_slots, mask))
+                prefill_rows.append(row)
+                prefill_tables.append(table)
+                prefill_ns.append(n)
+                prefill_lens.append(seq_len)
             if req.params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
                 count = min(seq_len, req.num_prompt_tokens - 1) - start
                 prompt_rows[req.request_id] = (row, start, count)
@@ -177,13 +202,60 @@ class ModelRunner:
                 sample_reqs.append(req)
             row += n
 
-        meta = AttentionMetadata(slot_mapping=torch.cat(slot_chunks).to(dev), prefills=prefills)
-        meta.decodes = self._decode_groups(decode_rows, decode_tables, decode_lens)
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev))
+        if self.paged:
+            meta.paged = self._paged_metadata(row, decode_rows, decode_tables, decode_lens,
+                                              prefill_rows, prefill_tables, prefill_ns,
+                                              prefill_lens)
+        else:
+            meta.decodes = self._decode_groups(decode_rows, decode_tables, decode_lens)
+            meta.prefills = [self._prefill_seq(r, t, n, L) for r, t, n, L in
+                             zip(prefill_rows, prefill_tables, prefill_ns, prefill_lens)]
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
         return ids, pos_t, meta, logits_rows, sample_reqs, prompt_rows, score_rows
 
-    def _decode_groups(self, rows: list[int], tables: list[torch.Tensor],
+    def _prefill_seq(self, row: int, table: list[int], n: int, seq_len: int) -> PrefillSeq:
+        """TORCH form of a sequence with n new tokens: read slots of all its seq_len
+        tokens, and a mask when earlier tokens (chunks, cached prefix) precede them."""
+        bs = self.block_size
+        t = torch.tensor(table, dtype=torch.int64)
+        all_pos = torch.arange(seq_len)
+        kv_slots = (t[all_pos // bs] * bs + all_pos % bs).to(self.device)
+        mask = None
+        if seq_len > n:
+            pos = torch.arange(seq_len - n, seq_len)
+            mask = (all_pos[None, :] <= pos[:, None]).to(self.device)
+        return PrefillSeq(row, row + n, kv_slots, mask)
+
+    def _paged_metadata(self, num_rows, decode_rows, decode_tables, decode_lens,
+                        prefill_rows, prefill_tables, prefill_ns, prefill_lens) -> PagedMetadata:
+        """TRITON form: padded block tables and lengths (int32)."""
+        dev = self.device
+
+        def i32(values):
+            return torch.tensor(values, dtype=torch.int32, device=dev)
+
+        def tables(rows):
+            width = max(len(t) for t in rows)
+            return i32([t + [0] * (width - len(t)) for t in rows])
+
+        p = PagedMetadata(block_size=self.block_size)
+        if decode_rows:
+            all_rows = len(decode_rows) == num_rows  # then rows are 0..B-1 in order
+            p.decode_rows = None if all_rows else torch.tensor(decode_rows, device=dev)
+            p.decode_block_tables = tables(decode_tables)
+            p.decode_seq_lens = i32(decode_lens)
+            p.decode_max_seq_len = max(decode_lens)
+        if prefill_rows:
+            p.prefill_query_starts = i32(prefill_rows)
+            p.prefill_query_lens = i32(prefill_ns)
+            p.prefill_seq_lens = i32(prefill_lens)
+            p.prefill_block_tables = tables(prefill_tables)
+            p.prefill_max_query_len = max(prefill_ns)
+        return p
+
+    def _decode_groups(self, rows: list[int], tables: list[list[int]],
                        lens: list[int]) -> list[DecodeGroup]:
         """Batch decode queries in groups of similar length: sorted by length, a new group
         starts when a sequence is both 1.5x and 256 tokens longer than the group's
@@ -207,7 +279,7 @@ class ModelRunner:
             table = torch.zeros(len(members), max_blocks, dtype=torch.int64)
             for r, i in enumerate(members):
                 t = tables[i][:max_blocks]
-                table[r, :len(t)] = t
+                table[r, :len(t)] = torch.tensor(t, dtype=torch.int64)
             j = torch.arange(max_len)
             seq_lens = torch.tensor([lens[i] for i in members])
             out.append(DecodeGroup(
@@ -262,7 +334,10 @@ class ModelRunner:
                       block_tables: dict[str, list[int]]) -> ModelRunnerOutput:
         ids, pos, meta, logits_rows, sample_reqs, prompt_rows, score_rows = \
             self._prepare(scheduled, block_tables)
-        hidden = self.model(ids, pos, meta)
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(meta, ids.shape[0]):
+            hidden = self.cuda_graphs.run(ids, pos, meta)
+        else:
+            hidden = self.model(ids, pos, meta)
         out = ModelRunnerOutput()
         bad_ids = self._nonfinite_kv_requests(scheduled)
         if sample_reqs:

@@ -17,7 +17,15 @@ from minivllm.quantization.kv_cache import LayerKVCache
 
 
 class TorchAttentionBackend:
-    name = "torch"
+    """The reference backend (default on CPU)."""
+
+    name = "TORCH"
+    needs_paged_metadata = False
+
+    def store(self, kv: LayerKVCache, slot_mapping: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:
+        """Write this step's K/V ([T, kv_heads, head_dim]) at slot_mapping [T]."""
+        kv.write(slot_mapping, k, v)
 
     def forward(self, q: torch.Tensor, kv: LayerKVCache, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:

@@ -1,0 +1,210 @@
+"""The engine on the TRITON attention backend (kernels/, in Triton's interpreter on CPU)
+against the TORCH reference backend; backend selection; CUDA-graph helpers; dummy weights
+and skip_tokenizer_init.
+
+Tolerances: in float32 the two backends differ only in summation order, so per-token
+log-probs agree to 1e-4 (measured ~1e-6) and greedy tokens are identical on these prompts.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from minivllm import LLM, EngineArgs, SamplingParams
+from minivllm.attention.backends import resolve_attention_backend
+from minivllm.worker.cuda_graph import capture_sizes
+
+LOGPROB_TOL_F32 = 1e-4
+# Quantized caches: the backends' tiny float differences upstream can move a K/V value
+# across an int8/fp8 rounding boundary, one code step (measured on an H200: 1.4e-4).
+LOGPROB_TOL_QUANT = 1e-3
+
+
+def kernels_interpreted() -> bool:
+    from kernels._triton import INTERPRET
+    return INTERPRET
+
+
+# On a CUDA machine these tests run the engine there (compiled kernels, CUDA graphs).
+DEVICE = "cpu" if kernels_interpreted() else "cuda"
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_hf_model):
+    g = torch.Generator().manual_seed(11)
+    vocab = tiny_hf_model.config.vocab_size
+    shared = torch.randint(3, vocab, (37,), generator=g).tolist()
+    own = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (2, 9, 40, 17, 70)]
+    # two prompts share a 37-token prefix (prefix-cache hits), the rest are ragged
+    return [shared + own[0], shared + own[1]] + own[2:]
+
+
+def _run(model_dir, prompts, backend, max_tokens=10, **kw):
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("block_size", 16)
+    kw.setdefault("device", DEVICE)
+    llm = LLM(model=str(model_dir), attention_backend=backend, **kw)
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    # again: now the shared prefix (and whole prompts) come from the prefix cache, and
+    # the prefill kernel starts after cached blocks
+    outs += llm.generate(prompts[:2], sp, use_tqdm=False)
+    st = llm.stats
+    assert st.num_free_blocks == st.num_total_blocks, "KV blocks leaked"
+    return outs, st
+
+
+def _compare(ref, got, what, tol=LOGPROB_TOL_F32):
+    for i, (a, b) in enumerate(zip(ref, got)):
+        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
+        assert ta == tb, f"{what}: prompt {i} greedy tokens differ: {ta} vs {tb}"
+        lp_a = [next(iter(d.values())).logprob for d in a.outputs[0].logprobs]
+        lp_b = [next(iter(d.values())).logprob for d in b.outputs[0].logprobs]
+        err = max(abs(x - y) for x, y in zip(lp_a, lp_b))
+        assert err <= tol, f"{what}: prompt {i} log-probs differ by {err:.2e} (tol {tol})"
+
+
+@pytest.mark.parametrize("scenario", ["plain", "chunked", "preempted", "fp8_e4m3",
+                                      "int8_dynamic"])
+def test_triton_backend_matches_torch(tiny_model_dir, prompts, scenario):
+    kw = {
+        "plain": dict(enable_chunked_prefill=False),
+        # chunks of 16 tokens: later chunks attend to earlier ones through the cache
+        "chunked": dict(max_num_batched_tokens=16, max_num_seqs=4),
+        # 26 blocks of 4 slots cannot hold the batch as it grows: preemption, recompute
+        "preempted": dict(num_gpu_blocks_override=26, block_size=4, max_model_len=104,
+                          max_tokens=30),
+        "fp8_e4m3": dict(kv_cache_dtype="fp8_e4m3"),
+        "int8_dynamic": dict(kv_cache_dtype="int8", kv_scale_type="dynamic"),
+    }[scenario]
+    ref, st_ref = _run(tiny_model_dir, prompts, "TORCH", **kw)
+    got, st = _run(tiny_model_dir, prompts, "TRITON", **kw)
+    quantized = "kv_cache_dtype" in kw
+    _compare(ref, got, scenario, LOGPROB_TOL_QUANT if quantized else LOGPROB_TOL_F32)
+    assert st.num_preemptions == st_ref.num_preemptions
+    if scenario == "preempted":
+        assert st.num_preemptions > 0, "the scenario did not force a preemption"
+    assert st.prefix_cache_hits > 0
+
+
+def test_backend_selection_and_errors():
+    assert resolve_attention_backend(None, "cpu") == "TORCH"
+    assert resolve_attention_backend(None, "cuda") == "TRITON"
+    assert resolve_attention_backend(None, "cuda:1") == "TRITON"
+    assert resolve_attention_backend("triton", "cpu") == "TRITON"
+    with pytest.raises(ValueError, match="TORCH, TRITON"):
+        EngineArgs(attention_backend="FLASH_ATTN").validate()
+    with pytest.raises(ValueError, match="load_format"):
+        EngineArgs(load_format="pt").validate()
+    with pytest.raises(ValueError, match="dummy"):
+        EngineArgs(load_format="dummy", quantization="int8").validate()
+
+
+def test_capture_sizes():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(5) == [1, 2, 4, 5]
+    assert capture_sizes(16) == [1, 2, 4, 8, 16]
+    sizes = capture_sizes(256)
+    assert sizes[:4] == [1, 2, 4, 8] and sizes[-1] == 256
+    assert all(b - a == 8 for a, b in zip(sizes[3:], sizes[4:]))
+
+
+def test_dummy_weights_and_no_tokenizer(tiny_model_dir, tmp_path):
+    cfg = json.loads((tiny_model_dir / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(cfg))  # config only, no weights
+    llm = LLM(model=str(tmp_path), load_format="dummy", skip_tokenizer_init=True,
+              dtype="float32", max_model_len=64, device=DEVICE)
+    params = list(llm.llm_engine.model_runner.model.parameters())
+    assert all(float(p.abs().max()) <= 1e-3 for p in params)
+    assert len({float(p.flatten()[0]) for p in params}) > 1, "weights are not random"
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4,
+                                                   ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].text == ""
+    with pytest.raises(ValueError, match="token ids"):
+        llm.generate(["text needs a tokenizer"], use_tqdm=False)
+    with pytest.raises(ValueError, match="stop strings"):
+        llm.generate([[1, 2]], SamplingParams(stop=["x"]), use_tqdm=False)
+    with pytest.raises(ValueError, match="chat"):
+        llm.chat([{"role": "user", "content": "hi"}])
+    assert llm.stats.num_free_blocks == llm.stats.num_total_blocks
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="CPU behaviour")
+def test_enforce_eager_is_harmless_on_cpu(tiny_model_dir):
+    llm = LLM(model=str(tiny_model_dir), dtype="float32", enforce_eager=False,
+              attention_backend="TRITON", max_model_len=64)
+    assert llm.llm_engine.model_runner.cuda_graphs is None  # CUDA only
+
+
+@pytest.mark.embedded
+def test_triton_equals_torch_on_embedded_model(embedded_model_dir):
+    """Greedy output of the TRITON backend equals the TORCH backend on SmolLM2 (float32),
+    prompts of different lengths batched together (prefill and decode kernels both)."""
+    msgs = [[{"role": "user", "content": "What is the capital of France?"}],
+            [{"role": "user", "content": "Write one sentence about the sea and the wind."}]]
+    sp = SamplingParams(temperature=0, max_tokens=12)
+    outs = {}
+    for backend in ("TORCH", "TRITON"):
+        llm = LLM(model=str(embedded_model_dir), attention_backend=backend, dtype="float32",
+                  max_model_len=256)
+        outs[backend] = [o.outputs[0].token_ids for o in llm.chat(msgs, sp, use_tqdm=False)]
+        assert llm.stats.num_free_blocks == llm.stats.num_total_blocks
+    assert outs["TRITON"] == outs["TORCH"], outs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_rotary_kernel_matches_reference(dtype):
+    """In the interpreter: bit for bit in 16-bit dtypes (each product is rounded as the
+    reference rounds it). Compiled for a GPU, within 1 ulp of the dtype: the compiler may
+    keep a product in float32 across the rounding and fuse it into an FMA (measured on an
+    H200 with Triton 3.6: 1 ulp in float16 and bfloat16). float32: within 2 ulp."""
+    from kernels.rotary import rotary_embedding, rotary_embedding_ref
+    from minivllm.layers.rotary_embedding import RotaryEmbedding
+
+    torch.manual_seed(3)
+    rope = RotaryEmbedding(64, 300, 10000.0)
+    dev = "cpu" if kernels_interpreted() else "cuda"
+    cos, sin = rope.cos_cached.to(dev), rope.sin_cached.to(dev)
+    qkv = torch.randn(9, 8 * 64, device=dev).to(dtype)  # q, k as views of a fused tensor
+    q, k = qkv[:, :320].view(9, 5, 64), qkv[:, 320:448].view(9, 2, 64)
+    pos = torch.randint(0, 300, (9,), device=dev)
+    q_ref, k_ref = q.clone(), k.clone()
+    rotary_embedding_ref(pos, q_ref, k_ref, cos, sin)
+    rotary_embedding(pos, q, k, cos, sin)
+    if dtype == torch.float32:
+        tol = 2 * torch.finfo(dtype).eps
+    else:
+        tol = 0.0 if kernels_interpreted() else torch.finfo(dtype).eps
+    for got, want in ((q, q_ref), (k, k_ref)):
+        err = ((got.float() - want.float()).abs() / want.float().abs().clamp_min(1)).max()
+        assert err <= tol, f"{dtype}: rotary differs from the reference by {err:.3g}"
+
+
+
+def test_model_with_triton_kernels_matches_plain_model(tiny_model_dir):
+    """use_triton_kernels (fused add+RMSNorm, rotary kernel; what the engine does with
+    TRITON on CUDA) gives the same logits; a planted fault still takes effect."""
+    from minivllm.precision.faults import fp16_rmsnorm
+
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    prompt = [[5, 9, 13, 21, 34, 55, 89]]
+    base = LLM(model=str(tiny_model_dir), dtype="float32", attention_backend="TRITON",
+               device=DEVICE)
+    ref = base.generate(prompt, sp, use_tqdm=False)[0].outputs[0]
+    fast = LLM(model=str(tiny_model_dir), dtype="float32", attention_backend="TRITON",
+               device=DEVICE)
+    model = fast.llm_engine.model_runner.model
+    model.use_triton_kernels()  # on CUDA the engine already did
+    got = fast.generate(prompt, sp, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == ref.token_ids
+    assert abs(got.cumulative_logprob - ref.cumulative_logprob) <= LOGPROB_TOL_F32
+    norm = model.layers[0].post_attention_layernorm
+    with fp16_rmsnorm(fast, 0, "post_attention_layernorm"):
+        assert norm.impl is not norm._kernel_impl  # the fused kernel must step aside
+        faulty = fast.generate(prompt, sp, use_tqdm=False)[0].outputs[0]
+    assert faulty.cumulative_logprob != got.cumulative_logprob
