@@ -64,6 +64,28 @@ def _load_kv_tile(cache_ptr, scale_ptr, scale_cache_ptr, slot, pmask, kvh, d,
 
 
 @triton.jit
+def _attend_tile(q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, ks_cache_ptr,
+                 vs_cache_ptr, slot, pmask, visible, kvh, d, m, l, acc, sm_scale,
+                 NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr,
+                 DYNAMIC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """One step of the online softmax: queries q [M, D] against the keys at cache rows
+    ``slot`` [N] (``pmask``: rows that exist; ``visible`` [M, N]: which query sees which
+    key). Updates the running max m [M], sum l [M] and un-normalised output acc [M, D]."""
+    k = _load_kv_tile(k_cache_ptr, k_scale_ptr, ks_cache_ptr, slot, pmask, kvh, d,
+                      NUM_KV_HEADS, HEAD_DIM, QUANT, DYNAMIC, q.dtype)
+    s = dot(q, tl.trans(k), PRECISION, UPCAST) * sm_scale  # [M, N]
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))  # finite once a row has seen one key
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    v = _load_kv_tile(v_cache_ptr, v_scale_ptr, vs_cache_ptr, slot, pmask, kvh, d,
+                      NUM_KV_HEADS, HEAD_DIM, QUANT, DYNAMIC, q.dtype)
+    acc = acc * alpha[:, None] + dot(cast_rne(p, v.dtype), v, PRECISION, UPCAST)
+    return m_new, l, acc
+
+
+@triton.jit
 def _decode_split_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, ks_cache_ptr, vs_cache_ptr,
         block_tables_ptr, seq_lens_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
@@ -96,18 +118,10 @@ def _decode_split_kernel(
             blk = tl.load(block_tables_ptr + b * stride_bt + pos // BLOCK_SIZE, mask=pmask,
                           other=0)
             slot = blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
-            k = _load_kv_tile(k_cache_ptr, k_scale_ptr, ks_cache_ptr, slot, pmask, kvh, d,
-                              NUM_KV_HEADS, HEAD_DIM, QUANT, DYNAMIC, q.dtype)
-            s = dot(q, tl.trans(k), PRECISION, UPCAST) * sm_scale  # [G, N]
-            s = tl.where(pmask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l = l * alpha + tl.sum(p, axis=1)
-            v = _load_kv_tile(v_cache_ptr, v_scale_ptr, vs_cache_ptr, slot, pmask, kvh, d,
-                              NUM_KV_HEADS, HEAD_DIM, QUANT, DYNAMIC, q.dtype)
-            acc = acc * alpha[:, None] + dot(cast_rne(p, v.dtype), v, PRECISION, UPCAST)
-            m = m_new
+            m, l, acc = _attend_tile(
+                q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, ks_cache_ptr,
+                vs_cache_ptr, slot, pmask, pmask[None, :], kvh, d, m, l, acc, sm_scale,
+                NUM_KV_HEADS, HEAD_DIM, QUANT, DYNAMIC, PRECISION, UPCAST)
         row = (b * (NUM_KV_HEADS * QUERY_GROUP) + heads) * max_splits + split  # [G]
         tl.store(part_m_ptr + row, m, mask=gmask)
         tl.store(part_l_ptr + row, l, mask=gmask)

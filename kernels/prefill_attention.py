@@ -20,10 +20,10 @@ from typing import Optional
 
 import torch
 
-from kernels._quant import cast_rne, dot, quant_format
+from kernels._quant import cast_rne, quant_format
 from kernels._triton import device_ok, next_pow2, tl, triton
-from kernels.paged_attention import (_check_index, _check_out_and_scales, _check_paged_args,
-                                     _dot_precision, _load_kv_tile, _upcast, attention_ref,
+from kernels.paged_attention import (_attend_tile, _check_index, _check_out_and_scales,
+                                     _check_paged_args, _dot_precision, _upcast, attention_ref,
                                      gather_kv)
 from kernels.reshape_and_cache import _per_head
 
@@ -64,20 +64,12 @@ def _prefill_kernel(
             blk = tl.load(block_tables_ptr + b * stride_bt + pos // BLOCK_SIZE, mask=pmask,
                           other=0)
             slot = blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
-            k = _load_kv_tile(k_cache_ptr, k_scale_ptr, ks_cache_ptr, slot, pmask, kvh, d,
-                              NUM_KV_HEADS, HEAD_DIM, QUANT, DYNAMIC, q.dtype)
-            s = dot(q, tl.trans(k), PRECISION, UPCAST) * sm_scale  # [M, N]
-            causal = pos[None, :] <= (ctx + rows)[:, None]
-            s = tl.where(causal & pmask[None, :], s, float("-inf"))
-            # every row sees key 0 in the first tile, so m is finite from then on
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l = l * alpha + tl.sum(p, axis=1)
-            v = _load_kv_tile(v_cache_ptr, v_scale_ptr, vs_cache_ptr, slot, pmask, kvh, d,
-                              NUM_KV_HEADS, HEAD_DIM, QUANT, DYNAMIC, q.dtype)
-            acc = acc * alpha[:, None] + dot(cast_rne(p, v.dtype), v, PRECISION, UPCAST)
-            m = m_new
+            # causal; every row sees key 0 in the first tile, so m is finite after it
+            visible = (pos[None, :] <= (ctx + rows)[:, None]) & pmask[None, :]
+            m, l, acc = _attend_tile(
+                q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, ks_cache_ptr,
+                vs_cache_ptr, slot, pmask, visible, kvh, d, m, l, acc, sm_scale,
+                NUM_KV_HEADS, HEAD_DIM, QUANT, DYNAMIC, PRECISION, UPCAST)
         o = acc / tl.where(rmask, l, 1.0)[:, None]
         tl.store(out_ptr + (q_start + rows[:, None]) * stride_ot + h * stride_oh + d[None, :],
                  cast_rne(o, out_ptr.dtype.element_ty),
