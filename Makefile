@@ -26,7 +26,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[dev,course]"
+	$(PY) -m pip install --quiet -e ".[dev,course,serve]"
 	touch $@
 
 install: $(VENV)/.installed

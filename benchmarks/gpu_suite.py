@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import platform
 import subprocess
 import sys

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from kernels._quant import cast_rne, quant_format
-from kernels._triton import device_ok, next_pow2, tl, triton
+from kernels._triton import next_pow2, tl, triton
 from kernels.paged_attention import (_attend_tile, _check_index, _check_out_and_scales,
                                      _check_paged_args, _dot_precision, _upcast, attention_ref,
                                      gather_kv)

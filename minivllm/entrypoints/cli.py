@@ -1,4 +1,4 @@
-"""``minivllm`` command line: ``generate``, ``compare`` and ``demo`` (``serve``/``bench`` later).
+"""``minivllm`` command line: ``generate``, ``compare``, ``demo``, ``serve``, ``bench serve``.
 
 Engine flags are generated from :class:`minivllm.config.EngineArgs`, spelled as
 ``vllm serve`` spells them (``--kv-cache-dtype``, ``--max-num-seqs``,
@@ -256,7 +256,42 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print one JSON object as the last line (progress bars off)")
     add_engine_args(c, only_given=True)
     c.set_defaults(func=_cmd_compare)
+
+    v = sub.add_parser("serve", help="OpenAI-compatible HTTP server (like vllm serve)")
+    v.add_argument("model_tag", nargs="?", default=None,
+                   help="the model (alias or folder); same as --model")
+    v.add_argument("--host", default="127.0.0.1")
+    v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) clients use in 'model' (default: the model argument)")
+    v.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* routes")
+    v.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="answer 503 while this many requests already wait (default: no limit)")
+    v.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic stats log line")
+    v.add_argument("--log-interval", type=float, default=5.0,
+                   help="seconds between stats log lines (default: %(default)s)")
+    add_engine_args(v)
+    v.set_defaults(func=_cmd_serve)
+
+    from minivllm.entrypoints.bench_serve import add_parser as add_bench_parser
+    add_bench_parser(sub)
     return parser
+
+
+def _cmd_serve(ns: argparse.Namespace) -> int:
+    from minivllm.entrypoints.openai.api_server import run_server
+
+    if ns.model_tag is not None:
+        ns.model = ns.model_tag
+    if ns.max_waiting_requests is not None and ns.max_waiting_requests < 0:
+        raise ValueError(f"--max-waiting-requests must be >= 0, got {ns.max_waiting_requests}")
+    run_server(engine_args_from(ns), host=ns.host, port=ns.port,
+               served_model_names=ns.served_model_name, api_key=ns.api_key,
+               max_waiting_requests=ns.max_waiting_requests,
+               log_stats=not ns.disable_log_stats, log_interval_s=ns.log_interval)
+    return 0
 
 
 def _join_flag_values(argv: list[str]) -> list[str]:

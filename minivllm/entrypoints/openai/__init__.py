@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server (``minivllm serve``): api_server, protocol, metrics."""

@@ -1,0 +1,141 @@
+"""Prometheus metrics with vLLM's names (``vllm/v1/metrics/loggers.py``).
+
+Gauges are set and counters advanced by the engine thread after every step
+(:meth:`ServerMetrics.on_step`); ``/metrics`` renders the registry. Names, as a learner
+will see them from ``vllm serve``:
+
+* ``vllm:num_requests_running``, ``vllm:num_requests_waiting`` (gauges)
+* ``vllm:kv_cache_usage_perc`` (gauge, 0..1, fraction of KV blocks in use)
+* ``vllm:num_preemptions_total``, ``vllm:prefix_cache_queries_total``,
+  ``vllm:prefix_cache_hits_total`` (tokens), ``vllm:prompt_tokens_total``,
+  ``vllm:generation_tokens_total``, ``vllm:request_success_total{finished_reason}``,
+  ``vllm:corrupted_requests_total`` (requests whose logits held NaN/inf)
+* histograms ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
+  ``vllm:e2e_request_latency_seconds``
+
+prometheus-client appends ``_total`` to counter names itself, so counters are declared
+without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+logger = logging.getLogger("minivllm")
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class ServerMetrics:
+    """The server's metrics and the periodic stats log line.
+
+    Args:
+        model_name: the ``model_name`` label value.
+        log_interval_s: seconds between stats log lines; None for none.
+    """
+
+    def __init__(self, model_name: str, log_interval_s: float | None = 5.0):
+        self.registry = CollectorRegistry()
+        lab = ["model_name"]
+        r = self.registry
+        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch.",
+                             lab, registry=r).labels(model_name)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.",
+                             lab, registry=r).labels(model_name)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc",
+                              "KV-cache usage: fraction of blocks in use (1 = full).",
+                              lab, registry=r).labels(model_name)
+        self.preemptions = Counter("vllm:num_preemptions", "Preemptions (recompute).",
+                                   lab, registry=r).labels(model_name)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache.",
+                                      lab, registry=r).labels(model_name)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits",
+                                   "Prompt tokens found in the prefix cache.",
+                                   lab, registry=r).labels(model_name)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed.",
+                                     lab, registry=r).labels(model_name)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.",
+                                         lab, registry=r).labels(model_name)
+        self.success = Counter("vllm:request_success", "Finished requests by reason.",
+                               lab + ["finished_reason"], registry=r)
+        self.corrupted = Counter("vllm:corrupted_requests",
+                                 "Requests whose logits (or int8 K/V) held NaN/inf.",
+                                 lab, registry=r).labels(model_name)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.",
+                              lab, buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between tokens.",
+                             lab, buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.",
+                             lab, buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.model_name = model_name
+        self.log_interval_s = log_interval_s
+        self._last = {"preemptions": 0, "queries": 0, "hits": 0, "prompt": 0, "gen": 0,
+                      "corrupted": 0}
+        self._last_token_time: dict[str, float] = {}
+        self._last_log = time.monotonic()
+        self._log_gen = 0
+        self._log_prompt = 0
+
+    def on_step(self, async_llm, record) -> None:
+        """Engine-thread callback (see :class:`minivllm.engine.async_llm.StepRecord`)."""
+        eng = async_llm.engine
+        sched, kv, st = eng.scheduler, eng.kv_cache_manager, eng._stats
+        self.running.set(sched.num_running)
+        self.waiting.set(sched.num_waiting)
+        self.kv_usage.set(kv.usage)
+        now_vals = {"preemptions": sched.num_preemptions, "queries": kv.prefix_cache_queries,
+                    "hits": kv.prefix_cache_hits, "prompt": st.num_prompt_tokens,
+                    "gen": st.num_generation_tokens, "corrupted": st.num_corrupted_requests}
+        for key, counter in (("preemptions", self.preemptions), ("queries", self.prefix_queries),
+                             ("hits", self.prefix_hits), ("prompt", self.prompt_tokens),
+                             ("gen", self.generation_tokens), ("corrupted", self.corrupted)):
+            delta = now_vals[key] - self._last[key]
+            if delta > 0:
+                counter.inc(delta)
+        self._log_gen += max(0, now_vals["gen"] - self._last["gen"])
+        self._log_prompt += max(0, now_vals["prompt"] - self._last["prompt"])
+        self._last = now_vals
+        for out in record.outputs:
+            rid, n_new = out.request_id, record.new_tokens.get(out.request_id, 0)
+            if n_new <= 0:
+                continue
+            m = out.metrics
+            prev = self._last_token_time.get(rid)
+            if prev is None and m.get("first_token_time") is not None:
+                self.ttft.observe(m["first_token_time"] - m["arrival_time"])
+            elif prev is not None:
+                for _ in range(n_new):
+                    self.itl.observe((record.now - prev) / n_new)
+            self._last_token_time[rid] = record.now
+        for out in record.finished:
+            self._last_token_time.pop(out.request_id, None)
+            reason = out.outputs[0].finish_reason or "abort"
+            self.success.labels(self.model_name, reason).inc()
+            m = out.metrics
+            if m.get("finish_time") is not None:
+                self.e2e.observe(m["finish_time"] - m["arrival_time"])
+        self.maybe_log(async_llm)
+
+    def maybe_log(self, async_llm, force: bool = False) -> None:
+        """The periodic stats line (vLLM's ``LoggingStatLogger``)."""
+        if self.log_interval_s is None:
+            return
+        now = time.monotonic()
+        dt = now - self._last_log
+        if dt < self.log_interval_s and not force:
+            return
+        eng = async_llm.engine
+        kv = eng.kv_cache_manager
+        hit = kv.prefix_cache_hits / kv.prefix_cache_queries if kv.prefix_cache_queries else 0.0
+        logger.info(
+            "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+            "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit "
+            "rate: %.1f%%, Preemptions: %d", self._log_prompt / dt, self._log_gen / dt,
+            eng.scheduler.num_running, eng.scheduler.num_waiting, 100 * kv.usage, 100 * hit,
+            eng.scheduler.num_preemptions)
+        self._last_log, self._log_gen, self._log_prompt = now, 0, 0

@@ -1,0 +1,119 @@
+"""Request bodies of the OpenAI-compatible API (pydantic), and their SamplingParams.
+
+Field names follow the OpenAI API (``max_tokens``, ``stop``, ``logprobs``...) plus vLLM's
+sampling extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
+``min_tokens``, ``stop_token_ids``, ``skip_special_tokens``,
+``include_stop_str_in_output``). Unknown fields are refused (400), so a misspelled
+parameter is never silently ignored. Values are range-checked by
+:class:`~minivllm.sampling_params.SamplingParams`; its ValueError becomes a 400.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from minivllm.sampling_params import SamplingParams
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Base):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Base):
+    model: str
+    max_tokens: Optional[int] = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    n: int = 1
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+
+    def sampling_params(self, default_max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
+        """Raises ValueError for values SamplingParams does not allow, or n != 1."""
+        if self.n != 1:
+            raise ValueError(f"n={self.n} is not supported (only n=1)")
+        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        return SamplingParams(
+            max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            min_p=self.min_p, seed=self.seed, stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []),
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs)
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``. ``prompt``: text, or a list of token ids (a list with one
+    text is accepted too). OpenAI's default ``max_tokens`` is 16."""
+
+    prompt: Union[str, list[int], list[str]]
+    logprobs: Optional[int] = Field(default=None, ge=0)
+    echo: bool = False
+    suffix: Optional[str] = None
+
+
+class ChatMessage(_Base):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: Union[str, list[dict]]
+    name: Optional[str] = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``. ``max_completion_tokens`` is OpenAI's newer name for
+    ``max_tokens``; without either, the rest of the context (max_model_len - prompt) is
+    allowed, as vLLM does."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(default=None, ge=0)
+    add_generation_prompt: bool = True
+
+
+class TokenizeRequest(_Base):
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(_Base):
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+def message_text(m: ChatMessage) -> str:
+    """A message's text: a string, or OpenAI content parts of type "text" joined.
+
+    Raises:
+        ValueError: a part that is not text (images and audio are not supported).
+    """
+    if isinstance(m.content, str):
+        return m.content
+    texts = []
+    for part in m.content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise ValueError(f"only text content parts are supported, got {part!r:.80}")
+        texts.append(part["text"])
+    return "".join(texts)
