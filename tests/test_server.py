@@ -356,3 +356,23 @@ def test_bench_serve_reports(server):
         s = res[key]
         assert 0 < s["median"] <= s["p99"], (key, s)
     assert res["ttft_ms"]["mean"] <= res["e2e_ms"]["mean"]
+
+
+def test_non_streaming_disconnect_aborts(server):
+    """A non-streaming client that sends its request and hangs up aborts the request;
+    its blocks come back."""
+    before = wait_idle(server)
+    body = json.dumps({"model": NAME, "prompt": PROMPT, "max_tokens": 480,
+                       "ignore_eos": True, "temperature": 0}).encode()
+    host, port = server.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nAuthorization: Bearer " + KEY.encode()
+                     + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    key = "vllm:request_success_total{finished_reason=abort}"
+    deadline = time.monotonic() + 30
+    while metrics(server).get(key, 0) - before.get(key, 0) < 1:  # the server is async
+        assert time.monotonic() < deadline, "the abort was never counted"
+        time.sleep(0.05)
+    after = wait_idle(server)
+    assert after.get(key, 0) - before.get(key, 0) == 1

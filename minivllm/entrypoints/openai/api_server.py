@@ -132,22 +132,29 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: Optional[st
         return chained(), gen
 
     async def collect(request: Request, outputs, gen) -> RequestOutput:
-        """The final output; aborts the request if the client disconnects first."""
+        """The final output; aborts the request as soon as the client disconnects."""
         async def last():
             final = None
             async for out in outputs:
                 final = out
             return final
+
+        async def disconnected():
+            # the body has been read: the next message is the client going away
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
         task = asyncio.ensure_future(last())
+        watcher = asyncio.ensure_future(disconnected())
         try:
-            while not task.done():
-                await asyncio.wait({task}, timeout=0.25)
-                if not task.done() and await request.is_disconnected():
-                    task.cancel()
-                    await gen.aclose()
-                    raise APIError(400, "client disconnected")
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                task.cancel()  # the engine stream's finally aborts the request
+                await asyncio.gather(task, return_exceptions=True)
+                raise APIError(400, "client disconnected")
             return task.result()
         finally:
+            watcher.cancel()
             if not task.done():
                 task.cancel()
 
@@ -239,7 +246,7 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: Optional[st
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                sse(stream_completion(outputs, gen, rid, created, params, include_usage)),
+                sse(stream_completion(outputs, gen, rid, created, params, include_usage), gen),
                 media_type="text/event-stream")
         out = await collect(request, outputs, gen)
         c = out.outputs[0]
@@ -274,7 +281,7 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: Optional[st
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                sse(stream_chat(outputs, gen, rid, created, params, include_usage)),
+                sse(stream_chat(outputs, gen, rid, created, params, include_usage), gen),
                 media_type="text/event-stream")
         out = await collect(request, outputs, gen)
         c = out.outputs[0]
@@ -329,7 +336,7 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: Optional[st
         if include_usage and last is not None:
             yield {**head, "choices": [], "usage": usage(last)}
 
-    async def sse(chunks) -> AsyncIterator[str]:
+    async def sse(chunks, gen) -> AsyncIterator[str]:
         try:
             async for chunk in chunks:
                 yield f"data: {json.dumps(chunk)}\n\n"
@@ -337,7 +344,10 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: Optional[st
         except RuntimeError as e:  # the engine failed mid-stream
             yield f"data: {json.dumps({'error': {'message': str(e), 'code': 500}})}\n\n"
         finally:
-            await chunks.aclose()  # a disconnect lands here: generate() aborts the request
+            # A disconnect lands here. Closing the engine stream explicitly (not at
+            # garbage collection) runs its finally, which aborts the request at once.
+            await chunks.aclose()
+            await gen.aclose()
 
     def completion_logprobs(c, start, end, offset0=0):
         """OpenAI's legacy completions format for tokens [start, end)."""
