@@ -46,6 +46,13 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 503: "service_unavailable"}
 
 
+async def wait_disconnect(request: Request) -> None:
+    """Return when the client disconnects (the body has been read, so the next ASGI
+    message is ``http.disconnect``)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def error_response(status: int, message: str, param: Optional[str] = None) -> JSONResponse:
     return JSONResponse(status_code=status, content={"error": {
         "message": message, "type": _ERROR_TYPES.get(status, "error"), "param": param,
@@ -139,13 +146,8 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: Optional[st
                 final = out
             return final
 
-        async def disconnected():
-            # the body has been read: the next message is the client going away
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-
         task = asyncio.ensure_future(last())
-        watcher = asyncio.ensure_future(disconnected())
+        watcher = asyncio.ensure_future(wait_disconnect(request))
         try:
             await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if not task.done():
@@ -246,7 +248,8 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: Optional[st
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                sse(stream_completion(outputs, gen, rid, created, params, include_usage), gen),
+                sse(stream_completion(outputs, gen, rid, created, params, include_usage),
+                    gen, request, rid),
                 media_type="text/event-stream")
         out = await collect(request, outputs, gen)
         c = out.outputs[0]
@@ -281,7 +284,8 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: Optional[st
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                sse(stream_chat(outputs, gen, rid, created, params, include_usage), gen),
+                sse(stream_chat(outputs, gen, rid, created, params, include_usage),
+                    gen, request, rid),
                 media_type="text/event-stream")
         out = await collect(request, outputs, gen)
         c = out.outputs[0]
@@ -336,7 +340,14 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: Optional[st
         if include_usage and last is not None:
             yield {**head, "choices": [], "usage": usage(last)}
 
-    async def sse(chunks, gen) -> AsyncIterator[str]:
+    async def abort_on_disconnect(request: Request, request_id: str) -> None:
+        """Abort as soon as the client goes away, without waiting for a write to fail
+        (a server can write many chunks into a closed socket before it notices)."""
+        await wait_disconnect(request)
+        llm.abort(request_id)
+
+    async def sse(chunks, gen, request: Request, request_id: str) -> AsyncIterator[str]:
+        watcher = asyncio.ensure_future(abort_on_disconnect(request, request_id))
         try:
             async for chunk in chunks:
                 yield f"data: {json.dumps(chunk)}\n\n"
@@ -346,6 +357,7 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: Optional[st
         finally:
             # A disconnect lands here. Closing the engine stream explicitly (not at
             # garbage collection) runs its finally, which aborts the request at once.
+            watcher.cancel()
             await chunks.aclose()
             await gen.aclose()
 
