@@ -307,12 +307,10 @@ def engine(copy_bw: float, quick: bool) -> tuple[list[dict], dict]:
             rows[B][f"{mode}_decode_tok_s"] = B / step
     runner.cuda_graphs = graphs
     # graph replay alone at batch 1 (GPU time of the forward pass, no scheduler/sampler)
-    meta_ids = torch.zeros(1, dtype=torch.int64, device="cuda")
     graph, _ = graphs.graphs[1]
     graphs.seq_lens[:1] = 256
     graphs.slot_mapping[:1] = -1
     ms_replay = do_bench(graph.replay)
-    del meta_ids
     del llm, runner, model, graphs, graph
     gc.collect()
     torch.cuda.empty_cache()

@@ -119,9 +119,6 @@ class AsyncLLM:
         """Abort a request (no-op if it already finished)."""
         self._submit("abort", request_id)
 
-    def encode(self, text: str) -> list[int]:
-        return self.engine.tokenizer.encode(text)
-
     def shutdown(self) -> None:
         self._stop.set()
         self._commands.put(None)

@@ -118,6 +118,26 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: Optional[st
                                 f"{max_tokens} ({num_prompt_tokens + max_tokens} in all)",
                            "max_tokens")
 
+    def sampling_params(body, default_max_tokens, logprobs):
+        try:
+            return body.sampling_params(default_max_tokens, logprobs)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+
+    async def run(request: Request, body, token_ids: list[int], params, prefix: str, streamer):
+        """Check the context, add the request; then a StreamingResponse (``body.stream``)
+        or the final RequestOutput. Returns (request id, created, that)."""
+        check_context(len(token_ids), body.max_tokens)
+        rid = f"{prefix}-{uuid.uuid4().hex}"
+        outputs, gen = await start(token_ids, params, rid)
+        created = int(time.time())
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return rid, created, StreamingResponse(
+                sse(streamer(outputs, rid, created, params, include_usage), gen, request, rid),
+                media_type="text/event-stream")
+        return rid, created, await collect(request, outputs, gen)
+
     async def start(prompt, params, request_id):
         """Add the request; returns its output iterator (errors raise APIError)."""
         gen = llm.generate(prompt, params, request_id)
@@ -235,25 +255,16 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: Optional[st
             prompt = prompt[0]
         if isinstance(prompt, (str, list)) and len(prompt) == 0:
             raise APIError(400, "prompt must not be empty", "prompt")
-        try:
-            params = body.sampling_params(16, body.logprobs)
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
+        params = sampling_params(body, 16, body.logprobs)
         if isinstance(prompt, str) and llm.tokenizer is not None:
             prompt = llm.tokenizer.encode(prompt)
-        check_context(len(prompt), body.max_tokens)
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        outputs, gen = await start(prompt, params, rid)
-        created = int(time.time())
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(
-                sse(stream_completion(outputs, gen, rid, created, params, include_usage),
-                    gen, request, rid),
-                media_type="text/event-stream")
-        out = await collect(request, outputs, gen)
+        rid, created, result = await run(request, body, prompt, params, "cmpl",
+                                         stream_completion)
+        if isinstance(result, StreamingResponse):
+            return result
+        out = result
         c = out.outputs[0]
-        choice = {"index": 0, "text": c.text, "finish_reason": openai_reason(c.finish_reason),
+        choice = {"index": 0, "text": c.text, "finish_reason": c.finish_reason,
                   "stop_reason": c.stop_reason,
                   "logprobs": completion_logprobs(c, 0, len(c.token_ids))
                   if params.logprobs is not None else None}
@@ -272,32 +283,24 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: Optional[st
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
-        try:
-            params = body.sampling_params(None, (body.top_logprobs or 0) if body.logprobs else None)
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
+        params = sampling_params(body, None,
+                                 (body.top_logprobs or 0) if body.logprobs else None)
         token_ids = llm.tokenizer.encode(prompt, add_special_tokens=False)
-        check_context(len(token_ids), body.max_tokens)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        outputs, gen = await start(token_ids, params, rid)
-        created = int(time.time())
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(
-                sse(stream_chat(outputs, gen, rid, created, params, include_usage),
-                    gen, request, rid),
-                media_type="text/event-stream")
-        out = await collect(request, outputs, gen)
+        rid, created, result = await run(request, body, token_ids, params, "chatcmpl",
+                                         stream_chat)
+        if isinstance(result, StreamingResponse):
+            return result
+        out = result
         c = out.outputs[0]
         choice = {"index": 0, "message": {"role": "assistant", "content": c.text},
-                  "finish_reason": openai_reason(c.finish_reason), "stop_reason": c.stop_reason,
+                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                   "logprobs": chat_logprobs(c, 0, len(c.token_ids), params.logprobs)
                   if body.logprobs else None}
         return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
                 "choices": [choice], "usage": usage(out)}
 
     # --- streaming ------------------------------------------------------------------
-    async def stream_completion(outputs, gen, rid, created, params, include_usage):
+    async def stream_completion(outputs, rid, created, params, include_usage):
         sent_text, sent_tokens, last = "", 0, None
         async for out in outputs:
             last = out
@@ -312,13 +315,13 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: Optional[st
                            "logprobs": completion_logprobs(
                                c, sent_tokens, n, len(sent_text) - len(delta))
                            if params.logprobs is not None else None,
-                           "finish_reason": openai_reason(c.finish_reason) if out.finished else None}]}
+                           "finish_reason": c.finish_reason if out.finished else None}]}
                 sent_tokens = n
         if include_usage and last is not None:
             yield {"id": rid, "object": "text_completion", "created": created,
                    "model": model_name, "choices": [], "usage": usage(last)}
 
-    async def stream_chat(outputs, gen, rid, created, params, include_usage):
+    async def stream_chat(outputs, rid, created, params, include_usage):
         head = {"id": rid, "object": "chat.completion.chunk", "created": created,
                 "model": model_name}
         yield {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
@@ -335,7 +338,7 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: Optional[st
                     "index": 0, "delta": {"content": delta} if delta else {},
                     "logprobs": chat_logprobs(c, sent_tokens, n, params.logprobs)
                     if params.logprobs is not None else None,
-                    "finish_reason": openai_reason(c.finish_reason) if out.finished else None}]}
+                    "finish_reason": c.finish_reason if out.finished else None}]}
                 sent_tokens = n
         if include_usage and last is not None:
             yield {**head, "choices": [], "usage": usage(last)}
@@ -410,11 +413,6 @@ def text_delta(sent: str, text: str, finished: bool, params) -> str:
 def _token_text(entry: dict, token_id: int) -> str:
     lp = entry.get(token_id)
     return lp.decoded_token if lp is not None and lp.decoded_token is not None else str(token_id)
-
-
-def openai_reason(reason: Optional[str]) -> Optional[str]:
-    """Engine finish reasons are OpenAI's ("stop", "length") plus "abort" and "error"."""
-    return reason
 
 
 def usage(out: RequestOutput) -> dict:

@@ -40,38 +40,32 @@ class ServerMetrics:
 
     def __init__(self, model_name: str, log_interval_s: float | None = 5.0):
         self.registry = CollectorRegistry()
-        lab = ["model_name"]
-        r = self.registry
-        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch.",
-                             lab, registry=r).labels(model_name)
-        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.",
-                             lab, registry=r).labels(model_name)
-        self.kv_usage = Gauge("vllm:kv_cache_usage_perc",
-                              "KV-cache usage: fraction of blocks in use (1 = full).",
-                              lab, registry=r).labels(model_name)
-        self.preemptions = Counter("vllm:num_preemptions", "Preemptions (recompute).",
-                                   lab, registry=r).labels(model_name)
-        self.prefix_queries = Counter("vllm:prefix_cache_queries",
-                                      "Prompt tokens looked up in the prefix cache.",
-                                      lab, registry=r).labels(model_name)
-        self.prefix_hits = Counter("vllm:prefix_cache_hits",
-                                   "Prompt tokens found in the prefix cache.",
-                                   lab, registry=r).labels(model_name)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed.",
-                                     lab, registry=r).labels(model_name)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.",
-                                         lab, registry=r).labels(model_name)
+
+        def metric(kind, name, doc, **kw):  # one series per model, labelled by its name
+            return kind(name, doc, ["model_name"], registry=self.registry, **kw).labels(model_name)
+
+        def latency(name, doc):
+            return metric(Histogram, name, doc, buckets=_LATENCY_BUCKETS)
+
+        self.running = metric(Gauge, "vllm:num_requests_running", "Requests in the running batch.")
+        self.waiting = metric(Gauge, "vllm:num_requests_waiting",
+                              "Requests waiting to be scheduled.")
+        self.kv_usage = metric(Gauge, "vllm:kv_cache_usage_perc",
+                               "KV-cache usage: fraction of blocks in use (1 = full).")
+        self.preemptions = metric(Counter, "vllm:num_preemptions", "Preemptions (recompute).")
+        self.prefix_queries = metric(Counter, "vllm:prefix_cache_queries",
+                                     "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = metric(Counter, "vllm:prefix_cache_hits",
+                                  "Prompt tokens found in the prefix cache.")
+        self.prompt_tokens = metric(Counter, "vllm:prompt_tokens", "Prefill tokens processed.")
+        self.generation_tokens = metric(Counter, "vllm:generation_tokens", "Tokens generated.")
         self.success = Counter("vllm:request_success", "Finished requests by reason.",
-                               lab + ["finished_reason"], registry=r)
-        self.corrupted = Counter("vllm:corrupted_requests",
-                                 "Requests whose logits (or int8 K/V) held NaN/inf.",
-                                 lab, registry=r).labels(model_name)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.",
-                              lab, buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between tokens.",
-                             lab, buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.",
-                             lab, buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+                               ["model_name", "finished_reason"], registry=self.registry)
+        self.corrupted = metric(Counter, "vllm:corrupted_requests",
+                                "Requests whose logits (or int8 K/V) held NaN/inf.")
+        self.ttft = latency("vllm:time_to_first_token_seconds", "Time to first token.")
+        self.itl = latency("vllm:inter_token_latency_seconds", "Time between tokens.")
+        self.e2e = latency("vllm:e2e_request_latency_seconds", "Arrival to finish.")
         self.model_name = model_name
         self.log_interval_s = log_interval_s
         self._last = {"preemptions": 0, "queries": 0, "hits": 0, "prompt": 0, "gen": 0,
