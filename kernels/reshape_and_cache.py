@@ -31,17 +31,12 @@ from kernels._triton import device_ok, next_pow2, tl, triton
 
 
 @triton.jit
-def _store_kernel(x_ptr, cache_ptr, slot_ptr, scale_ptr, scale_cache_ptr, num_tokens,
-                  stride_xt, stride_xh,
-                  NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                  BLOCK_T: tl.constexpr, KIND: tl.constexpr, DYNAMIC: tl.constexpr,
-                  QMAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
-    # one program: BLOCK_T tokens x one KV head x the whole head_dim
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    h = tl.program_id(1)
+def _store_tile(x_ptr, cache_ptr, slot, ok, t, h, stride_xt, stride_xh, scale_ptr,
+                scale_cache_ptr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                D_PAD: tl.constexpr, KIND: tl.constexpr, DYNAMIC: tl.constexpr,
+                QMAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
+    """Store rows x[t, h, :] at cache[slot, h, :] (where ok), quantizing for fp8/int8."""
     d = tl.arange(0, D_PAD)
-    slot = tl.load(slot_ptr + t, mask=t < num_tokens, other=-1).to(tl.int64)
-    ok = slot >= 0
     mask = ok[:, None] & (d[None, :] < HEAD_DIM)
     x = tl.load(x_ptr + t[:, None].to(tl.int64) * stride_xt + h * stride_xh + d[None, :],
                 mask=mask, other=0.0)
@@ -61,6 +56,29 @@ def _store_kernel(x_ptr, cache_ptr, slot_ptr, scale_ptr, scale_cache_ptr, num_to
             y = tl.div_rn(y, s + tl.zeros_like(y))
         y = quantize(y, KIND, QMAX, MANTISSA_BITS, MIN_EXP)
         tl.store(dst, y.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
+                  k_scale_cache_ptr, v_scale_cache_ptr, num_tokens, stride_kt, stride_kh,
+                  stride_vt, stride_vh,
+                  NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                  BLOCK_T: tl.constexpr, KIND: tl.constexpr, DYNAMIC: tl.constexpr,
+                  QMAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
+    # one program: BLOCK_T tokens x one KV head x the whole head_dim, of K (axis 2 = 0)
+    # or of V (axis 2 = 1): one launch stores both
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(1)
+    slot = tl.load(slot_ptr + t, mask=t < num_tokens, other=-1).to(tl.int64)
+    ok = slot >= 0
+    if tl.program_id(2) == 0:
+        _store_tile(k_ptr, k_cache_ptr, slot, ok, t, h, stride_kt, stride_kh, k_scale_ptr,
+                    k_scale_cache_ptr, NUM_KV_HEADS, HEAD_DIM, D_PAD, KIND, DYNAMIC, QMAX,
+                    MANTISSA_BITS, MIN_EXP)
+    else:
+        _store_tile(v_ptr, v_cache_ptr, slot, ok, t, h, stride_vt, stride_vh, v_scale_ptr,
+                    v_scale_cache_ptr, NUM_KV_HEADS, HEAD_DIM, D_PAD, KIND, DYNAMIC, QMAX,
+                    MANTISSA_BITS, MIN_EXP)
 
 
 @functools.lru_cache(maxsize=64)
@@ -138,17 +156,17 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     if T == 0:
         return
     block_t = 16
-    grid = (triton.cdiv(T, block_t), H)
-    for x, cache, scale, scale_cache in ((key, key_cache, k_scale, k_scale_cache),
-                                         (value, value_cache, v_scale, v_scale_cache)):
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        s = _per_head(scale, H, x.device) if kind and not dynamic else x  # unused otherwise
-        _store_kernel[grid](
-            x, cache, slot_mapping, s, scale_cache if dynamic else s, T,
-            x.stride(0), x.stride(1), NUM_KV_HEADS=H, HEAD_DIM=D, D_PAD=next_pow2(D),
-            BLOCK_T=block_t, KIND=kind, DYNAMIC=dynamic, QMAX=qmax, MANTISSA_BITS=mbits,
-            MIN_EXP=min_exp)
+    key = key if key.stride(-1) == 1 else key.contiguous()
+    value = value if value.stride(-1) == 1 else value.contiguous()
+    static = kind and not dynamic
+    ks = _per_head(k_scale, H, key.device) if static else key  # unused otherwise
+    vs = _per_head(v_scale, H, key.device) if static else key
+    _store_kernel[(triton.cdiv(T, block_t), H, 2)](
+        key, value, key_cache, value_cache, slot_mapping, ks, vs,
+        k_scale_cache if dynamic else ks, v_scale_cache if dynamic else vs, T,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1), NUM_KV_HEADS=H,
+        HEAD_DIM=D, D_PAD=next_pow2(D), BLOCK_T=block_t, KIND=kind, DYNAMIC=dynamic,
+        QMAX=qmax, MANTISSA_BITS=mbits, MIN_EXP=min_exp)
 
 
 def reshape_and_cache_ref(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,

@@ -5,8 +5,9 @@ Su et al. 2021, arXiv:2104.09864; vLLM ``rotary_embedding`` in ``csrc/pos_encodi
 cos/sin rows are gathered by position from float32 tables and cast to x's dtype, and
 each product is rounded to x's dtype before the sum, exactly as the PyTorch reference
 (and HF) computes it in 16-bit dtypes, so the kernel and the reference agree bit for bit.
-One launch per tensor replaces the ~5 elementwise kernels of the reference: at batch 1
-a decode step is made of small kernels, and their count is what costs time.
+One launch (q's and k's heads together) replaces the ~10 elementwise kernels of the
+reference: at batch 1 a decode step is made of small kernels, and their count is what
+costs time.
 """
 
 from __future__ import annotations
@@ -18,22 +19,18 @@ from kernels._triton import device_ok, next_pow2, tl, triton
 
 
 @triton.jit
-def _rotary_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, stride_c,
-                   HALF: tl.constexpr, HALF_PAD: tl.constexpr):
-    t = tl.program_id(0)
-    h = tl.program_id(1)
+def _rotate_head(base, cos_row, sin_row, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+    """Rotate one head vector [2 * HALF] at ``base`` in place."""
     i = tl.arange(0, HALF_PAD)
     mask = i < HALF
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    base = x_ptr + t.to(tl.int64) * stride_xt + h * stride_xh
     x1 = tl.load(base + i, mask=mask, other=0.0)
     x2 = tl.load(base + HALF + i, mask=mask, other=0.0)
     dt = x1.dtype
     # the reference casts the float32 table to x's dtype first
-    c1 = cast_rne(tl.load(cos_ptr + pos * stride_c + i, mask=mask, other=0.0), dt)
-    c2 = cast_rne(tl.load(cos_ptr + pos * stride_c + HALF + i, mask=mask, other=0.0), dt)
-    s1 = cast_rne(tl.load(sin_ptr + pos * stride_c + i, mask=mask, other=0.0), dt)
-    s2 = cast_rne(tl.load(sin_ptr + pos * stride_c + HALF + i, mask=mask, other=0.0), dt)
+    c1 = cast_rne(tl.load(cos_row + i, mask=mask, other=0.0), dt)
+    c2 = cast_rne(tl.load(cos_row + HALF + i, mask=mask, other=0.0), dt)
+    s1 = cast_rne(tl.load(sin_row + i, mask=mask, other=0.0), dt)
+    s2 = cast_rne(tl.load(sin_row + HALF + i, mask=mask, other=0.0), dt)
     # first half: x1*c1 + (-x2)*s1; second half: x2*c2 + x1*s2 (each product rounded)
     a1 = cast_rne(x1.to(tl.float32) * c1.to(tl.float32), dt).to(tl.float32)
     b1 = cast_rne(-x2.to(tl.float32) * s1.to(tl.float32), dt).to(tl.float32)
@@ -41,6 +38,24 @@ def _rotary_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, strid
     b2 = cast_rne(x1.to(tl.float32) * s2.to(tl.float32), dt).to(tl.float32)
     tl.store(base + i, cast_rne(a1 + b1, dt), mask=mask)
     tl.store(base + HALF + i, cast_rne(a2 + b2, dt), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt,
+                   stride_kh, stride_c, NUM_Q_HEADS: tl.constexpr, HALF: tl.constexpr,
+                   HALF_PAD: tl.constexpr):
+    # one program: one token x one head; heads [0, NUM_Q_HEADS) are q's, the rest k's
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    cos_row = cos_ptr + pos * stride_c
+    sin_row = sin_ptr + pos * stride_c
+    if h < NUM_Q_HEADS:
+        _rotate_head(q_ptr + t.to(tl.int64) * stride_qt + h * stride_qh, cos_row, sin_row,
+                     HALF, HALF_PAD)
+    else:
+        _rotate_head(k_ptr + t.to(tl.int64) * stride_kt + (h - NUM_Q_HEADS) * stride_kh,
+                     cos_row, sin_row, HALF, HALF_PAD)
 
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -68,12 +83,13 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                          f"{tuple(cos_cache.shape)} {cos_cache.dtype} do not fit")
     if T == 0:
         return q, k
-    for x in (q, k):
-        if x.stride(-1) != 1:
-            raise ValueError("rotary_embedding: the last dim of q and k must be contiguous")
-        _rotary_kernel[(T, x.shape[1])](x, positions, cos_cache, sin_cache, x.stride(0),
-                                        x.stride(1), cos_cache.stride(0), HALF=D // 2,
-                                        HALF_PAD=next_pow2(D // 2))
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError("rotary_embedding: the last dim of q and k must be contiguous")
+    num_q_heads = q.shape[1]
+    _rotary_kernel[(T, num_q_heads + k.shape[1])](
+        q, k, positions, cos_cache, sin_cache, q.stride(0), q.stride(1), k.stride(0),
+        k.stride(1), cos_cache.stride(0), NUM_Q_HEADS=num_q_heads, HALF=D // 2,
+        HALF_PAD=next_pow2(D // 2))
     return q, k
 
 

@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from kernels._triton import INTERPRET
+from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.batch_invariant import (linear_batch_invariant, matmul_batch_invariant, matmul_ref,
                                      rms_norm_batch_invariant, rms_norm_batch_invariant_ref)
 from kernels.paged_attention import (SPLIT_SIZE, paged_attention_decode,
@@ -787,7 +788,30 @@ def test_rms_norm_batch_invariant(dtype):
     _assert_rms_close(full, rms_norm_batch_invariant_ref(x, w, 1e-6), dtype, "vs ref")
 
 
-# ------------------------------------------------------------------------------ bad input
+# ------------------------------------------------------------------------- silu_and_mul
+
+# (dtype, tokens, intermediate, strided rows): 1000 is not a power of two, 1536 spans two
+# 1024-wide programs with a masked tail
+SILU_CASES = [(F32, 1, 64, False), (F32, 5, 1536, True), (F16, 3, 1000, False),
+              (BF16, 33, 64, True), (BF16, 2, 1536, False)]
+
+
+@pytest.mark.parametrize("dtype,rows,inter,strided", SILU_CASES, ids=str)
+def test_silu_and_mul_matches_ref(dtype, rows, inter, strided):
+    """Within 1 ulp of the dtype (float32: 4 ulp): Triton's exp may differ from
+    PyTorch's by a few float32 ulp, which can move a rounding (see kernels.activation)."""
+    torch.manual_seed(950 + inter + rows)
+    wide = randn(rows, 2 * inter + (8 if strided else 0), dtype=dtype, scale=4.0)
+    x = wide[:, :2 * inter]  # strided: rows 2 * inter + 8 apart
+    out = poison_(torch.empty(rows, inter, dtype=dtype, device=DEVICE))
+    got = silu_and_mul(x, out=out)
+    assert got is out and not is_poison(out).any(), "rows or columns left unwritten"
+    assert_ulp(out, silu_and_mul_ref(x), dtype, "silu_and_mul", n_ulp=4 if dtype == F32 else 1)
+    # batch invariance: a row's output does not depend on the other rows
+    assert_bitwise(silu_and_mul(x[:1]), out[:1], "row 0 alone")
+    assert silu_and_mul(x[:0]).shape == (0, inter)
+
+
 
 def _small_kv(cache_dtype=F32, H=2, D=64, slots=32):
     return (torch.zeros(slots, H, D, dtype=cache_dtype, device=DEVICE),
@@ -842,6 +866,14 @@ def _bad_calls():
                                                                         dtype=BF16)),
         "matmul: bias shape": lambda: matmul_batch_invariant(x, torch.zeros(16, 4, device=DEVICE),
                                                              torch.zeros(5, device=DEVICE)),
+        "silu_and_mul: odd last dim": lambda: silu_and_mul(torch.zeros(2, 5, device=DEVICE)),
+        "silu_and_mul: 1-D": lambda: silu_and_mul(torch.zeros(8, device=DEVICE)),
+        "silu_and_mul: int dtype": lambda: silu_and_mul(torch.zeros(2, 8, dtype=torch.int32,
+                                                                    device=DEVICE)),
+        "silu_and_mul: strided last dim": lambda: silu_and_mul(
+            torch.zeros(2, 16, device=DEVICE)[:, ::2]),
+        "silu_and_mul: out shape": lambda: silu_and_mul(torch.zeros(2, 8, device=DEVICE),
+                                                        out=torch.zeros(2, 8, device=DEVICE)),
         "matmul: 3-D": lambda: matmul_batch_invariant(x[None], torch.zeros(16, 4, device=DEVICE)),
     }
 

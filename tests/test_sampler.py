@@ -394,6 +394,27 @@ def test_greedy_is_argmax_with_lowest_id_on_ties():
     np.testing.assert_array_equal(out, expect)
 
 
+@pytest.mark.parametrize("all_greedy", [False, True])
+def test_greedy_is_argmax_after_penalties_and_min_tokens(all_greedy):
+    """The engine sets all_greedy (a host-side flag that skips the per-row masks) when
+    every row is greedy; both paths must pick argmax of the penalised, masked logits."""
+    rng = np.random.default_rng(8)
+    lg = rng.normal(size=(4, 30)).astype(np.float32)
+    out_ids = [[int(lg[r].argmax())] for r in range(4)]  # the current argmax was emitted
+    meta = make_meta(4, temperature=0.0, all_greedy=all_greedy,
+                     repetition_penalty=torch.full((4,), 5.0),
+                     prompt_token_ids=[[] for _ in range(4)], output_token_ids=out_ids,
+                     min_tokens_block={2: [int(np.argsort(lg[2])[-2])]})
+    got = Sampler(gen(0))(torch.tensor(lg), meta).sampled.numpy()
+    want = lg.copy()
+    for r in range(4):
+        t = out_ids[r][0]
+        want[r, t] = want[r, t] / 5.0 if want[r, t] > 0 else want[r, t] * 5.0
+    want[2, meta.min_tokens_block[2]] = -np.inf
+    np.testing.assert_array_equal(got, want.argmax(axis=1))
+    assert all(got[r] != out_ids[r][0] or lg[r].max() <= 0 for r in range(4))
+
+
 def test_greedy_rows_unaffected_by_random_rows_in_the_same_batch():
     rng = np.random.default_rng(6)
     lg = torch.tensor(rng.normal(size=(8, 40)), dtype=torch.float32)

@@ -502,7 +502,7 @@ class LLMEngine:
                 self.scheduler.finish_request(req, RequestStatus.FINISHED_ERROR)
                 req.finish_time = now
                 finished.append(self._make_output(req))
-        sampled = so.sampled.tolist() if so is not None else []
+        sampled = result.sampled_token_ids
         for i, rid in enumerate(result.sampled_request_ids):
             req = by_id[rid]
             token = sampled[i]

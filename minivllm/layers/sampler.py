@@ -45,6 +45,9 @@ class SamplingMetadata:
         generators: row -> torch.Generator for seeded rows.
         max_num_logprobs: largest ``logprobs`` asked for, or None.
         min_tokens_block: row -> token ids to mask (EOS/stop ids while below min_tokens).
+        all_greedy: every row is greedy, known on the host (vLLM's
+            ``SamplingMetadata.all_greedy``): the sampler then takes one argmax and skips
+            the per-row masks, whose boolean indexing syncs with the device.
     """
 
     temperature: torch.Tensor
@@ -59,6 +62,7 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator] = field(default_factory=dict)
     max_num_logprobs: Optional[int] = None
     min_tokens_block: dict[int, list[int]] = field(default_factory=dict)
+    all_greedy: bool = False
 
 
 @dataclass
@@ -176,6 +180,21 @@ class Sampler:
                 logits[row, ids] = NEG_INF
         logits = apply_penalties(logits, meta)
 
+        if meta.all_greedy:
+            sampled = logits.argmax(dim=-1)
+        else:
+            sampled = self._sample_mixed(logits, meta)
+        out = SamplerOutput(sampled=sampled)
+        if raw_logprobs is not None:
+            n = meta.max_num_logprobs
+            if n > 0:
+                out.topk_logprobs, out.topk_ids = raw_logprobs.topk(n, dim=-1)
+            out.sampled_logprobs = raw_logprobs.gather(1, sampled[:, None]).squeeze(1)
+            out.sampled_ranks = (raw_logprobs > out.sampled_logprobs[:, None]).sum(-1) + 1
+        return out
+
+    def _sample_mixed(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Greedy rows (temperature < 1e-5) by argmax, the others sampled. [B] int64."""
         greedy_mask = meta.temperature < 1e-5
         sampled = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
         if greedy_mask.any():
@@ -192,12 +211,4 @@ class Sampler:
             row_list = rows.tolist()
             gens = {i: meta.generators[r] for i, r in enumerate(row_list) if r in meta.generators}
             sampled[rows] = random_sample(probs, gens, self.generator)
-
-        out = SamplerOutput(sampled=sampled)
-        if raw_logprobs is not None:
-            n = meta.max_num_logprobs
-            if n > 0:
-                out.topk_logprobs, out.topk_ids = raw_logprobs.topk(n, dim=-1)
-            out.sampled_logprobs = raw_logprobs.gather(1, sampled[:, None]).squeeze(1)
-            out.sampled_ranks = (raw_logprobs > out.sampled_logprobs[:, None]).sum(-1) + 1
-        return out
+        return sampled

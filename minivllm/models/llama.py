@@ -71,9 +71,13 @@ class LlamaMLP(nn.Module):
         self.intermediate = intermediate
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
+        self.act_and_mul = None  # e.g. kernels.activation.silu_and_mul: one kernel, same numbers
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.act_and_mul is not None:
+            return self.down_proj(self.act_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -134,10 +138,12 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(h)
 
     def use_triton_kernels(self) -> None:
-        """RMSNorm (fused with the residual add) and rotary from :mod:`kernels` (the
-        engine does this with the TRITON backend on CUDA). At batch 1 a decode step is
-        a chain of small kernels; these replace ~25 of the ~40 per layer. The numbers
-        match the PyTorch path (rotary bit for bit; RMSNorm up to summation order)."""
+        """RMSNorm (fused with the residual add), rotary and SiLU-and-mul from
+        :mod:`kernels` (the engine does this with the TRITON backend on CUDA). At batch 1
+        a decode step is a chain of small kernels; these replace ~25 of the ~40 per
+        layer. The numbers match the PyTorch path (rotary bit for bit; RMSNorm up to
+        summation order; SiLU within an ulp, see :mod:`kernels.activation`)."""
+        from kernels.activation import silu_and_mul
         from kernels.rms_norm import fused_add_rms_norm, rms_norm
         from kernels.rotary import rotary_embedding
 
@@ -148,6 +154,8 @@ class LlamaForCausalLM(nn.Module):
                 m.use_kernels(rms_norm, fused_add_rms_norm)
             elif isinstance(m, RotaryEmbedding):
                 m.kernel = rotary_embedding
+            elif isinstance(m, LlamaMLP):
+                m.act_and_mul = silu_and_mul
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [rows, hidden] -> logits [rows, vocab] in float32 (the LM head runs in

@@ -15,8 +15,9 @@ launches of one forward pass once and replays them with a single call. A graph r
   sequence's end return at once, and because the split size is fixed, the result equals
   an eager run's (see :mod:`kernels.paged_attention`).
 
-The LM head and the sampler run outside the graph, on the real rows only. Steps with
-prefill tokens, or more sequences than the largest graph, run eagerly.
+The LM head runs inside the graph (it is the largest single matmul of a decode step);
+the sampler runs outside it, on the real rows only. Steps with prefill tokens, scoring
+requests, or more sequences than the largest graph run eagerly.
 
 Padding changes the matmuls' row count M. cuBLAS may pick a different kernel for M=8
 than for M=5, so graph and eager logits can differ in the last bits (in bfloat16 that
@@ -31,6 +32,7 @@ import logging
 import torch
 
 from minivllm.attention.metadata import AttentionMetadata, PagedMetadata
+from minivllm.engine.request import Request
 
 logger = logging.getLogger("minivllm")
 
@@ -44,7 +46,14 @@ def capture_sizes(max_batch_size: int) -> list[int]:
 
 
 class CUDAGraphRunner:
-    """Captures the model's decode forward for each capture size and replays it.
+    """Captures the model's decode step, LM head included, for each capture size and
+    replays it.
+
+    Inputs live in two static device buffers, filled each step from pinned host mirrors
+    by asynchronous copies: int64 ``[3, max_batch]`` (token ids, positions, slot mapping)
+    and int32 ``[max_batch * (1 + max_blocks)]`` (sequence lengths, then the block
+    tables). The graph's outputs are the logits ``[bs, vocab]`` float32 and a finite flag
+    per row.
 
     Args:
         model: our LlamaForCausalLM on CUDA, TRITON attention backend, caches bound.
@@ -59,17 +68,19 @@ class CUDAGraphRunner:
                  device: torch.device):
         self.model = model
         self.sizes = capture_sizes(max_batch_size)
-        self.max_batch_size = self.sizes[-1]
+        self.max_batch_size = n = self.sizes[-1]
         self.max_model_len = max_model_len
         self.block_size = block_size
-        n, dev = self.max_batch_size, device
-        max_blocks = -(-max_model_len // block_size)
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=dev)
-        self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=dev)
-        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.max_blocks = -(-max_model_len // block_size)
+        self._i64 = torch.zeros(3, n, dtype=torch.int64, device=device)
+        self._i32 = torch.zeros(n * (1 + self.max_blocks), dtype=torch.int32, device=device)
+        self._host_i64 = torch.zeros_like(self._i64, device="cpu").pin_memory()
+        self._host_i32 = torch.zeros_like(self._i32, device="cpu").pin_memory()
+        self.input_ids, self.positions, self.slot_mapping = self._i64.unbind(0)
+        self.seq_lens = self._i32[:n]
+        self.block_tables = self._i32[n:].view(n, self.max_blocks)
+        self.slot_mapping.fill_(-1)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self._capture_all()
 
@@ -80,6 +91,12 @@ class CUDAGraphRunner:
                               decode_max_seq_len=self.max_model_len)
         return AttentionMetadata(slot_mapping=self.slot_mapping[:bs], paged=paged)
 
+    def _forward(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs))
+        logits = self.model.compute_logits(hidden)
+        # a row holds NaN/inf iff its sum does (see ModelRunner.execute_model)
+        return logits, torch.isfinite(logits.sum(dim=-1))
+
     @torch.inference_mode()
     def _capture_all(self) -> None:
         # Largest first, so smaller graphs reuse the memory pool the largest allocated.
@@ -87,39 +104,54 @@ class CUDAGraphRunner:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # warm-up: compiles kernels
-                self.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs))
+                self._forward(bs)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             # Fresh views: the rotary embedding reuses its cos/sin when it sees the *same*
             # positions tensor again, which would leave that lookup out of the graph.
             with torch.cuda.graph(graph, pool=self.pool):
-                out = self.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs))
+                out = self._forward(bs)
             self.graphs[bs] = (graph, out)
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
 
-    def can_run(self, meta: AttentionMetadata, num_tokens: int) -> bool:
-        """True for a pure-decode step that fits the largest graph."""
-        p = meta.paged
-        return (p is not None and p.num_prefills == 0 and p.decode_rows is None
-                and 0 < num_tokens <= self.max_batch_size)
+    def can_run(self, scheduled: list[tuple[Request, int]]) -> bool:
+        """True for a pure-decode step (one new token per request, no scoring) that fits
+        the largest graph."""
+        return (0 < len(scheduled) <= self.max_batch_size
+                and all(n == 1 and req.score is None for req, n in scheduled))
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
-            meta: AttentionMetadata) -> torch.Tensor:
-        """Copy the step's inputs into the static buffers, pad, replay; returns the final
-        hidden states of the real rows [B, hidden]."""
-        b = input_ids.shape[0]
+    def run(self, reqs: list[Request], block_tables: dict[str, list[int]]
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step for ``reqs`` (each decodes its next token): fill the pinned
+        inputs, copy them to the static buffers, pad, replay. Returns the real
+        rows' logits [B, vocab] float32 and finite flags [B] bool (views of the graph's
+        outputs, valid until the next replay)."""
+        b = len(reqs)
         bs = self.sizes[bisect.bisect_left(self.sizes, b)]
-        p = meta.paged
-        self.input_ids[:b].copy_(input_ids)
-        self.positions[:b].copy_(positions)
-        self.slot_mapping[:b].copy_(meta.slot_mapping)
-        self.seq_lens[:b].copy_(p.decode_seq_lens)
-        width = p.decode_block_tables.shape[1]
-        self.block_tables[:b, :width].copy_(p.decode_block_tables)
-        if bs > b:  # padding rows: write nothing, attend to nothing
-            self.slot_mapping[b:bs].fill_(-1)
-            self.seq_lens[b:bs].zero_()
-        graph, out = self.graphs[bs]
+        n, bsz = self.max_batch_size, self.block_size
+        ids, pos, slots, lens, rows = [], [], [], [], []
+        for req in reqs:
+            p = req.num_computed_tokens
+            table = block_tables[req.request_id]
+            ids.append(req.all_token_ids[p])
+            pos.append(p)
+            slots.append(table[p // bsz] * bsz + p % bsz)
+            lens.append(p + 1)
+            rows.append(table)
+        # padding rows: write nothing (slot -1), attend to nothing (length 0)
+        pad = bs - b
+        host64, host32 = self._host_i64, self._host_i32
+        host64[:, :bs] = torch.tensor([ids + [0] * pad, pos + [0] * pad, slots + [-1] * pad])
+        host32[:bs] = torch.tensor(lens + [0] * pad, dtype=torch.int32)
+        width = max(len(t) for t in rows)
+        tables = host32[n:].view(n, self.max_blocks)
+        tables[:b, :width] = torch.tensor([t + [0] * (width - len(t)) for t in rows],
+                                          dtype=torch.int32)
+        # whole int64 buffer (6 KB at 256 rows); lengths and the first bs table rows
+        self._i64.copy_(host64, non_blocking=True)
+        end = n + bs * self.max_blocks
+        self._i32[:end].copy_(host32[:end], non_blocking=True)
+        graph, (logits, finite) = self.graphs[bs]
         graph.replay()
-        return out[:b]
+        return logits[:b], finite[:b]

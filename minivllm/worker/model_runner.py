@@ -45,9 +45,11 @@ class PromptLogprobsChunk:
 
 @dataclass
 class ModelRunnerOutput:
-    """sampled_request_ids[i] got token sampler_output.sampled[i]."""
+    """sampled_request_ids[i] got token sampled_token_ids[i] (= sampler_output.sampled[i],
+    already on the host)."""
 
     sampled_request_ids: list[str] = field(default_factory=list)
+    sampled_token_ids: list[int] = field(default_factory=list)
     sampler_output: Optional[SamplerOutput] = None
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
     # requests whose logits, prompt log-probs, score rows or int8 K/V held NaN/inf
@@ -295,7 +297,8 @@ class ModelRunner:
         def vec(values, dtype=torch.float32):
             return torch.tensor(values, dtype=dtype, device=dev)
 
-        meta = SamplingMetadata(temperature=vec([p.temperature for p in ps]))
+        meta = SamplingMetadata(temperature=vec([p.temperature for p in ps]),
+                                all_greedy=all(p.temperature < 1e-5 for p in ps))
         if any(p.top_k > 0 for p in ps):
             meta.top_k = vec([p.top_k for p in ps], torch.int64)
         if any(p.top_p < 1.0 for p in ps):
@@ -332,24 +335,18 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, scheduled: list[tuple[Request, int]],
                       block_tables: dict[str, list[int]]) -> ModelRunnerOutput:
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(scheduled):
+            return self._execute_graph_decode([req for req, _ in scheduled], block_tables)
         ids, pos, meta, logits_rows, sample_reqs, prompt_rows, score_rows = \
             self._prepare(scheduled, block_tables)
-        if self.cuda_graphs is not None and self.cuda_graphs.can_run(meta, ids.shape[0]):
-            hidden = self.cuda_graphs.run(ids, pos, meta)
-        else:
-            hidden = self.model(ids, pos, meta)
+        hidden = self.model(ids, pos, meta)
         out = ModelRunnerOutput()
         bad_ids = self._nonfinite_kv_requests(scheduled)
         if sample_reqs:
             logits = self.model.compute_logits(hidden[logits_rows])
             # A row holds NaN/inf iff its sum does (finite logits cannot overflow a sum
             # of 1e5 float32 terms); cheaper than isfinite over [rows, vocab].
-            finite = torch.isfinite(logits.sum(dim=-1))
-            if not bool(finite.all()):
-                bad_ids.update(r.request_id for r, ok in zip(sample_reqs, finite.tolist())
-                               if not ok)
-            out.sampler_output = self.sampler(logits, self._sampling_metadata(sample_reqs))
-            out.sampled_request_ids = [r.request_id for r in sample_reqs]
+            self._sample(out, logits, torch.isfinite(logits.sum(dim=-1)), sample_reqs, bad_ids)
         for req, _ in scheduled:
             if req.request_id in prompt_rows:
                 row0, pos0, count = prompt_rows[req.request_id]
@@ -367,6 +364,29 @@ class ModelRunner:
                     bad_ids.add(req.request_id)
         out.nonfinite_request_ids = sorted(bad_ids)
         return out
+
+    def _execute_graph_decode(self, reqs: list[Request],
+                              block_tables: dict[str, list[int]]) -> ModelRunnerOutput:
+        """A pure decode step in a CUDA graph: the graph computes the logits and their
+        finite flags; the sampler runs eagerly on the real rows."""
+        logits, finite = self.cuda_graphs.run(reqs, block_tables)
+        out = ModelRunnerOutput()
+        bad_ids: set[str] = set()  # int8 caches (whose K/V are checked) run eagerly
+        self._sample(out, logits, finite, reqs, bad_ids)
+        out.nonfinite_request_ids = sorted(bad_ids)
+        return out
+
+    def _sample(self, out: ModelRunnerOutput, logits: torch.Tensor, finite: torch.Tensor,
+                reqs: list[Request], bad_ids: set[str]) -> None:
+        """Sample one token per row of logits [rows, vocab] (row i belongs to reqs[i]);
+        the tokens and the rows' finite flags come back to the host in one transfer (one
+        sync per step)."""
+        so = self.sampler(logits, self._sampling_metadata(reqs))
+        host = torch.stack([so.sampled, finite.to(torch.int64)]).tolist()
+        out.sampler_output = so
+        out.sampled_request_ids = [r.request_id for r in reqs]
+        out.sampled_token_ids = host[0]
+        bad_ids.update(r.request_id for r, ok in zip(reqs, host[1]) if not ok)
 
     def _nonfinite_kv_requests(self, scheduled: list[tuple[Request, int]]) -> set[str]:
         """Requests with a token whose K/V was not finite in an int8 cache (which cannot
