@@ -8,9 +8,9 @@ The PyTorch reference takes two kernels (``F.silu``, then the multiply) and a
 
 Rounding follows the reference: ``silu(g) = g / (1 + exp(-g))`` in float32, rounded to
 the activation dtype, then the product in float32, rounded again. The division is
-IEEE (``div_rn``); ``exp`` is Triton's, within a few float32 ulp of PyTorch's, so an
-output can differ from the reference by one ulp of its dtype when the float32 value
-lies that close to a rounding boundary (rare; the tests bound it).
+IEEE (``div_rn``) and, compiled for CUDA, ``exp`` is CUDA's ``expf``, as in PyTorch's
+kernel. In the interpreter ``exp`` is NumPy's, which can differ from PyTorch's CPU exp
+by an ulp; an output can then differ by an ulp of its dtype (rare; the tests bound it).
 """
 
 from __future__ import annotations
@@ -19,9 +19,24 @@ import torch
 import torch.nn.functional as F
 
 from kernels._quant import cast_rne
-from kernels._triton import device_ok, tl, triton
+from kernels._triton import INTERPRET, device_ok, tl, triton
 
 BLOCK = 1024
+_INTERPRETED = tl.constexpr(INTERPRET)
+if not INTERPRET:
+    from triton.language.extra import libdevice
+
+
+@triton.jit
+def _exp(x):
+    """float32 exp: compiled, CUDA's ``expf`` (libdevice), which PyTorch's silu calls
+    (``tl.exp`` would be the faster ``ex2.approx``, up to ~10 ulp off for |x| ~ 10); the
+    interpreter has no libdevice and uses NumPy's exp."""
+    if _INTERPRETED:
+        y = tl.exp(x)
+    else:
+        y = libdevice.exp(x)
+    return y
 
 
 @triton.jit
@@ -33,7 +48,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_o, BLOCK: tl.c
     u = tl.load(x_ptr + row * stride_x + n_cols + c, mask=mask, other=0.0)
     dt = g.dtype
     g32 = g.to(tl.float32)
-    s = cast_rne(tl.div_rn(g32, 1.0 + tl.exp(-g32)), dt)
+    s = cast_rne(tl.div_rn(g32, 1.0 + _exp(-g32)), dt)
     tl.store(out_ptr + row * stride_o + c, cast_rne(s.to(tl.float32) * u.to(tl.float32), dt),
              mask=mask)
 

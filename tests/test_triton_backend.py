@@ -15,7 +15,7 @@ import torch
 
 from minivllm import LLM, EngineArgs, SamplingParams
 from minivllm.attention.backends import resolve_attention_backend
-from minivllm.worker.cuda_graph import capture_sizes
+from minivllm.worker.cuda_graph import CUDAGraphRunner, capture_sizes
 
 LOGPROB_TOL_F32 = 1e-4
 # Quantized caches: the backends' tiny float differences upstream can move a K/V value
@@ -112,6 +112,42 @@ def test_capture_sizes():
     sizes = capture_sizes(256)
     assert sizes[:4] == [1, 2, 4, 8] and sizes[-1] == 256
     assert all(b - a == 8 for a, b in zip(sizes[3:], sizes[4:]))
+
+
+def test_cuda_graph_inputs_and_padding():
+    """The graph's static inputs (filled through the host mirrors; buffers only, no
+    capture, so this runs on CPU): each row's newest token, its position, its slot
+    ``table[pos // block_size] * block_size + pos % block_size``, its length pos + 1 and
+    its block table; rows up to the capture size are padding (slot -1, length 0), also
+    after a larger step left other values there."""
+    from types import SimpleNamespace
+
+    runner = CUDAGraphRunner.__new__(CUDAGraphRunner)
+    runner._alloc_buffers(max_batch_size=8, max_model_len=64, block_size=4,
+                          device=torch.device("cpu"))
+
+    def req(rid, tokens, computed):
+        return SimpleNamespace(request_id=rid, all_token_ids=tokens, num_computed_tokens=computed)
+
+    tables = {"a": [7, 2, 9], "b": [4], "c": [1, 3, 5, 8, 6], "d": [11, 10]}
+    reqs = [req("a", list(range(100, 111)), 10), req("b", [5, 6, 7], 2),
+            req("c", list(range(200, 218)), 17), req("d", [1] * 8, 7), req("x", [1], 0)]
+    tables["x"] = [12]
+    assert runner._fill_inputs(reqs, tables) == 8  # 5 rows -> the size-8 graph
+    assert runner.input_ids[:5].tolist() == [110, 7, 217, 1, 1]
+    assert runner.positions[:5].tolist() == [10, 2, 17, 7, 0]
+    # a: pos 10 -> block 2 (id 9), offset 2; b: block 0 (4), 2; c: pos 17 -> block 4 (6), 1
+    assert runner.slot_mapping[:8].tolist() == [38, 18, 25, 43, 48, -1, -1, -1]
+    assert runner.seq_lens[:8].tolist() == [11, 3, 18, 8, 1, 0, 0, 0]
+    for i, r in enumerate(reqs):
+        t = tables[r.request_id]
+        assert runner.block_tables[i, :len(t)].tolist() == t
+    # a smaller step afterwards: rows past its batch become padding again
+    assert runner._fill_inputs([req("b", [5, 6, 7, 8], 3)], tables) == 1
+    assert runner._fill_inputs([req("b", [5, 6, 7, 8], 3), reqs[0], reqs[2]], tables) == 4
+    assert runner.slot_mapping[:4].tolist() == [19, 38, 25, -1]
+    assert runner.seq_lens[:4].tolist() == [4, 11, 18, 0]
+    assert runner.input_ids[:3].tolist() == [8, 110, 217]
 
 
 def test_dummy_weights_and_no_tokenizer(tiny_model_dir, tmp_path):

@@ -35,7 +35,7 @@ class SamplingMetadata:
     """Per-row sampling inputs for one step; B = number of rows, V = vocab size.
 
     Attributes:
-        temperature: [B] float32; rows with 0 are greedy.
+        temperature: [B] float32; rows below 1e-5 are greedy (None when all_greedy).
         top_k: [B] int64 (<= 0 disables) or None when no row uses it.
         top_p: [B] float32 (1.0 disables) or None.
         min_p: [B] float32 (0.0 disables) or None.
@@ -50,7 +50,7 @@ class SamplingMetadata:
             the per-row masks, whose boolean indexing syncs with the device.
     """
 
-    temperature: torch.Tensor
+    temperature: Optional[torch.Tensor]
     top_k: Optional[torch.Tensor] = None
     top_p: Optional[torch.Tensor] = None
     min_p: Optional[torch.Tensor] = None

@@ -67,6 +67,13 @@ class CUDAGraphRunner:
     def __init__(self, model, max_batch_size: int, max_model_len: int, block_size: int,
                  device: torch.device):
         self.model = model
+        self._alloc_buffers(max_batch_size, max_model_len, block_size, device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self._capture_all()
+
+    def _alloc_buffers(self, max_batch_size: int, max_model_len: int, block_size: int,
+                       device: torch.device) -> None:
         self.sizes = capture_sizes(max_batch_size)
         self.max_batch_size = n = self.sizes[-1]
         self.max_model_len = max_model_len
@@ -74,15 +81,14 @@ class CUDAGraphRunner:
         self.max_blocks = -(-max_model_len // block_size)
         self._i64 = torch.zeros(3, n, dtype=torch.int64, device=device)
         self._i32 = torch.zeros(n * (1 + self.max_blocks), dtype=torch.int32, device=device)
-        self._host_i64 = torch.zeros_like(self._i64, device="cpu").pin_memory()
-        self._host_i32 = torch.zeros_like(self._i32, device="cpu").pin_memory()
+        pin = torch.device(device).type == "cuda"
+        self._host_i64 = torch.zeros(3, n, dtype=torch.int64, pin_memory=pin)
+        self._host_i32 = torch.zeros(self._i32.shape, dtype=torch.int32, pin_memory=pin)
+        self._np_i64, self._np_i32 = self._host_i64.numpy(), self._host_i32.numpy()
         self.input_ids, self.positions, self.slot_mapping = self._i64.unbind(0)
         self.seq_lens = self._i32[:n]
         self.block_tables = self._i32[n:].view(n, self.max_blocks)
         self.slot_mapping.fill_(-1)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
-        self.pool = torch.cuda.graph_pool_handle()
-        self._capture_all()
 
     def _meta(self, bs: int) -> AttentionMetadata:
         paged = PagedMetadata(block_size=self.block_size, decode_rows=None,
@@ -121,12 +127,9 @@ class CUDAGraphRunner:
         return (0 < len(scheduled) <= self.max_batch_size
                 and all(n == 1 and req.score is None for req, n in scheduled))
 
-    def run(self, reqs: list[Request], block_tables: dict[str, list[int]]
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode step for ``reqs`` (each decodes its next token): fill the pinned
-        inputs, copy them to the static buffers, pad, replay. Returns the real
-        rows' logits [B, vocab] float32 and finite flags [B] bool (views of the graph's
-        outputs, valid until the next replay)."""
+    def _fill_inputs(self, reqs: list[Request], block_tables: dict[str, list[int]]) -> int:
+        """Write the step's inputs into the static buffers (through the pinned host
+        mirrors: NumPy views, then asynchronous copies); returns the capture size used."""
         b = len(reqs)
         bs = self.sizes[bisect.bisect_left(self.sizes, b)]
         n, bsz = self.max_batch_size, self.block_size
@@ -139,19 +142,32 @@ class CUDAGraphRunner:
             slots.append(table[p // bsz] * bsz + p % bsz)
             lens.append(p + 1)
             rows.append(table)
-        # padding rows: write nothing (slot -1), attend to nothing (length 0)
-        pad = bs - b
-        host64, host32 = self._host_i64, self._host_i32
-        host64[:, :bs] = torch.tensor([ids + [0] * pad, pos + [0] * pad, slots + [-1] * pad])
-        host32[:bs] = torch.tensor(lens + [0] * pad, dtype=torch.int32)
+        # Written through NumPy views of the pinned buffers (no temporary tensors).
+        # Padding rows: token 0 at position 0, write nothing (slot -1), attend to nothing
+        # (length 0).
+        h64, h32 = self._np_i64, self._np_i32
+        h64[:, :b] = (ids, pos, slots)
+        h64[:2, b:bs] = 0
+        h64[2, b:bs] = -1
+        h32[:b] = lens
+        h32[b:bs] = 0
         width = max(len(t) for t in rows)
-        tables = host32[n:].view(n, self.max_blocks)
-        tables[:b, :width] = torch.tensor([t + [0] * (width - len(t)) for t in rows],
-                                          dtype=torch.int32)
+        h32[n:n + b * self.max_blocks].reshape(b, self.max_blocks)[:, :width] = \
+            [t + [0] * (width - len(t)) for t in rows]
         # whole int64 buffer (6 KB at 256 rows); lengths and the first bs table rows
-        self._i64.copy_(host64, non_blocking=True)
+        self._i64.copy_(self._host_i64, non_blocking=True)
         end = n + bs * self.max_blocks
-        self._i32[:end].copy_(host32[:end], non_blocking=True)
+        self._i32[:end].copy_(self._host_i32[:end], non_blocking=True)
+        return bs
+
+    def run(self, reqs: list[Request], block_tables: dict[str, list[int]]
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step for ``reqs`` (each decodes its next token): fill the pinned
+        inputs, copy them to the static buffers, pad, replay. Returns the real
+        rows' logits [B, vocab] float32 and finite flags [B] bool (views of the graph's
+        outputs, valid until the next replay)."""
+        b = len(reqs)
+        bs = self._fill_inputs(reqs, block_tables)
         graph, (logits, finite) = self.graphs[bs]
         graph.replay()
         return logits[:b], finite[:b]

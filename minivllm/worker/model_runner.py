@@ -297,8 +297,10 @@ class ModelRunner:
         def vec(values, dtype=torch.float32):
             return torch.tensor(values, dtype=dtype, device=dev)
 
-        meta = SamplingMetadata(temperature=vec([p.temperature for p in ps]),
-                                all_greedy=all(p.temperature < 1e-5 for p in ps))
+        all_greedy = all(p.temperature < 1e-5 for p in ps)
+        meta = SamplingMetadata(
+            temperature=None if all_greedy else vec([p.temperature for p in ps]),
+            all_greedy=all_greedy)
         if any(p.top_k > 0 for p in ps):
             meta.top_k = vec([p.top_k for p in ps], torch.int64)
         if any(p.top_p < 1.0 for p in ps):
@@ -382,11 +384,11 @@ class ModelRunner:
         the tokens and the rows' finite flags come back to the host in one transfer (one
         sync per step)."""
         so = self.sampler(logits, self._sampling_metadata(reqs))
-        host = torch.stack([so.sampled, finite.to(torch.int64)]).tolist()
+        tokens = torch.where(finite, so.sampled, -1).tolist()  # -1: NaN/inf logits
         out.sampler_output = so
         out.sampled_request_ids = [r.request_id for r in reqs]
-        out.sampled_token_ids = host[0]
-        bad_ids.update(r.request_id for r, ok in zip(reqs, host[1]) if not ok)
+        out.sampled_token_ids = tokens
+        bad_ids.update(r.request_id for r, t in zip(reqs, tokens) if t < 0)
 
     def _nonfinite_kv_requests(self, scheduled: list[tuple[Request, int]]) -> set[str]:
         """Requests with a token whose K/V was not finite in an int8 cache (which cannot
