@@ -5,6 +5,8 @@
 #               nbgrader labs graded both ways)
 #   make lab    JupyterLab on the course, with nbgrader's extensions
 #   make grade  generate, validate and autograde every lab against its fixtures
+#   make lint-docker  hadolint on the images in docker/
+#   make site   the course website into build/site (mkdocs build --strict)
 # Each creates .venv and installs on first use.
 
 PYTHON ?= python3
@@ -13,21 +15,20 @@ PY     := $(VENV)/bin/python
 # torch pinned to the CPU build this project is tested with; override on a GPU box,
 # e.g. make install TORCH_SPEC="torch>=2.5".
 TORCH_SPEC ?= torch==2.13.0
+EXTRAS ?= dev,course,serve,docs
 PYTEST_ARGS ?=
 
 LAB_PORT ?= 8888
 
-.PHONY: install demo test test-fast lab grade clean help
+.PHONY: install demo test test-fast lab grade lint-docker site clean help
 
 help:
-	@echo "make demo | make test | make lab | make grade | make install | make test-fast | make clean"
+	@echo "make demo | make test | make lab | make grade | make install | make test-fast | make lint-docker | make site | make clean"
 
-$(VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[dev,course,serve]"
-	touch $@
+# scripts/install.sh is the one install procedure (CI and the Docker images run it too);
+# it creates the venv, installs torch and `pip install -e ".[$(EXTRAS)]"`, and touches the stamp.
+$(VENV)/.installed: pyproject.toml scripts/install.sh
+	PYTHON="$(PYTHON)" TORCH_SPEC="$(TORCH_SPEC)" EXTRAS="$(EXTRAS)" scripts/install.sh $(VENV)
 
 install: $(VENV)/.installed
 
@@ -50,6 +51,16 @@ lab: install
 
 grade: install
 	$(PY) -m grading.grade
+
+# hadolint (from the dev extra) on every image; must pass clean.
+lint-docker: install
+	$(VENV)/bin/hadolint docker/*.Dockerfile
+
+# The course website: chapters executed on first build (about a minute each; cached in
+# build/notebooks until a chapter or the engine changes), then mkdocs with no warnings.
+site: install
+	$(PY) -m minivllm.models.embedded
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir build/site
 
 clean:
 	rm -rf $(VENV) .pytest_cache reports build *.egg-info

@@ -1,11 +1,14 @@
 """Every chapter notebook executes (jupytext source -> nbclient) on the embedded model.
 
 Times are printed and written to reports/course_times.json (the 60 s budget per chapter
-is tracked there, not asserted: tests do not time things).
+is tracked there, not asserted: tests do not time things). Each executed notebook is also
+stored where the course website takes its chapters from (docs/notebooks.py), so that
+tests/test_site.py, later in the same run, does not execute them again.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import time
 from pathlib import Path
@@ -18,12 +21,22 @@ CHAPTERS = sorted((ROOT / "course").glob("ch*/ch*.py"))
 pytestmark = pytest.mark.embedded
 
 
+def _site_notebooks():
+    """docs/notebooks.py: the cache of executed chapters that the course website renders."""
+    spec = importlib.util.spec_from_file_location("_site_notebooks", ROOT / "docs" / "notebooks.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 @pytest.mark.parametrize("path", CHAPTERS, ids=[p.parent.name for p in CHAPTERS])
 def test_chapter_executes(path, embedded_model_dir):
     import jupytext
     import nbclient
     import nbformat
 
+    site = _site_notebooks()
+    key = site.notebook_key(path)  # the sources this run executes (before they can change)
     nb = jupytext.read(path)
     t0 = time.perf_counter()
     nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
@@ -36,6 +49,7 @@ def test_chapter_executes(path, embedded_model_dir):
     assert not [o for o in outputs if o.get("output_type") == "error"]
     pngs = [o for o in outputs if "image/png" in o.get("data", {})]
     assert pngs, "a chapter shows at least one plot"
+    site.store(path, nb, elapsed, key)  # the site (tests/test_site.py) renders this copy
     report = ROOT / "reports" / "course_times.json"
     times = json.loads(report.read_text()) if report.exists() else {}
     times[path.parent.name] = round(elapsed, 1)

@@ -681,7 +681,7 @@ def awq_quantize(w: torch.Tensor, s: torch.Tensor, x: torch.Tensor, group_size: 
         w: ``[out, in]`` float weight; s: float ``[in]`` from awq_search_scale;
         x: calibration inputs ``[n_tokens, in]`` of the layer (unscaled).
         group_size, symmetric: the int4 grid; clip: run the clip search (on ``W * s`` and
-        ``x / s``, as AutoAWQ does after applying the scale).
+            ``x / s``, as AutoAWQ does after applying the scale).
 
     Returns:
         ``(q, scale, zero)`` as quantize_int4, for ``W * s``: the layer must compute

@@ -1,0 +1,343 @@
+"""mkdocs hooks for the course site (``hooks:`` in mkdocs.yml). What exists on disk drives
+the site, so nothing here is kept in step by hand:
+
+- ``on_config``: the nav lists every chapter notebook (``course/chNN_*/chNN_*.py``) and
+  every lab (``labs/source/chNN/``) found;
+- ``on_files``: a chapter page is the executed copy of its notebook (``notebooks.py``:
+  executed once, cached in ``build/notebooks``), rendered by mkdocs-jupyter; a lab page is
+  generated from the lab's jupytext source (its text and points, never its solutions)
+  and from its grading fixtures;
+- ``on_page_markdown``: ``<!-- syllabus -->`` becomes the 30-chapter table with each
+  chapter's status, ``<!-- labs -->`` the list of labs, ``<!-- module-map -->`` the
+  module map section of README.md;
+- ``on_page_content``: Sphinx role names left in the API reference are dropped.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import re
+import sys
+from pathlib import Path
+
+from mkdocs.exceptions import PluginError
+from mkdocs.plugins import event_priority
+from mkdocs.structure.files import File
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import notebooks  # noqa: E402  (docs/notebooks.py)
+
+ROOT = notebooks.ROOT
+log = logging.getLogger("mkdocs.hooks.minivllm")
+
+# The syllabus (DESIGN.md): six stages, thirty chapters. Status comes from the disk.
+SYLLABUS = [
+    ("Stage 1, foundations", [
+        "Course introduction and the FP32 baseline; the multi-turn \"FP16 KV cache\" incident",
+        "Anatomy of the engine: prefill, decode, KV cache, scheduler; the eviction-and-recompute "
+        "incident under memory pressure (max_num_seqs, cache size, prefix caching)",
+        "Number formats: fp32, tf32, fp16, bf16, fp8 e4m3/e5m2, int8, int4: range, spacing, "
+        "rounding, subnormals",
+        "Measuring drift: token agreement, first divergence, KL divergence, top-k overlap, "
+        "perplexity ratio, task accuracy; telling noise from an anomaly",
+        "Determinism: seeds, sampling, and batch composition at temperature 0",
+    ]),
+    ("Stage 2, principles", [
+        "Prefill versus decode numerics; fixed-prompt and long-output tests",
+        "PagedAttention: block tables and slot mapping; what a wrong mapping does",
+        "Continuous batching and preemption: resumed requests, state that must survive",
+        "Softmax and attention numerics: max subtraction, online softmax, fp16 QK overflow, "
+        "fully masked rows",
+        "Normalization and the residual stream: RMSNorm accumulation, fp16 activation overflow",
+        "RoPE precision and scaling: low-precision cos/sin at long positions, wrong theta",
+    ]),
+    ("Stage 3, techniques", [
+        "Choosing dtype: auto, half, bfloat16, float32; fp32 checkpoints served in fp16",
+        "TF32 matmuls: emulated on CPU, real on GPU",
+        "INT8 weight-only quantization: per-tensor versus per-channel, outlier channels",
+        "INT4 group quantization: round-to-nearest versus AWQ",
+        "GPTQ",
+        "FP8 weights and activations: static versus dynamic scales, calibration",
+        "FP8 KV cache: e4m3 versus e5m2, missing scales, long-context retrieval",
+        "KV-cache outliers: per-head scales, INT8 KV",
+        "Sampling parameters: temperature, top-k/top-p/min-p and their order, penalties, seeds",
+        "Speculative decoding: rejection sampling, greedy equality, verification numerics",
+    ]),
+    ("Stage 4, practice", [
+        "Prefix caching: hit versus miss numerics; what the cache key must include",
+        "Chunked prefill: chunk-size dependence; attending to earlier chunks",
+        "CUDA graphs and padded batches (eager versus graph)",
+        "Tensor parallelism: reduction order, shard layout (torch.distributed, gloo on CPU)",
+        "Chat templates, BOS tokens, truncation and max_model_len",
+        "The debugging playbook: minimal repro, config bisection, layer-by-layer diff",
+    ]),
+    ("Stage 5, system", [
+        "Performance against precision under a latency SLA: weights, KV cache, batch size",
+        "Precision regression tests and production monitoring",
+    ]),
+    ("Stage 6, frontier", [
+        "Batch-invariant kernels and deterministic inference; FP4 formats (MXFP4, NVFP4)",
+    ]),
+]
+STATUS_AVAILABLE = "available"        # chapter notebook and lab
+STATUS_CHAPTER_ONLY = "chapter only"  # notebook, no lab yet
+STATUS_PLANNED = "planned"
+
+
+# ------------------------------------------------------------------ what is on disk
+
+def _number(name: str) -> int:
+    m = re.match(r"ch(\d+)", name)
+    return int(m.group(1)) if m else -1
+
+
+def chapters_on_disk() -> dict[int, Path]:
+    return {_number(p.parent.name): p for p in notebooks.chapter_sources()}
+
+
+def labs_on_disk() -> dict[int, Path]:
+    """chNN -> the lab's jupytext source (labs/source/chNN/*.py)."""
+    out = {}
+    for d in sorted((ROOT / "labs" / "source").glob("ch*")):
+        srcs = sorted(d.glob("*.py"))
+        if d.is_dir() and srcs:
+            out[_number(d.name)] = srcs[0]
+    return out
+
+
+def chapter_uri(src: Path) -> str:
+    return f"chapters/{src.stem}.ipynb"
+
+
+def lab_uri(n: int) -> str:
+    return f"labs/ch{n:02d}.md"
+
+
+def syllabus_rows() -> list[tuple[str, int, str, str]]:
+    """(stage, number, title, status) for the 30 chapters."""
+    chapters, labs = chapters_on_disk(), labs_on_disk()
+    rows, n = [], 0
+    for stage, titles in SYLLABUS:
+        for title in titles:
+            n += 1
+            status = (STATUS_PLANNED if n not in chapters else
+                      STATUS_AVAILABLE if n in labs else STATUS_CHAPTER_ONLY)
+            rows.append((stage, n, title, status))
+    return rows
+
+
+# ------------------------------------------------------------------ mkdocs events
+
+def on_config(config):
+    """Fill the nav's "Chapters" and "Labs" sections with what exists."""
+    chapters, labs = chapters_on_disk(), labs_on_disk()
+    for entry in config["nav"]:
+        if not isinstance(entry, dict):
+            continue
+        (title, children), = entry.items()
+        if title == "Chapters":
+            # no nav title: mkdocs-jupyter titles the page with the notebook's heading
+            children.extend(chapter_uri(src) for _, src in sorted(chapters.items()))
+        elif title == "Labs":
+            children.extend({f"Lab {n}": lab_uri(n)} for n in sorted(labs))
+    return config
+
+
+def _chapter_title(n: int) -> str:
+    titles = [t for _, ts in SYLLABUS for t in ts]
+    short = titles[n - 1].split(";")[0].split(":")[0]
+    return short
+
+
+@event_priority(100)  # before mkdocs-jupyter wraps .ipynb files
+def on_files(files, config):
+    for n, src in sorted(chapters_on_disk().items()):
+        try:
+            executed = notebooks.executed_notebook(src, log=log.info)
+        except Exception as e:  # a chapter that does not run must not publish
+            raise PluginError(f"chapter {n}: {e}") from e
+        files.append(File.generated(config, chapter_uri(src), abs_src_path=str(executed)))
+    for n, src in sorted(labs_on_disk().items()):
+        files.append(File.generated(config, lab_uri(n), content=lab_page(n, src)))
+    return files
+
+
+@event_priority(100)  # before mkdocs-jupyter renders the page
+def on_pre_page(page, config, files):
+    """mkdocs-jupyter's wrapper around a generated file loses its ``abs_src_path`` (it
+    recomputes it from ``src_dir``, which a generated file does not have): restore it."""
+    for src in chapters_on_disk().values():
+        if page.file.src_uri == chapter_uri(src):
+            page.file.__dict__["abs_src_path"] = str(notebooks.cached_path(src))
+    return page
+
+
+def on_page_markdown(markdown, page, config, files):
+    if "<!-- syllabus -->" in markdown:
+        markdown = markdown.replace("<!-- syllabus -->", syllabus_markdown(page))
+    if "<!-- labs -->" in markdown:
+        markdown = markdown.replace("<!-- labs -->", labs_markdown(page))
+    if "<!-- module-map -->" in markdown:
+        markdown = markdown.replace("<!-- module-map -->", module_map_markdown())
+    return markdown
+
+
+ROLE = re.compile(r":(?:class|meth|func|attr|mod|data|obj|exc):(?=<code>|<a [^>]*><code>)")
+
+
+def on_page_content(html, page, config, files):
+    """The engine's docstrings cite code with Sphinx roles (:class:`X`); mkdocstrings
+    renders `X` as code and leaves the role's name in front of it: drop the name."""
+    return ROLE.sub("", html) if page.file.src_uri.startswith("api/") else html
+
+
+# ------------------------------------------------------------------ generated markdown
+
+def _rel(page, uri: str) -> str:
+    """A link from ``page`` to the docs file ``uri`` (both relative to docs/)."""
+    depth = page.file.src_uri.count("/")
+    return "../" * depth + uri
+
+
+def syllabus_markdown(page) -> str:
+    chapters, labs = chapters_on_disk(), labs_on_disk()
+    out, stage_now = [], None
+    for stage, n, title, status in syllabus_rows():
+        if stage != stage_now:
+            out += ["", f"## {stage}", "", "| # | chapter | lab | status |", "|---|---|---|---|"]
+            stage_now = stage
+        name = f"[{title}]({_rel(page, chapter_uri(chapters[n]))})" if n in chapters else title
+        lab = f"[lab {n}]({_rel(page, lab_uri(n))})" if n in labs else ""
+        out.append(f"| {n} | {name} | {lab} | {status} |")
+    counts = {s: sum(1 for *_, st in syllabus_rows() if st == s)
+              for s in (STATUS_AVAILABLE, STATUS_CHAPTER_ONLY, STATUS_PLANNED)}
+    head = (f"{counts[STATUS_AVAILABLE]} chapters with their lab are available, "
+            f"{counts[STATUS_CHAPTER_ONLY]} without a lab yet, and "
+            f"{counts[STATUS_PLANNED]} are planned (this table is generated from the "
+            "chapters and labs present in the repository when the site is built).")
+    return head + "\n" + "\n".join(out) + "\n"
+
+
+def labs_markdown(page) -> str:
+    rows = ["| lab | chapter | source |", "|---|---|---|"]
+    chapters = chapters_on_disk()
+    for n, src in sorted(labs_on_disk().items()):
+        ch = (f"[{n}. {_chapter_title(n)}]({_rel(page, chapter_uri(chapters[n]))})"
+              if n in chapters else f"{n}. {_chapter_title(n)}")
+        rows.append(f"| [Lab {n}]({_rel(page, lab_uri(n))}) | {ch} | `{src.relative_to(ROOT)}` |")
+    return "\n".join(rows) + "\n"
+
+
+def module_map_markdown() -> str:
+    """The "## Module map" section of README.md, without its heading (one copy: README)."""
+    text = (ROOT / "README.md").read_text()
+    m = re.search(r"^## Module map\n(.*?)(?=^## |\Z)", text, re.S | re.M)
+    if not m:
+        raise PluginError("README.md has no '## Module map' section")
+    return m.group(1).strip() + "\n"
+
+
+def _points_table(cells) -> list[tuple[str, float, bool]]:
+    out = []
+    for c in cells:
+        meta = c.metadata.get("nbgrader", {})
+        if c.cell_type == "code" and meta.get("grade"):
+            out.append((meta["grade_id"], float(meta.get("points", 0)),
+                        "### BEGIN HIDDEN TESTS" in c.source))
+    return out
+
+
+def _signatures(source: str) -> str:
+    """The ``def`` lines of a solution cell (what the learner writes), no body."""
+    return "\n".join(m.group(0) + " ..." for m in
+                     re.finditer(r"^def \w+\(.*?\)(?:\s*->\s*[^:]+)?:", source, re.M | re.S))
+
+
+def _timeout() -> str:
+    text = (ROOT / "grading" / "nbgrader_config.py").read_text()
+    m = re.search(r"^c\.Execute\.timeout\s*=\s*(\d+)", text, re.M)
+    return m.group(1) if m else "?"
+
+
+def lab_page(n: int, src: Path) -> str:
+    """A lab's page: its own text (task by task, with the graded cells and their points),
+    how to open it, and how it is graded. Solutions and test code are not shown."""
+    import jupytext
+
+    nb = jupytext.read(src)
+    rel = src.relative_to(ROOT)
+    lines: list[str] = []
+    graded = _points_table(nb.cells)
+    total = sum(p for _, p, _ in graded)
+    pending: list[str] = []  # the graded cells of the task being written out
+
+    def flush():
+        if pending:
+            lines.extend(["", "Graded by: " + "; ".join(pending) + ".", ""])
+            pending.clear()
+
+    for c in nb.cells:
+        meta = c.metadata.get("nbgrader", {})
+        if c.cell_type == "markdown":
+            flush()
+            lines += [c.source, ""]
+        elif meta.get("solution"):
+            sig = _signatures(c.source)
+            if sig:
+                lines += ["You write (cell `" + meta["grade_id"] + "`):", "", "```python",
+                          sig, "```", ""]
+        elif meta.get("grade"):
+            kind = "hidden tests" if "### BEGIN HIDDEN TESTS" in c.source else "visible tests"
+            pts = float(meta.get("points", 0))
+            pending.append(f"`{meta['grade_id']}` ({pts:g} point{'s' if pts != 1 else ''}, {kind})")
+    flush()
+    if not lines or not lines[0].startswith("# "):
+        lines.insert(0, f"# Lab {n}\n")
+
+    lines += ["## Working on the lab", "",
+              f"The source is `{rel}`. Run `make lab`: it converts and releases the labs, "
+              "then starts JupyterLab at the repository root. Open the released copy "
+              "from nbgrader's *Assignment List* (or right-click the `.py` source, "
+              "*Open With > Notebook*, to read it with its solutions), run the cells in "
+              "order, fill in the cells marked `# YOUR CODE HERE`, and use *Validate* "
+              "before you submit.", ""]
+    lines += ["## Grading", "",
+              f"{len(graded)} autograded cells, {total:g} points in all:", "",
+              "| test cell | points | |", "|---|---|---|"]
+    lines += [f"| `{g}` | {p:g} | {'hidden tests (added back when grading)' if h else 'visible'} |"
+              for g, p, h in graded]
+    lines += ["", "The autograder (`nbgrader autograde`) restores the hidden tests, runs every "
+              "cell of the submission from the top with a limit of "
+              f"{_timeout()} s per cell (`grading/nbgrader_config.py`), and calls your "
+              "functions on inputs that are not in the notebook, comparing with a reference "
+              "it computes itself: a stored number or a function that only works on the "
+              "examples scores nothing. A failing test cell prints what was expected, what "
+              "was measured and by how much it missed.", ""]
+    fixtures = _fixtures(n)
+    if fixtures:
+        lines += ["CI grades this lab against fixture submissions "
+                  f"(`grading/fixtures/ch{n:02d}.py`), each with its exact expected score:", "",
+                  "| fixture submission | expected score |", "|---|---|"]
+        lines += [f"| {name} | {score:g} / {fixtures['max']:g} |"
+                  for name, score in fixtures["scores"].items()]
+        lines += ["", "`make grade` runs the whole check: see the "
+                  "[instructor guide](../instructor.md)."]
+    return "\n".join(lines) + "\n"
+
+
+def _fixtures(n: int) -> dict | None:
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    try:
+        mod = importlib.import_module(f"grading.fixtures.ch{n:02d}")
+    except ModuleNotFoundError:
+        return None
+    return {"max": float(mod.MAX_SCORE),
+            "scores": {k: float(v[2]) for k, v in mod.FIXTURES.items()}}
+
+
+if __name__ == "__main__":  # python docs/hooks.py: the syllabus status as JSON
+    print(json.dumps([dict(zip(("stage", "n", "title", "status"), r))
+                      for r in syllabus_rows()], indent=1))

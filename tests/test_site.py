@@ -1,0 +1,290 @@
+"""The course website: `mkdocs build --strict` (no warnings), its generated pages checked
+against the repository, then served on localhost and driven in headless Chromium.
+
+The chapters are executed notebooks (docs/notebooks.py): when tests/test_course.py ran
+first in the same session they are reused, otherwise this module executes them (about a
+minute each). Chromium and chromedriver come from Debian (`apt-get install chromium
+chromium-driver`); without them the browser tests skip, unless MINIVLLM_REQUIRE_BROWSER=1
+(CI), where they fail. Screenshots go to reports/site/.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from html.parser import HTMLParser
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHOTS = ROOT / "reports" / "site"
+WAIT_S = 60
+
+pytestmark = [pytest.mark.site, pytest.mark.embedded]
+
+
+# ------------------------------------------------------------------ the build
+
+@pytest.fixture(scope="module")
+def site(embedded_model_dir, tmp_path_factory) -> Path:
+    pytest.importorskip("mkdocs", reason="the docs extra is not installed: pip install -e '.[docs]'")
+    out = tmp_path_factory.mktemp("site")
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict",
+                           "--site-dir", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"mkdocs build --strict failed:\n{log[-6000:]}"
+    warnings = re.findall(r"^(?:WARNING|ERROR).*$", log, re.M)
+    assert not warnings, "\n".join(warnings)
+    return out
+
+
+class _Text(HTMLParser):
+    """Text of an HTML page, with the rows of its tables (cells as text, links kept)."""
+
+    def __init__(self):
+        super().__init__()
+        self.parts, self.rows, self._row, self._cell, self._skip = [], [], None, None, 0
+
+    def handle_starttag(self, tag, attrs):
+        if tag in ("script", "style"):
+            self._skip += 1
+        elif tag == "tr":
+            self._row = []
+        elif tag in ("td", "th") and self._row is not None:
+            self._cell = {"text": "", "links": []}
+        elif tag == "a" and self._cell is not None:
+            self._cell["links"].append(dict(attrs).get("href", ""))
+
+    def handle_endtag(self, tag):
+        if tag in ("script", "style"):
+            self._skip -= 1
+        elif tag in ("td", "th") and self._cell is not None and self._row is not None:
+            self._row.append(self._cell)
+            self._cell = None
+        elif tag == "tr" and self._row is not None:
+            self.rows.append(self._row)
+            self._row = None
+
+    def handle_data(self, data):
+        if self._skip:
+            return
+        self.parts.append(data)
+        if self._cell is not None:
+            self._cell["text"] += data
+
+    @property
+    def text(self) -> str:
+        return " ".join(" ".join(self.parts).split())
+
+
+def _page(site: Path, url: str) -> _Text:
+    p = _Text()
+    p.feed((site / url / "index.html").read_text())
+    return p
+
+
+# ------------------------------------------------------------------ generated pages
+
+def test_syllabus_status_matches_disk(site):
+    """30 chapters, numbered 1-30; a chapter is linked and not 'planned' exactly when its
+    notebook is in course/, and 'available' when its lab is in labs/source/ too."""
+    rows = [r for r in _page(site, "syllabus").rows if r and r[0]["text"].strip().isdigit()]
+    assert [int(r[0]["text"]) for r in rows] == list(range(1, 31))
+    notebooks = {int(m.group(1)) for p in (ROOT / "course").glob("ch*/ch*.py")
+                 if (m := re.match(r"ch(\d+)_", p.parent.name))}
+    labs = {int(d.name[2:]) for d in (ROOT / "labs" / "source").glob("ch[0-9]*")
+            if list(d.glob("*.py"))}
+    assert {1, 2} <= notebooks and {1, 2} <= labs
+    for num, title, lab, status in rows:
+        n = int(num["text"])
+        expected = ("planned" if n not in notebooks else
+                    "available" if n in labs else "chapter only")
+        assert status["text"].strip() == expected, (n, status["text"], expected)
+        if n in notebooks:
+            assert any("chapters/ch" in h for h in title["links"]), (n, title)
+        else:
+            assert not title["links"], (n, title)
+        assert bool(lab["links"]) == (n in labs), (n, lab)
+    assert "Number formats" in rows[2][1]["text"]  # the titles are DESIGN.md's
+
+
+def test_module_map_is_the_readmes(site):
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Module map", 1)[1].split("\n## ", 1)[0]
+    paths = re.findall(r"^\| `([^`]+)`", section, re.M)
+    assert len(paths) > 20
+    text = _page(site, "module-map").text
+    missing = [p for p in paths if p not in text]
+    assert not missing, missing
+
+
+def test_lab_pages_show_tasks_and_points_but_no_solutions(site):
+    for src in sorted((ROOT / "labs" / "source").glob("ch*/*.py")):
+        lab = src.parent.name
+        text = _page(site, f"labs/{lab}").text
+        source = src.read_text()
+        # every task heading of the lab is on its page, with the lab's total points
+        headings = re.findall(r"^# ## (Task .*)$", source, re.M)
+        assert headings and all(h in text for h in headings), (lab, headings)
+        total = sum(float(x) for x in re.findall(r'"points": ([0-9.]+)', source))
+        assert f"{total:g} points in all" in text, (lab, total)
+        # no line of a reference solution or of a hidden test reaches the page
+        secret = []
+        for block in re.findall(r"### BEGIN (?:SOLUTION|HIDDEN TESTS)\n(.*?)### END", source, re.S):
+            secret += [ln.strip() for ln in block.splitlines() if len(ln.strip()) > 25]
+        assert secret, lab
+        leaked = [ln for ln in secret if ln in text]
+        assert not leaked, (lab, leaked[:3])
+        assert "BEGIN SOLUTION" not in text and "BEGIN HIDDEN TESTS" not in text
+
+
+def test_api_reference_renders_docstrings(site):
+    text = _page(site, "api/llm").text
+    for name in ("minivllm.llm.LLM", "SamplingParams", "RequestOutput", "kv_cache_dtype"):
+        assert name in text, name
+    core = _page(site, "api/core").text
+    for name in ("Scheduler", "KVCacheManager", "BlockPool"):
+        assert name in core, name
+
+
+# ------------------------------------------------------------------ in the browser
+
+@pytest.fixture(scope="module")
+def base_url(site):
+    class Quiet(SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(site)))
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_port}/"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def _find(*names: str) -> str | None:
+    for n in names:
+        path = shutil.which(n) or (f"/usr/bin/{n}" if Path(f"/usr/bin/{n}").exists() else None)
+        if path:
+            return path
+    return None
+
+
+@pytest.fixture(scope="module")
+def driver():
+    chromium = _find("chromium", "chromium-browser", "google-chrome")
+    chromedriver = _find("chromedriver")
+    try:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+    except ImportError:
+        webdriver = None
+    reason = None
+    if not (chromium and chromedriver):
+        reason = (f"no headless browser (chromium: {chromium}, chromedriver: {chromedriver}); "
+                  "install Debian's: apt-get install -y chromium chromium-driver")
+    elif webdriver is None:
+        reason = "selenium is not installed (the docs extra: pip install -e '.[docs]')"
+    if reason:
+        if os.environ.get("MINIVLLM_REQUIRE_BROWSER") == "1":
+            pytest.fail(reason + " (MINIVLLM_REQUIRE_BROWSER=1)")
+        pytest.skip(reason)
+
+    profile = tempfile.mkdtemp(prefix="minivllm-chromium-")
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = chromium
+    for arg in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                "--no-first-run", "--disable-background-networking",
+                "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage",
+                f"--user-data-dir={profile}", "--window-size=1280,900"):
+        opts.add_argument(arg)
+    drv = webdriver.Chrome(service=Service(executable_path=chromedriver), options=opts)
+    drv.set_page_load_timeout(WAIT_S)
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    yield drv
+    drv.quit()
+    shutil.rmtree(profile, ignore_errors=True)
+
+
+def _wait(drv, condition, what: str):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    return WebDriverWait(drv, WAIT_S).until(condition, message=f"timed out waiting for {what}")
+
+
+def test_home_page(driver, base_url):
+    from selenium.webdriver.common.by import By
+
+    driver.get(base_url)
+    h1 = _wait(driver, lambda d: d.find_element(By.CSS_SELECTOR, "article h1"), "the heading")
+    assert "minivllm" in driver.title
+    assert "inference precision" in h1.text.lower()
+    article = driver.find_element(By.CSS_SELECTOR, "article").text
+    assert "make demo" in article and "make test" in article
+    driver.save_screenshot(str(SHOTS / "home.png"))
+
+
+def test_chapter_page_shows_code_and_a_plot(driver, base_url):
+    from selenium.webdriver.common.by import By
+
+    driver.get(base_url + "chapters/ch01_fp32_baseline/")
+    h1 = _wait(driver, lambda d: d.find_element(By.CSS_SELECTOR, ".jupyter-wrapper h1"),
+               "the chapter's heading")
+    assert h1.text.startswith("Chapter 1.")
+    code = [e.text for e in driver.find_elements(By.CSS_SELECTOR, ".jp-CodeCell .jp-InputArea pre")]
+    assert len(code) >= 5 and any("from minivllm import LLM" in c for c in code), code[:3]
+    # the plots are PNG outputs of code cells; wait until the browser has decoded them
+    sel = ".jp-CodeCell .jp-OutputArea-output img"
+    _wait(driver, lambda d: d.execute_script(
+        f"const i = [...document.querySelectorAll('{sel}')];"
+        "return i.length > 0 && i.every(x => x.complete);"), "the plot images to load")
+    sizes = driver.execute_script(
+        f"return [...document.querySelectorAll('{sel}')].map(x => [x.naturalWidth, x.naturalHeight]);")
+    assert sizes and all(w > 200 and h > 100 for w, h in sizes), sizes
+    # measured outputs, not just code: the reference check printed by the chapter
+    outputs = " ".join(e.text for e in driver.find_elements(
+        By.CSS_SELECTOR, ".jp-CodeCell .jp-OutputArea-output pre"))
+    assert re.search(r"\d", outputs) and "Traceback" not in outputs
+    img = driver.find_element(By.CSS_SELECTOR, sel)
+    driver.execute_script("arguments[0].scrollIntoView({block: 'center'});", img)
+    # the header swaps the site name for the page title as one scrolls: let it settle
+    _wait(driver, lambda d: d.execute_script(
+        "const t = document.querySelectorAll('.md-header__topic');"
+        "return t.length < 2 || getComputedStyle(t[0]).opacity === '0';"), "the header")
+    driver.save_screenshot(str(SHOTS / "chapter.png"))
+
+
+def test_search_finds_a_chapter(driver, base_url):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    driver.get(base_url)
+    box = _wait(driver, lambda d: d.find_element(By.CSS_SELECTOR, "input.md-search__input"),
+                "the search box")
+    _wait(driver, lambda d: box.is_displayed() and box.is_enabled(), "the search box")
+    box.click()
+    box.send_keys("KV cache")
+
+    def chapter_results(d):
+        links = [a.get_attribute("href") or "" for a in
+                 d.find_elements(By.CSS_SELECTOR, ".md-search-result__item a")]
+        hits = [h for h in links if re.search(r"/chapters/ch\d+_", h)]
+        return hits or False
+
+    hits = _wait(driver, chapter_results, "a chapter page among the search results for 'KV cache'")
+    assert hits[0].startswith(base_url)
+    meta = driver.find_element(By.CSS_SELECTOR, ".md-search-result__meta").text
+    assert re.search(r"\d+ matching document", meta), meta
+    driver.save_screenshot(str(SHOTS / "search.png"))
+    box.send_keys(Keys.ESCAPE)
