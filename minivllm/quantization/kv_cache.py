@@ -138,6 +138,8 @@ class LayerKVCache:
     def __post_init__(self) -> None:
         self.set_scales(self.k_scale, self.v_scale)
         self.nonfinite_rows: Optional[torch.Tensor] = None
+        # set (and kept) by the TORCH backend once a NaN/inf K or V has been stored
+        self.may_hold_nonfinite = False
 
     def set_scales(self, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
         """Replace the static scales (float32, shape [] or [num_kv_heads])."""

@@ -24,8 +24,12 @@ class TorchAttentionBackend:
 
     def store(self, kv: LayerKVCache, slot_mapping: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
-        """Write this step's K/V ([T, kv_heads, head_dim]) at slot_mapping [T]."""
+        """Write this step's K/V ([T, kv_heads, head_dim]) at slot_mapping [T], and note
+        (sticky, per layer) whether a NaN/inf ever went into this cache."""
         kv.write(slot_mapping, k, v)
+        if not kv.may_hold_nonfinite and not bool(torch.isfinite(k).all()
+                                                  & torch.isfinite(v).all()):
+            kv.may_hold_nonfinite = True
 
     def forward(self, q: torch.Tensor, kv: LayerKVCache, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
@@ -65,7 +69,10 @@ class TorchAttentionBackend:
     def _decode(q, kv: LayerKVCache, g, scale) -> torch.Tensor:
         """One decode group: q [B, H, D] (rows of g, in g's order) -> [B, H, D]."""
         k, v = kv.read(g.kv_slots, q.dtype)
-        if not bool(g.mask.all()):
+        # Padding positions read slots of other requests (or free blocks). Masked scores
+        # get zero weight, but 0 * NaN is NaN: when a NaN/inf was ever stored in this
+        # cache, padded K/V are zeroed first (two passes over K/V; skipped otherwise).
+        if kv.may_hold_nonfinite and not bool(g.mask.all()):
             # Padded positions read slot 0, which may hold anything (even NaN from a
             # failed request): the mask gives them weight 0, but 0 * NaN = NaN, so the
             # values themselves must be zeroed (a paged kernel would never load them).
