@@ -16,7 +16,7 @@ Reference rows: the noise floor (float32 with its MLP sum reordered), a bfloat16
 and float32 with emulated TF32 matmuls. Engines are built one at a time (each is freed
 before the next), so memory stays near one model.
 
-Note (DESIGN.md): the embedded weights were dequantized from GGUF Q4_1 (asymmetric,
+Note (from the project's design card): the embedded weights were dequantized from GGUF Q4_1 (asymmetric,
 groups of 32). int4 asymmetric g32 on the same grid is therefore nearly lossless; g64 and
 g128 and symmetric grids show the real 4-bit trade-off.
 

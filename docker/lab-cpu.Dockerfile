@@ -15,7 +15,7 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 
 # jovyan (uid 1000): the user JupyterHub's DockerSpawner and the Jupyter images expect.
-# A new volume mounted on /srv/nbgrader/exchange (nbgrader's default exchange) or on
+# A new volume mounted on /srv/nbgrader/exchange (the exchange docker/nbgrader_config.py sets) or on
 # /home/jovyan/work (a learner's folder under JupyterHub) starts as the folder here: the
 # exchange open to every user, as nbgrader needs, and work/ owned by jovyan.
 RUN useradd --create-home --uid 1000 --shell /bin/bash jovyan \

@@ -32,7 +32,7 @@ import notebooks  # noqa: E402  (docs/notebooks.py)
 ROOT = notebooks.ROOT
 log = logging.getLogger("mkdocs.hooks.minivllm")
 
-# The syllabus (DESIGN.md): six stages, thirty chapters. Status comes from the disk.
+# The syllabus (the project's design card): six stages, thirty chapters. Status comes from the disk.
 SYLLABUS = [
     ("Stage 1, foundations", [
         "Course introduction and the FP32 baseline; the multi-turn \"FP16 KV cache\" incident",
@@ -297,9 +297,9 @@ def lab_page(n: int, src: Path) -> str:
         lines.insert(0, f"# Lab {n}\n")
 
     lines += ["## Working on the lab", "",
-              f"The source is `{rel}`. Run `make lab`: it converts and releases the labs, "
-              "then starts JupyterLab at the repository root. Open the released copy "
-              "from nbgrader's *Assignment List* (or right-click the `.py` source, "
+              f"The source is `{rel}`. Run `make lab`: it converts the labs and releases "
+              "them to a local exchange, then starts JupyterLab at the repository root. "
+              "Fetch the lab from nbgrader's *Assignment List* (or right-click the `.py` source, "
               "*Open With > Notebook*, to read it with its solutions), run the cells in "
               "order, fill in the cells marked `# YOUR CODE HERE`, and use *Validate* "
               "before you submit.", ""]

@@ -149,8 +149,13 @@ def main(argv=None) -> int:
     ap.add_argument("labs", nargs="*", help="labs to grade (default: all with fixtures)")
     ap.add_argument("--course-root", default=str(ROOT / "build" / "nbgrader"))
     ap.add_argument("--prepare-only", action="store_true",
-                    help="build the course root and release the labs, grade nothing "
-                         "(what `make lab` does for the formgrader)")
+                    help="build the course root, generate the labs and release them to the "
+                         "exchange, grade nothing (what `make lab` does for the formgrader "
+                         "and the Assignment List)")
+    ap.add_argument("--exchange", default=None,
+                    help="nbgrader exchange for --prepare-only (default: build/exchange, which "
+                         "the repository's nbgrader_config.py points JupyterLab to; outside "
+                         "the course root, which is rebuilt, so submissions survive)")
     args = ap.parse_args(argv)
     available = sorted(p.stem for p in (ROOT / "grading" / "fixtures").glob("ch*.py"))
     labs = args.labs or available
@@ -161,9 +166,14 @@ def main(argv=None) -> int:
     course = Path(args.course_root)
     build_course(course, labs)
     if args.prepare_only:
+        exchange = Path(args.exchange or ROOT / "build" / "exchange").resolve()
+        exchange.mkdir(parents=True, exist_ok=True)
         for lab in labs:
             _nbgrader(course, "generate_assignment", lab, "--force")
-        print(f"course root ready: {course} (labs released: {', '.join(labs)})")
+            _nbgrader(course, "release_assignment", lab, "--force",
+                      f"--Exchange.root={exchange}")
+        print(f"course root ready: {course} (labs generated and released to {exchange}: "
+              f"{', '.join(labs)})")
         return 0
     results = [grade_lab(lab, course) for lab in labs]
     for r in results:

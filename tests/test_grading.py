@@ -36,3 +36,31 @@ def test_lab_fixtures_get_exact_scores(lab, tmp_path, embedded_model_dir):
     assert by["solution"]["score"] == by["solution"]["max_score"]
     assert all(v == 0 for v in by["release"]["cells"].values())
     assert proc.returncode == 0
+
+
+def test_prepare_only_releases_labs_to_a_local_exchange(tmp_path):
+    """What `make lab` runs: every lab is generated and released to the exchange, so the
+    Assignment List can fetch it (student copy: no solutions, no hidden tests) on one
+    machine. Run from tmp_path so that the repository's nbgrader_config.py stays out."""
+    pytest.importorskip("nbgrader")
+    exchange = tmp_path / "exchange"
+    proc = subprocess.run([sys.executable, "-m", "grading.grade", "--prepare-only",
+                           "--course-root", str(tmp_path / "course"), "--exchange",
+                           str(exchange)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    nbgrader = Path(sys.executable).with_name("nbgrader")
+    opts = [f"--Exchange.root={exchange}", "--CourseDirectory.course_id=minivllm-precision"]
+    listed = subprocess.run([str(nbgrader), "list", *opts], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=300)
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    for lab in LABS:
+        assert f"minivllm-precision {lab}" in listed.stdout + listed.stderr, listed.stderr
+    learner = tmp_path / "learner"
+    learner.mkdir()
+    fetched = subprocess.run([str(nbgrader), "fetch_assignment", LABS[0], *opts],
+                             cwd=learner, capture_output=True, text=True, timeout=300)
+    assert fetched.returncode == 0, fetched.stderr[-2000:]
+    (nb,) = (learner / LABS[0]).glob("*.ipynb")
+    text = nb.read_text()
+    assert "BEGIN SOLUTION" not in text and "BEGIN HIDDEN TESTS" not in text
+    assert "raise NotImplementedError()" in text

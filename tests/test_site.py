@@ -115,7 +115,7 @@ def test_syllabus_status_matches_disk(site):
         else:
             assert not title["links"], (n, title)
         assert bool(lab["links"]) == (n in labs), (n, lab)
-    assert "Number formats" in rows[2][1]["text"]  # the titles are DESIGN.md's
+    assert "Number formats" in rows[2][1]["text"]  # the syllabus titles
 
 
 def test_module_map_is_the_readmes(site):

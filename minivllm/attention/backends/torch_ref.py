@@ -27,8 +27,9 @@ class TorchAttentionBackend:
         """Write this step's K/V ([T, kv_heads, head_dim]) at slot_mapping [T], and note
         (sticky, per layer) whether a NaN/inf ever went into this cache."""
         kv.write(slot_mapping, k, v)
-        if not kv.may_hold_nonfinite and not bool(torch.isfinite(k).all()
-                                                  & torch.isfinite(v).all()):
+        # NaN/inf propagate into a sum, so this never misses one; a sum of finite values
+        # that overflows only turns the (harmless) zeroing on early.
+        if not kv.may_hold_nonfinite and not bool(torch.isfinite(k.sum() + v.sum())):
             kv.may_hold_nonfinite = True
 
     def forward(self, q: torch.Tensor, kv: LayerKVCache, meta: AttentionMetadata,
