@@ -139,7 +139,7 @@ def main() -> int:
     prof.export_chrome_trace(ns.trace)
     if runner.cuda_graphs is not None:
         g = runner.cuda_graphs
-        bs = g.sizes[0] if ns.batch <= g.sizes[0] else next(s for s in g.sizes if s >= ns.batch)
+        bs = next(s for s in g.sizes if s >= ns.batch)  # the graph a batch this size runs in
         graph = g.graphs[bs][0]
         g.seq_lens[:bs] = ns.context
         g.slot_mapping[:bs] = -1

@@ -301,22 +301,18 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: Optional[st
 
     # --- streaming ------------------------------------------------------------------
     async def stream_completion(outputs, rid, created, params, include_usage):
-        sent_text, sent_tokens, last = "", 0, None
-        async for out in outputs:
+        last = None
+        async for out, delta, tok0, char0 in stream_deltas(outputs, params):
             last = out
+            if delta is None:
+                continue
             c = out.outputs[0]
-            delta = text_delta(sent_text, c.text, out.finished, params)
-            n = len(c.token_ids)
-            if delta or out.finished:
-                sent_text += delta
-                yield {"id": rid, "object": "text_completion", "created": created,
-                       "model": model_name, "choices": [{
-                           "index": 0, "text": delta,
-                           "logprobs": completion_logprobs(
-                               c, sent_tokens, n, len(sent_text) - len(delta))
-                           if params.logprobs is not None else None,
-                           "finish_reason": c.finish_reason if out.finished else None}]}
-                sent_tokens = n
+            yield {"id": rid, "object": "text_completion", "created": created,
+                   "model": model_name, "choices": [{
+                       "index": 0, "text": delta,
+                       "logprobs": completion_logprobs(c, tok0, len(c.token_ids), char0)
+                       if params.logprobs is not None else None,
+                       "finish_reason": c.finish_reason if out.finished else None}]}
         if include_usage and last is not None:
             yield {"id": rid, "object": "text_completion", "created": created,
                    "model": model_name, "choices": [], "usage": usage(last)}
@@ -326,20 +322,17 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: Optional[st
                 "model": model_name}
         yield {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                     "logprobs": None, "finish_reason": None}]}
-        sent_text, sent_tokens, last = "", 0, None
-        async for out in outputs:
+        last = None
+        async for out, delta, tok0, _ in stream_deltas(outputs, params):
             last = out
+            if delta is None:
+                continue
             c = out.outputs[0]
-            delta = text_delta(sent_text, c.text, out.finished, params)
-            n = len(c.token_ids)
-            if delta or out.finished:
-                sent_text += delta
-                yield {**head, "choices": [{
-                    "index": 0, "delta": {"content": delta} if delta else {},
-                    "logprobs": chat_logprobs(c, sent_tokens, n, params.logprobs)
-                    if params.logprobs is not None else None,
-                    "finish_reason": c.finish_reason if out.finished else None}]}
-                sent_tokens = n
+            yield {**head, "choices": [{
+                "index": 0, "delta": {"content": delta} if delta else {},
+                "logprobs": chat_logprobs(c, tok0, len(c.token_ids), params.logprobs)
+                if params.logprobs is not None else None,
+                "finish_reason": c.finish_reason if out.finished else None}]}
         if include_usage and last is not None:
             yield {**head, "choices": [], "usage": usage(last)}
 
@@ -395,6 +388,23 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: Optional[st
         return {"content": content}
 
     return app
+
+
+async def stream_deltas(outputs, params):
+    """For each streamed ``RequestOutput``: ``(out, delta, first_token, first_char)``, where
+    ``delta`` is the new text to send (see :func:`text_delta`) or None when there is
+    nothing to send yet, and ``first_token``/``first_char`` are where the chunk's tokens
+    and text start in the completion (for its log-probs)."""
+    sent_text, sent_tokens = "", 0
+    async for out in outputs:
+        c = out.outputs[0]
+        delta = text_delta(sent_text, c.text, out.finished, params)
+        if not (delta or out.finished):
+            yield out, None, sent_tokens, len(sent_text)
+            continue
+        yield out, delta, sent_tokens, len(sent_text)
+        sent_text += delta
+        sent_tokens = len(c.token_ids)
 
 
 def text_delta(sent: str, text: str, finished: bool, params) -> str:
