@@ -145,6 +145,19 @@ def test_logprobs(client, offline):
     assert all(x.top_logprobs[0].logprob >= x.logprob - 1e-6 for x in content)
 
 
+def test_streamed_logprobs_equal_non_streamed(client):
+    """Chunks carry the log-probs of their own tokens, and each chunk's text offsets start
+    where the text sent before it ends: joined, they equal the one-shot response."""
+    kw = dict(model=NAME, prompt=PROMPT, max_tokens=12, temperature=0, logprobs=1,
+              extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw).choices[0].logprobs
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw) if c.choices]
+    got = [lp for ch in chunks for lp in ch.logprobs.token_logprobs]
+    assert got == pytest.approx(full.token_logprobs, abs=1e-6)
+    assert [t for ch in chunks for t in ch.logprobs.tokens] == full.tokens
+    assert [o for ch in chunks for o in ch.logprobs.text_offset] == full.text_offset
+
+
 def test_stop_string(client, offline):
     base = offline.generate([PROMPT], SamplingParams(temperature=0, max_tokens=16,
                                                       ignore_eos=True))[0].outputs[0].text
