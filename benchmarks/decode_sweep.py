@@ -1,0 +1,133 @@
+"""Decode-attention launch configurations on a GPU, side by side with SDPA.
+
+    python benchmarks/decode_sweep.py            # Llama-3-8B attention shape, bf16 KV
+    python benchmarks/decode_sweep.py --quick    # fewer shapes and configurations
+
+For each shape (batch, context) it times :func:`kernels.paged_attention.paged_attention_decode`
+under every configuration of the grid (``KV_HEADS`` per program, ``BLOCK_N`` tokens per
+tile, warps, pipeline stages) and ``F.scaled_dot_product_attention`` on the same K/V laid
+out contiguously, all as CUDA-graph replays (median, L2 flushed, as in gpu_suite.py).
+It also checks each configuration's output against SDPA and whether outputs are
+bit-identical across configurations (the engine needs one fixed configuration per model
+for batch invariance; this says whether two configurations could be mixed).
+Prints one table per shape and, last, one JSON line with the best configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import minivllm  # noqa: E402,F401  (before torch: sets up Triton)
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+
+from benchmarks.gpu_suite import bench_graph, copy_bandwidth, log, table  # noqa: E402
+from kernels import paged_attention as PA  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("decode_sweep.py needs a CUDA GPU")
+    H, Hkv, D, bs = 32, 8, 128, 16
+    dtype = torch.bfloat16
+    shapes = [(1, 256), (32, 4096), (64, 8192)] if args.quick else \
+        [(1, 256), (1, 4096), (8, 4096), (32, 4096), (64, 8192), (128, 1024), (256, 4096)]
+    grid = [dict(KV_HEADS=kvh, BLOCK_N=cols // kvh, num_warps=w, num_stages=st)
+            for kvh, cols, w, st in itertools.product((1, 2, 4), (64, 128), (4, 8), (2, 3))]
+    if args.quick:
+        grid = [g for g in grid if g["num_stages"] == 2]
+    copy_bw = copy_bandwidth()
+    max_tokens = max(b * c for b, c in shapes)
+    num_blocks = max_tokens // bs + 16
+    g = torch.Generator(device="cuda").manual_seed(0)
+    k_cache = torch.randn(num_blocks * bs, Hkv, D, device="cuda", dtype=dtype, generator=g)
+    v_cache = torch.randn(num_blocks * bs, Hkv, D, device="cuda", dtype=dtype, generator=g)
+    saved = dict(PA.DECODE_CONFIG)
+    totals = {i: 0.0 for i in range(len(grid))}
+    summary = []
+    for B, ctx in shapes:
+        perm = torch.randperm(num_blocks, device="cuda", generator=g)
+        bt = perm[:B * (ctx // bs)].view(B, -1).to(torch.int32)
+        lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
+        q = torch.randn(B, H, D, device="cuda", dtype=dtype, generator=g)
+        kv_bytes = B * ctx * Hkv * D * 2 * 2
+        slots = (bt.long()[:, :, None] * bs + torch.arange(bs, device="cuda")).view(B, -1)
+        kc = k_cache[slots].permute(0, 2, 1, 3).contiguous()
+        vc = v_cache[slots].permute(0, 2, 1, 3).contiguous()
+
+        def sdpa():
+            return F.scaled_dot_product_attention(q[:, :, None], kc, vc, scale=D ** -0.5,
+                                                  enable_gqa=True)
+        ms_sdpa = bench_graph(sdpa)
+        ref = sdpa()[:, :, 0].float()
+        rows, first = [], None
+        for i, cfg in enumerate(grid):
+            PA.DECODE_CONFIG.clear()
+            PA.DECODE_CONFIG.update(cfg)
+            run = lambda: PA.paged_attention_decode(  # noqa: E731
+                q, k_cache, v_cache, bt, lens, bs, D ** -0.5, max_seq_len=ctx)
+            try:
+                ms = bench_graph(run)
+                o = run()
+            except Exception as e:  # out of resources for this configuration
+                log(f"  {cfg}: {type(e).__name__}: {str(e)[:120]}")
+                totals[i] = float("inf")
+                continue
+            torch.cuda.synchronize()
+            if first is None:
+                first = o.clone()
+            totals[i] += ms / ms_sdpa
+            rows.append(dict(**cfg, us=ms * 1e3, frac_copy_bw=kv_bytes / (ms * 1e-3) / copy_bw,
+                             vs_sdpa=ms_sdpa / ms,
+                             err=(o.float() - ref).abs().max().item(),
+                             same_bits_as_first=bool(torch.equal(o, first))))
+        rows.sort(key=lambda r: r["us"])
+        # diagnostics for the default configuration: the same call with the blocks in
+        # order (contiguous, like SDPA's layout), and the reduce kernel alone
+        PA.DECODE_CONFIG.clear()
+        PA.DECODE_CONFIG.update(saved)
+        bt_in_order = torch.arange(B * (ctx // bs), device="cuda", dtype=torch.int32).view(B, -1)
+        ms_order = bench_graph(lambda: PA.paged_attention_decode(
+            q, k_cache, v_cache, bt_in_order, lens, bs, D ** -0.5, max_seq_len=ctx))
+        splits = triton.cdiv(ctx, PA.SPLIT_SIZE)
+        part_m = torch.zeros(B, H, splits, device="cuda")
+        part_l = torch.ones_like(part_m)
+        part_acc = torch.zeros(B, H, splits, D, device="cuda")
+        out = torch.empty_like(q)
+        ms_reduce = bench_graph(lambda: PA._decode_reduce_kernel[(B, H)](
+            part_m, part_l, part_acc, lens, out, out.stride(0), out.stride(1), splits,
+            NUM_HEADS=H, HEAD_DIM=D, D_PAD=D, SPLIT=PA.SPLIT_SIZE, CHUNK=PA.REDUCE_CHUNK))
+        log(f"B={B} ctx={ctx}, default {saved}: blocks in order {ms_order * 1e3:.1f} us; "
+            f"reduce kernel alone {ms_reduce * 1e3:.1f} us")
+        log(f"\nB={B} ctx={ctx}: SDPA {ms_sdpa * 1e3:.1f} us "
+            f"({kv_bytes / (ms_sdpa * 1e-3) / copy_bw:.3f} of copy bandwidth)")
+        cols = list(rows[0].keys())
+        log(table(rows[:8] + [r for r in rows[8:] if all(r[k] == saved[k] for k in saved)],
+                  cols))
+        summary.append(dict(batch=B, context=ctx, sdpa_us=ms_sdpa * 1e3, best=rows[0]))
+    PA.DECODE_CONFIG.clear()
+    PA.DECODE_CONFIG.update(saved)
+    best = min(totals, key=totals.get)
+    log("\nconfigurations by mean time / SDPA over all shapes:")
+    order = sorted(totals, key=totals.get)[:10]
+    log(table([dict(**grid[i], mean_time_vs_sdpa=totals[i] / len(shapes)) for i in order],
+              list(grid[0].keys()) + ["mean_time_vs_sdpa"]))
+    print(json.dumps(dict(copy_GBps=round(copy_bw / 1e9), best_config=grid[best],
+                          per_shape=[dict(batch=s["batch"], context=s["context"],
+                                          best_vs_sdpa=round(s["best"]["vs_sdpa"], 3))
+                                     for s in summary])))
+
+
+if __name__ == "__main__":
+    main()
