@@ -4,12 +4,14 @@
     python benchmarks/decode_sweep.py --quick    # fewer shapes and configurations
 
 For each shape (batch, context) it times :func:`kernels.paged_attention.paged_attention_decode`
-under every configuration of the grid (``KV_HEADS`` per program, ``BLOCK_N`` tokens per
-tile, warps, pipeline stages) and ``F.scaled_dot_product_attention`` on the same K/V laid
+under every configuration of the grid (``BLOCK_N`` keys per tile, warps, pipeline
+stages) and ``F.scaled_dot_product_attention`` on the same K/V laid
 out contiguously, all as CUDA-graph replays (median, L2 flushed, as in gpu_suite.py).
 It also checks each configuration's output against SDPA and whether outputs are
 bit-identical across configurations (the engine needs one fixed configuration per model
 for batch invariance; this says whether two configurations could be mixed).
+Two diagnostics per shape, for the default configuration: the same call with the blocks
+in order (is the scattered block layout what costs?) and the reduce kernel alone.
 Prints one table per shape and, last, one JSON line with the best configuration.
 """
 
@@ -43,8 +45,8 @@ def main() -> None:
     dtype = torch.bfloat16
     shapes = [(1, 256), (32, 4096), (64, 8192)] if args.quick else \
         [(1, 256), (1, 4096), (8, 4096), (32, 4096), (64, 8192), (128, 1024), (256, 4096)]
-    grid = [dict(KV_HEADS=kvh, BLOCK_N=cols // kvh, num_warps=w, num_stages=st)
-            for kvh, cols, w, st in itertools.product((1, 2, 4), (64, 128), (4, 8), (2, 3))]
+    grid = [dict(BLOCK_N=n, num_warps=w, num_stages=st)
+            for n, w, st in itertools.product((32, 64, 128), (4, 8), (2, 3))]
     if args.quick:
         grid = [g for g in grid if g["num_stages"] == 2]
     copy_bw = copy_bandwidth()
@@ -107,7 +109,7 @@ def main() -> None:
         out = torch.empty_like(q)
         ms_reduce = bench_graph(lambda: PA._decode_reduce_kernel[(B, H)](
             part_m, part_l, part_acc, lens, out, out.stride(0), out.stride(1), splits,
-            NUM_HEADS=H, HEAD_DIM=D, D_PAD=D, SPLIT=PA.SPLIT_SIZE, CHUNK=PA.REDUCE_CHUNK))
+            NUM_HEADS=H, HEAD_DIM=D, D_PAD=D, SPLIT=PA.SPLIT_SIZE))
         log(f"B={B} ctx={ctx}, default {saved}: blocks in order {ms_order * 1e3:.1f} us; "
             f"reduce kernel alone {ms_reduce * 1e3:.1f} us")
         log(f"\nB={B} ctx={ctx}: SDPA {ms_sdpa * 1e3:.1f} us "

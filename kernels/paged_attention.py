@@ -38,26 +38,27 @@ from kernels.reshape_and_cache import _per_head
 
 SPLIT_SIZE = 512  # tokens per split (a multiple of BLOCK_N)
 # Launch configuration of the split kernel: keys per inner tile, warps, pipeline stages.
-# Tuned on an H200 by benchmarks/gpu_suite.py (its "decode kernel configs" table).
-DECODE_CONFIG = {"KV_HEADS": 1, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
-REDUCE_CHUNK = 16  # splits the reduce kernel reads per tile (fixed: batch invariance)
+# Tuned on an H200 by benchmarks/decode_sweep.py: the lowest mean time over batch 1-256,
+# context 256-8k (BLOCK_N 64 / 2 stages ties at batch >= 64 and is 15 % slower at batch 1).
+DECODE_CONFIG = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3}
 
 
 @triton.jit
-def _load_kv_tile(cache_ptr, scale_ptr, scale_cache_ptr, slot, head, pmask, d,
+def _load_kv_tile(cache_ptr, scale_ptr, scale_cache_ptr, slot, pmask, kvh, d,
                   NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr,
                   DYNAMIC: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """[N, D_PAD] tile of K or V: row i is KV head ``head[i]`` of cache slot ``slot[i]``
-    (masked rows read as 0), dequantized and cast to OUT_DTYPE."""
-    row = slot * NUM_KV_HEADS + head  # [N]: the cache is [num_slots * num_kv_heads, D]
+    """[BLOCK_N, D_PAD] tile of K or V for cache rows ``slot`` (masked rows read as 0),
+    dequantized and cast to OUT_DTYPE."""
     mask = pmask[:, None] & (d[None, :] < HEAD_DIM)
-    x = tl.load(cache_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=mask, other=0.0)
+    x = tl.load(cache_ptr + slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM
+                + d[None, :], mask=mask, other=0.0)
     if QUANT:
+        x = x.to(tl.float32)
         if DYNAMIC:
-            s = tl.load(scale_cache_ptr + row, mask=pmask, other=0.0)
+            s = tl.load(scale_cache_ptr + slot * NUM_KV_HEADS + kvh, mask=pmask, other=0.0)
+            x = x * s[:, None]
         else:
-            s = tl.load(scale_ptr + head, mask=pmask, other=0.0)
-        x = x.to(tl.float32) * s[:, None]
+            x = x * tl.load(scale_ptr + kvh)
     if x.dtype != OUT_DTYPE:
         x = cast_rne(x.to(tl.float32), OUT_DTYPE)
     return x
@@ -65,14 +66,13 @@ def _load_kv_tile(cache_ptr, scale_ptr, scale_cache_ptr, slot, head, pmask, d,
 
 @triton.jit
 def _attend_tile(q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, ks_cache_ptr,
-                 vs_cache_ptr, slot, head, pmask, visible, d, m, l, acc, sm_scale,
+                 vs_cache_ptr, slot, pmask, visible, kvh, d, m, l, acc, sm_scale,
                  NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr,
                  DYNAMIC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """One step of the online softmax: queries q [M, D] against the keys in cache rows
-    (``slot`` [N], KV ``head`` [N]; ``pmask``: rows that exist; ``visible`` [M, N]: which
-    query sees which key). Updates the running max m [M], sum l [M] and un-normalised
-    output acc [M, D]. Every row must see at least one key by its first tile."""
-    k = _load_kv_tile(k_cache_ptr, k_scale_ptr, ks_cache_ptr, slot, head, pmask, d,
+    """One step of the online softmax: queries q [M, D] against the keys at cache rows
+    ``slot`` [N] (``pmask``: rows that exist; ``visible`` [M, N]: which query sees which
+    key). Updates the running max m [M], sum l [M] and un-normalised output acc [M, D]."""
+    k = _load_kv_tile(k_cache_ptr, k_scale_ptr, ks_cache_ptr, slot, pmask, kvh, d,
                       NUM_KV_HEADS, HEAD_DIM, QUANT, DYNAMIC, q.dtype)
     s = dot(q, tl.trans(k), PRECISION, UPCAST) * sm_scale  # [M, N]
     s = tl.where(visible, s, float("-inf"))
@@ -80,7 +80,7 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, ks_cache
     alpha = tl.exp(m - m_new)
     p = tl.exp(s - m_new[:, None])
     l = l * alpha + tl.sum(p, axis=1)
-    v = _load_kv_tile(v_cache_ptr, v_scale_ptr, vs_cache_ptr, slot, head, pmask, d,
+    v = _load_kv_tile(v_cache_ptr, v_scale_ptr, vs_cache_ptr, slot, pmask, kvh, d,
                       NUM_KV_HEADS, HEAD_DIM, QUANT, DYNAMIC, q.dtype)
     acc = acc * alpha[:, None] + dot(cast_rne(p, v.dtype), v, PRECISION, UPCAST)
     return m_new, l, acc
@@ -90,88 +90,69 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, ks_cache
 def _decode_split_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, ks_cache_ptr, vs_cache_ptr,
         block_tables_ptr, seq_lens_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-        stride_qb, stride_qh, stride_bt, max_splits, sm_scale, QUERY_GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
-        ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
-        QUANT: tl.constexpr, DYNAMIC: tl.constexpr, PRECISION: tl.constexpr,
-        UPCAST: tl.constexpr):
-    # Program (head group, b, split): KV heads [kvh0, kvh0 + KV_HEADS) and their
-    # KV_HEADS * QUERY_GROUP query heads (rows r; padded to ROWS). A tile is BLOCK_N
-    # tokens x KV_HEADS heads, column c = token c // KV_HEADS, head c % KV_HEADS: in cache
-    # order, so with all KV heads in one program a tile is whole contiguous 2 KB token
-    # rows. Scores are one dot of every row with every column; a row only *sees* the
-    # columns of its own KV head (a block-diagonal mask), so the other entries are
-    # computed and thrown away (KV_HEADS-fold extra math in exchange for long reads).
-    kvh0 = tl.program_id(0) * KV_HEADS
+        stride_qb, stride_qh, stride_bt, max_splits, sm_scale,
+        QUERY_GROUP: tl.constexpr, G_PAD: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+        HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr,
+        DYNAMIC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    # KV head fastest: programs that run side by side read the heads of the same tokens,
+    # which sit next to each other in memory ([slot, kv_head, head_dim]).
+    kvh = tl.program_id(0)
     b = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     start = split * SPLIT
     if start < seq_len:
         end = tl.minimum(start + SPLIT, seq_len)
-        r = tl.arange(0, ROWS)
+        g = tl.arange(0, G_PAD)
         d = tl.arange(0, D_PAD)
-        row_head = kvh0 + r // QUERY_GROUP  # KV head of each query row
-        rmask = (r < KV_HEADS * QUERY_GROUP) & (row_head < NUM_KV_HEADS)
-        heads = kvh0 * QUERY_GROUP + r
+        heads = kvh * QUERY_GROUP + g
+        gmask = g < QUERY_GROUP
         q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                    mask=rmask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
-        m = tl.full([ROWS], float("-inf"), tl.float32)
-        l = tl.zeros([ROWS], tl.float32)
-        acc = tl.zeros([ROWS, D_PAD], tl.float32)
-        c = tl.arange(0, BLOCK_N * KV_HEADS)
-        col_head = kvh0 + c % KV_HEADS
-        hmask = col_head < NUM_KV_HEADS
-        # padding rows (q = 0, never stored) see every key, so they stay finite
-        visible = (row_head[:, None] == col_head[None, :]) | ~rmask[:, None]
+                    mask=gmask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+        m = tl.full([G_PAD], float("-inf"), tl.float32)
+        l = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, D_PAD], tl.float32)
         for n0 in range(start, end, BLOCK_N):
-            pos = n0 + c // KV_HEADS
-            pmask = (pos < end) & hmask
+            pos = n0 + tl.arange(0, BLOCK_N)
+            pmask = pos < end
             blk = tl.load(block_tables_ptr + b * stride_bt + pos // BLOCK_SIZE, mask=pmask,
                           other=0)
             slot = blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
             m, l, acc = _attend_tile(
                 q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, ks_cache_ptr,
-                vs_cache_ptr, slot, col_head, pmask, visible & pmask[None, :], d, m, l,
-                acc, sm_scale, NUM_KV_HEADS, HEAD_DIM, QUANT, DYNAMIC, PRECISION, UPCAST)
-        out_row = (b * (NUM_KV_HEADS * QUERY_GROUP) + heads) * max_splits + split  # [ROWS]
-        tl.store(part_m_ptr + out_row, m, mask=rmask)
-        tl.store(part_l_ptr + out_row, l, mask=rmask)
-        tl.store(part_acc_ptr + out_row[:, None] * D_PAD + d[None, :], acc,
-                 mask=rmask[:, None])
+                vs_cache_ptr, slot, pmask, pmask[None, :], kvh, d, m, l, acc, sm_scale,
+                NUM_KV_HEADS, HEAD_DIM, QUANT, DYNAMIC, PRECISION, UPCAST)
+        row = (b * (NUM_KV_HEADS * QUERY_GROUP) + heads) * max_splits + split  # [G]
+        tl.store(part_m_ptr + row, m, mask=gmask)
+        tl.store(part_l_ptr + row, l, mask=gmask)
+        tl.store(part_acc_ptr + row[:, None] * D_PAD + d[None, :], acc, mask=gmask[:, None])
 
 
 @triton.jit
 def _decode_reduce_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, seq_lens_ptr, out_ptr,
                           stride_ob, stride_oh, max_splits,
                           NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          D_PAD: tl.constexpr, SPLIT: tl.constexpr, CHUNK: tl.constexpr):
-    # FlashDecoding's combine: M = max_s m_s, w_s = exp(m_s - M),
-    # out = sum_s w_s acc_s / sum_s w_s l_s. The splits are read CHUNK at a time as one
-    # tile (not one by one: a serial loop of small loads is latency-bound). CHUNK is fixed
-    # and unused entries weigh exactly 0, so the sums' order depends only on this
-    # sequence's number of splits, never on the batch or on max_splits.
+                          D_PAD: tl.constexpr, SPLIT: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, D_PAD)
-    c = tl.arange(0, CHUNK)
-    num_splits = tl.cdiv(tl.load(seq_lens_ptr + b), SPLIT)
+    seq_len = tl.load(seq_lens_ptr + b)
+    num_splits = tl.cdiv(seq_len, SPLIT)
     base = (b * NUM_HEADS + h) * max_splits
     m = tl.full([], float("-inf"), tl.float32)
-    for s0 in range(0, num_splits, CHUNK):
-        m_c = tl.load(part_m_ptr + base + s0 + c, mask=s0 + c < num_splits,
-                      other=float("-inf"))
-        m = tl.maximum(m, tl.max(m_c, axis=0))
     l = tl.full([], 0.0, tl.float32)
     acc = tl.zeros([D_PAD], tl.float32)
-    for s0 in range(0, num_splits, CHUNK):
-        smask = s0 + c < num_splits
-        m_c = tl.load(part_m_ptr + base + s0 + c, mask=smask, other=0.0)
-        w = tl.where(smask, tl.exp(m_c - m), 0.0)
-        l += tl.sum(w * tl.load(part_l_ptr + base + s0 + c, mask=smask, other=0.0), axis=0)
-        acc_c = tl.load(part_acc_ptr + (base + s0 + c)[:, None] * D_PAD + d[None, :],
-                        mask=smask[:, None], other=0.0)
-        acc += tl.sum(w[:, None] * acc_c, axis=0)
+    for s in range(0, num_splits):  # in split order: the result never depends on the batch
+        m_s = tl.load(part_m_ptr + base + s)
+        l_s = tl.load(part_l_ptr + base + s)
+        acc_s = tl.load(part_acc_ptr + (base + s) * D_PAD + d)
+        m_new = tl.maximum(m, m_s)
+        a = tl.exp(m - m_new)
+        a_s = tl.exp(m_s - m_new)
+        l = l * a + l_s * a_s
+        acc = acc * a + acc_s * a_s
+        m = m_new
     # an empty sequence (seq_len 0: CUDA-graph padding) gives zeros, not 0/0
     o = tl.where(l > 0, acc / tl.maximum(l, 1e-38), 0.0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, cast_rne(o, out_ptr.dtype.element_ty),
@@ -298,21 +279,17 @@ def paged_attention_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     ks = _per_head(k_scale, num_kv_heads, q.device) if kind else q
     vs = _per_head(v_scale, num_kv_heads, q.device) if kind else q
     dynamic = k_scale_cache is not None
-    config = dict(DECODE_CONFIG)
-    kv_heads = min(config.pop("KV_HEADS"), next_pow2(num_kv_heads))
-    _decode_split_kernel[(triton.cdiv(num_kv_heads, kv_heads), B, max_splits)](
+    _decode_split_kernel[(num_kv_heads, B, max_splits)](
         q, key_cache, value_cache, ks, vs, k_scale_cache if dynamic else ks,
         v_scale_cache if dynamic else vs, block_tables, seq_lens, part_m, part_l, part_acc,
         q.stride(0), q.stride(1), block_tables.stride(0), max_splits, float(scale),
-        QUERY_GROUP=group, NUM_KV_HEADS=num_kv_heads, KV_HEADS=kv_heads,
-        ROWS=max(16, next_pow2(kv_heads * group)),
+        QUERY_GROUP=group, G_PAD=max(16, next_pow2(group)), NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size, SPLIT=SPLIT_SIZE,
         QUANT=kind != 0, DYNAMIC=dynamic, PRECISION=_dot_precision(q.dtype),
-        UPCAST=_upcast(q.dtype), **config)
+        UPCAST=_upcast(q.dtype), **DECODE_CONFIG)
     _decode_reduce_kernel[(B, num_heads)](
         part_m, part_l, part_acc, seq_lens, out, out.stride(0), out.stride(1), max_splits,
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad, SPLIT=SPLIT_SIZE,
-        CHUNK=REDUCE_CHUNK)
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad, SPLIT=SPLIT_SIZE)
     return out
 
 

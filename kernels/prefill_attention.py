@@ -68,7 +68,7 @@ def _prefill_kernel(
             visible = (pos[None, :] <= (ctx + rows)[:, None]) & pmask[None, :]
             m, l, acc = _attend_tile(
                 q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, ks_cache_ptr,
-                vs_cache_ptr, slot, kvh + 0 * pos, pmask, visible, d, m, l, acc, sm_scale,
+                vs_cache_ptr, slot, pmask, visible, kvh, d, m, l, acc, sm_scale,
                 NUM_KV_HEADS, HEAD_DIM, QUANT, DYNAMIC, PRECISION, UPCAST)
         o = acc / tl.where(rmask, l, 1.0)[:, None]
         tl.store(out_ptr + (q_start + rows[:, None]) * stride_ot + h * stride_oh + d[None, :],
