@@ -10,7 +10,7 @@ import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.config import parse_dtype, resolve_auto_dtype, supported_dtypes
-from minivllm.layers.linear import Linear, float_linear
+from minivllm.layers.linear import PACK_CPU_WEIGHTS, Linear, clear_weight_caches, float_linear
 from minivllm.numerics import round_to_format, round_to_tf32
 from minivllm.precision.overflow import track_nonfinite
 
@@ -83,6 +83,47 @@ def test_linear_tf32_rounds_both_inputs_and_recomputes_after_a_weight_change():
     # bfloat16 data is untouched by TF32 (it only applies to float32 matmuls)
     xb, wb = x.bfloat16(), lin.weight.bfloat16()
     assert torch.equal(float_linear(xb, wb, None, True), torch.nn.functional.linear(xb, wb))
+
+
+def _assert_f32_linear_close(got, x, w, b, what):
+    """float32, another summation order: |err| <= 2 K eps (|x| |w|^T + |b|)."""
+    w, b = w.detach(), b.detach()
+    want = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    bound = 2 * x.shape[-1] * 2.0 ** -24 * (torch.nn.functional.linear(
+        x.abs().double(), w.abs().double(), b.abs().double()))
+    ratio = float(((got.double() - want).abs() / bound).max())
+    assert got.shape == want.shape and got.dtype == torch.float32
+    assert ratio <= 1.0, f"{what}: error is {ratio:.2f}x the float32 bound"
+
+
+@pytest.mark.skipif(not PACK_CPU_WEIGHTS, reason="no oneDNN in this torch build")
+def test_packed_cpu_linear_is_float32_accurate_and_follows_weight_edits():
+    g = torch.Generator().manual_seed(2)
+    lin = Linear(96, 40, bias=True)
+    lin.weight.data = torch.randn(40, 96, generator=g)
+    lin.bias.data = torch.randn(40, generator=g)
+    for shape in [(1, 96), (7, 96), (3, 5, 96), (130, 96)]:
+        x = torch.randn(*shape, generator=g)
+        with torch.inference_mode():
+            got = lin(x)
+        _assert_f32_linear_close(got, x, lin.weight, lin.bias, f"packed, x {shape}")
+    assert hasattr(lin, "_packed_cache"), "the packed weight is kept between calls"
+    x = torch.randn(6, 96, generator=g)
+    with torch.inference_mode():
+        before = lin(x)
+    with torch.no_grad():
+        lin.weight.mul_(2.0)  # in place, version bumped: packed again
+    with torch.inference_mode():
+        got = lin(x)
+    _assert_f32_linear_close(got, x, lin.weight, lin.bias, "after an in-place edit")
+    assert not torch.allclose(got, before)
+    lin.weight.data.mul_(0.5)  # through .data: invisible until the caches are cleared
+    clear_weight_caches(lin)
+    with torch.inference_mode():
+        got = lin(x)
+    _assert_f32_linear_close(got, x, lin.weight, lin.bias, "after clear_weight_caches")
+    # with autograd on (training, gradients) it is plain F.linear, bit for bit
+    assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
 
 
 def test_engine_tf32_changes_scores_by_tf32_sized_amounts(tiny_model_dir, one_thread):

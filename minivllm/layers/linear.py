@@ -16,6 +16,14 @@ Weight-only methods compute ``F.linear(x, dequantized W)``. On CPU there are no 
 GEMM kernels to call, so the dequantized weight is kept after first use (a GPU kernel
 dequantizes in registers instead); that changes speed and memory, never the result.
 
+Float32 on CPU: the weight of every float layer (and the LM head) is reordered once into
+oneDNN's blocked layout and kept (:func:`packed_cpu_linear`), as vLLM's CPU backend and
+``torch.compile``'s CPU freezing do: ``F.linear`` repacks the whole weight inside MKL on
+every call, which costs 20-40 % of a decode step's GEMM time on a small CPU. Still
+float32 inputs, weights and accumulation; only the summation order inside each dot
+product differs (relative differences ~1e-7, as between any two BLAS libraries). Set
+``PACK_CPU_WEIGHTS = False`` here to get plain ``F.linear`` back.
+
 TF32 (``float32_matmul_precision="high"``): on CPU every float32 matmul of these layers
 (and of the LM head) rounds both inputs to TF32 first (:func:`minivllm.numerics.round_to_tf32`,
 as :func:`minivllm.numerics.tf32_linear` does); on CUDA torch's real TF32 is switched on
@@ -42,14 +50,42 @@ def _version(t: torch.Tensor) -> int:
 
 
 def clear_weight_caches(model: nn.Module) -> None:
-    """Forget the TF32-rounded and dequantized weights every layer keeps, so the next
-    forward recomputes them (needed after editing weights or scales in place through
-    ``.data`` or under inference mode, which the caches cannot see)."""
+    """Forget the TF32-rounded, oneDNN-packed and dequantized weights every layer keeps,
+    so the next forward recomputes them (needed after editing weights or scales in place
+    through ``.data`` or under inference mode, which the caches cannot see)."""
     for module in model.modules():
         if hasattr(module, "_tf32_cache"):
             del module._tf32_cache
+        if hasattr(module, "_packed_cache"):
+            del module._packed_cache
         if isinstance(module, QuantLinear):
             module._dequant = None
+
+
+# Prepacked oneDNN weights for float32 CPU linears (see the module docstring).
+PACK_CPU_WEIGHTS = (torch.backends.mkldnn.is_available()
+                    and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+                    and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+# The batch size oneDNN picks the packed layout for: decode batches are tens of rows;
+# the layout serves any number of rows (prefill included).
+_PACK_BATCH_HINT = 64
+
+
+def packed_cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                      owner: nn.Module) -> torch.Tensor:
+    """``F.linear`` for float32 CPU tensors with the weight reordered once into oneDNN's
+    blocked layout and kept on ``owner`` (``_packed_cache``; recomputed when the weight
+    is replaced or edited in place, see :func:`clear_weight_caches`)."""
+    key = (weight.data_ptr(), _version(weight), weight.shape)
+    cached = getattr(owner, "_packed_cache", None)
+    if cached is None or cached[0] != key:
+        cached = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(),
+                                                                _PACK_BATCH_HINT))
+        owner._packed_cache = cached
+    shape = x.shape
+    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), cached[1], bias,
+                                           "none", [], "")
+    return y.view(*shape[:-1], y.shape[-1])
 
 
 def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -57,8 +93,14 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     """``F.linear``, or with TF32 emulation (``tf32`` on float32 CPU data) the same with
     both inputs rounded to TF32. ``owner`` keeps the rounded weight between calls (it is
     recomputed when the weight tensor is replaced or edited in place; see
-    :func:`clear_weight_caches` for edits it cannot see)."""
+    :func:`clear_weight_caches` for edits it cannot see). Float32 on CPU without
+    autograd and with an ``owner``: :func:`packed_cpu_linear`."""
     if not (tf32 and x.dtype == torch.float32 and x.device.type == "cpu"):
+        if PACK_CPU_WEIGHTS and owner is not None and x.device.type == "cpu" \
+                and x.dtype == torch.float32 and weight.dtype == torch.float32 \
+                and (bias is None or bias.dtype == torch.float32) \
+                and not torch.is_grad_enabled() and x.numel() > 0:
+            return packed_cpu_linear(x, weight, bias, owner)
         return F.linear(x, weight, bias)
     key = (weight.data_ptr(), _version(weight), weight.shape)
     cached = getattr(owner, "_tf32_cache", None) if owner is not None else None
