@@ -54,12 +54,23 @@ def clear_weight_caches(model: nn.Module) -> None:
     so the next forward recomputes them (needed after editing weights or scales in place
     through ``.data`` or under inference mode, which the caches cannot see)."""
     for module in model.modules():
-        if hasattr(module, "_tf32_cache"):
-            del module._tf32_cache
-        if hasattr(module, "_packed_cache"):
-            del module._packed_cache
+        for attr in ("_tf32_cache", "_packed_cache"):
+            if hasattr(module, attr):
+                delattr(module, attr)
         if isinstance(module, QuantLinear):
             module._dequant = None
+
+
+def _cached_weight(owner: Optional[nn.Module], attr: str, weight: torch.Tensor, make):
+    """``make(weight)``, kept on ``owner`` under ``attr`` until the weight tensor is
+    replaced or edited in place (no owner: computed every call)."""
+    key = (weight.data_ptr(), _version(weight), weight.shape)
+    cached = getattr(owner, attr, None) if owner is not None else None
+    if cached is None or cached[0] != key:
+        cached = (key, make(weight))
+        if owner is not None:
+            setattr(owner, attr, cached)
+    return cached[1]
 
 
 # Prepacked oneDNN weights for float32 CPU linears (see the module docstring).
@@ -76,14 +87,10 @@ def packed_cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     """``F.linear`` for float32 CPU tensors with the weight reordered once into oneDNN's
     blocked layout and kept on ``owner`` (``_packed_cache``; recomputed when the weight
     is replaced or edited in place, see :func:`clear_weight_caches`)."""
-    key = (weight.data_ptr(), _version(weight), weight.shape)
-    cached = getattr(owner, "_packed_cache", None)
-    if cached is None or cached[0] != key:
-        cached = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(),
-                                                                _PACK_BATCH_HINT))
-        owner._packed_cache = cached
+    packed = _cached_weight(owner, "_packed_cache", weight, lambda w: torch.ops.mkldnn
+                            ._reorder_linear_weight(w.detach(), _PACK_BATCH_HINT))
     shape = x.shape
-    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), cached[1], bias,
+    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), packed, bias,
                                            "none", [], "")
     return y.view(*shape[:-1], y.shape[-1])
 
@@ -95,20 +102,16 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     recomputed when the weight tensor is replaced or edited in place; see
     :func:`clear_weight_caches` for edits it cannot see). Float32 on CPU without
     autograd and with an ``owner``: :func:`packed_cpu_linear`."""
-    if not (tf32 and x.dtype == torch.float32 and x.device.type == "cpu"):
-        if PACK_CPU_WEIGHTS and owner is not None and x.device.type == "cpu" \
-                and x.dtype == torch.float32 and weight.dtype == torch.float32 \
+    f32_cpu = x.dtype == torch.float32 and x.device.type == "cpu"
+    if not (tf32 and f32_cpu):
+        if PACK_CPU_WEIGHTS and f32_cpu and owner is not None \
+                and weight.dtype == torch.float32 \
                 and (bias is None or bias.dtype == torch.float32) \
                 and not torch.is_grad_enabled() and x.numel() > 0:
             return packed_cpu_linear(x, weight, bias, owner)
         return F.linear(x, weight, bias)
-    key = (weight.data_ptr(), _version(weight), weight.shape)
-    cached = getattr(owner, "_tf32_cache", None) if owner is not None else None
-    if cached is None or cached[0] != key:
-        cached = (key, round_to_tf32(weight))
-        if owner is not None:
-            owner._tf32_cache = cached
-    return F.linear(round_to_tf32(x), cached[1], bias)
+    return F.linear(round_to_tf32(x), _cached_weight(owner, "_tf32_cache", weight,
+                                                     round_to_tf32), bias)
 
 
 class Linear(nn.Linear):

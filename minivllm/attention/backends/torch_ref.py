@@ -70,13 +70,11 @@ class TorchAttentionBackend:
     def _decode(q, kv: LayerKVCache, g, scale) -> torch.Tensor:
         """One decode group: q [B, H, D] (rows of g, in g's order) -> [B, H, D]."""
         k, v = kv.read(g.kv_slots, q.dtype)
-        # Padding positions read slots of other requests (or free blocks). Masked scores
-        # get zero weight, but 0 * NaN is NaN: when a NaN/inf was ever stored in this
-        # cache, padded K/V are zeroed first (two passes over K/V; skipped otherwise).
+        # Padded positions read slot 0, which may hold anything (even NaN from a failed
+        # request): the mask gives them weight 0, but 0 * NaN = NaN, so once a NaN/inf
+        # was ever stored in this cache the values themselves are zeroed first (two
+        # passes over K/V, skipped otherwise; a paged kernel would never load them).
         if kv.may_hold_nonfinite and not bool(g.mask.all()):
-            # Padded positions read slot 0, which may hold anything (even NaN from a
-            # failed request): the mask gives them weight 0, but 0 * NaN = NaN, so the
-            # values themselves must be zeroed (a paged kernel would never load them).
             keep = g.mask[:, 0, 0, :, None, None]
             k = k.masked_fill(~keep, 0)
             v = v.masked_fill(~keep, 0)

@@ -399,12 +399,11 @@ async def stream_deltas(outputs, params):
     async for out in outputs:
         c = out.outputs[0]
         delta = text_delta(sent_text, c.text, out.finished, params)
-        if not (delta or out.finished):
-            yield out, None, sent_tokens, len(sent_text)
-            continue
-        yield out, delta, sent_tokens, len(sent_text)
-        sent_text += delta
-        sent_tokens = len(c.token_ids)
+        send = bool(delta) or out.finished
+        yield out, delta if send else None, sent_tokens, len(sent_text)
+        if send:
+            sent_text += delta
+            sent_tokens = len(c.token_ids)
 
 
 def text_delta(sent: str, text: str, finished: bool, params) -> str:
