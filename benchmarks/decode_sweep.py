@@ -28,10 +28,10 @@ sys.path.insert(0, str(ROOT))
 
 import minivllm  # noqa: E402,F401  (before torch: sets up Triton)
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
-from benchmarks.gpu_suite import bench_graph, copy_bandwidth, log, table  # noqa: E402
+from benchmarks.gpu_suite import (bench_graph, copy_bandwidth, log,  # noqa: E402
+                                  paged_decode_inputs, sdpa_on_contiguous, table)
 from kernels import paged_attention as PA  # noqa: E402
 
 
@@ -59,18 +59,9 @@ def main() -> None:
     totals = {i: 0.0 for i in range(len(grid))}
     summary = []
     for B, ctx in shapes:
-        perm = torch.randperm(num_blocks, device="cuda", generator=g)
-        bt = perm[:B * (ctx // bs)].view(B, -1).to(torch.int32)
-        lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
-        q = torch.randn(B, H, D, device="cuda", dtype=dtype, generator=g)
+        q, bt, lens = paged_decode_inputs(num_blocks, B, ctx, H, D, bs, dtype, g)
         kv_bytes = B * ctx * Hkv * D * 2 * 2
-        slots = (bt.long()[:, :, None] * bs + torch.arange(bs, device="cuda")).view(B, -1)
-        kc = k_cache[slots].permute(0, 2, 1, 3).contiguous()
-        vc = v_cache[slots].permute(0, 2, 1, 3).contiguous()
-
-        def sdpa():
-            return F.scaled_dot_product_attention(q[:, :, None], kc, vc, scale=D ** -0.5,
-                                                  enable_gqa=True)
+        sdpa = sdpa_on_contiguous(q, k_cache, v_cache, bt, bs, D ** -0.5)
         ms_sdpa = bench_graph(sdpa)
         ref = sdpa()[:, :, 0].float()
         rows, first = [], None
@@ -110,13 +101,12 @@ def main() -> None:
         ms_reduce = bench_graph(lambda: PA._decode_reduce_kernel[(B, H)](
             part_m, part_l, part_acc, lens, out, out.stride(0), out.stride(1), splits,
             NUM_HEADS=H, HEAD_DIM=D, D_PAD=D, SPLIT=PA.SPLIT_SIZE))
-        log(f"B={B} ctx={ctx}, default {saved}: blocks in order {ms_order * 1e3:.1f} us; "
-            f"reduce kernel alone {ms_reduce * 1e3:.1f} us")
         log(f"\nB={B} ctx={ctx}: SDPA {ms_sdpa * 1e3:.1f} us "
             f"({kv_bytes / (ms_sdpa * 1e-3) / copy_bw:.3f} of copy bandwidth)")
-        cols = list(rows[0].keys())
         log(table(rows[:8] + [r for r in rows[8:] if all(r[k] == saved[k] for k in saved)],
-                  cols))
+                  list(rows[0].keys())))
+        log(f"default {saved}: blocks in order {ms_order * 1e3:.1f} us; "
+            f"reduce kernel alone {ms_reduce * 1e3:.1f} us")
         summary.append(dict(batch=B, context=ctx, sdpa_us=ms_sdpa * 1e3, best=rows[0]))
     PA.DECODE_CONFIG.clear()
     PA.DECODE_CONFIG.update(saved)

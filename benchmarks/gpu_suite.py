@@ -150,6 +150,28 @@ def bench_graph(fn) -> float:
     return do_bench(graph.replay, warmup=10, rep=50)
 
 
+def paged_decode_inputs(num_blocks: int, B: int, ctx: int, H: int, D: int, bs: int,
+                        dtype: torch.dtype, g: torch.Generator):
+    """Decode inputs over a shared paged cache of ``num_blocks`` blocks: q [B, H, D], block
+    tables [B, ctx / bs] int32 of distinct blocks scattered at random, seq_lens [B] = ctx."""
+    perm = torch.randperm(num_blocks, device="cuda", generator=g)
+    bt = perm[:B * (ctx // bs)].view(B, ctx // bs).to(torch.int32)
+    lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
+    q = torch.randn(B, H, D, device="cuda", dtype=dtype, generator=g)
+    return q, bt, lens
+
+
+def sdpa_on_contiguous(q, k_cache, v_cache, bt, bs: int, scale: float):
+    """SDPA on the same keys and values laid out contiguously ([B, kv_heads, ctx, D],
+    copied once here): returns a function giving [B, H, 1, D], for timing."""
+    B = bt.shape[0]
+    slots = (bt.long()[:, :, None] * bs + torch.arange(bs, device="cuda")).view(B, -1)
+    kc = k_cache[slots].permute(0, 2, 1, 3).contiguous()
+    vc = v_cache[slots].permute(0, 2, 1, 3).contiguous()
+    qs = q[:, :, None, :]
+    return lambda: F.scaled_dot_product_attention(qs, kc, vc, scale=scale, enable_gqa=True)
+
+
 def decode_attention(copy_bw: float, quick: bool, full_sweep: bool = False) -> list[dict]:
     from kernels import paged_attention as PA
 
@@ -201,12 +223,7 @@ def decode_attention(copy_bw: float, quick: bool, full_sweep: bool = False) -> l
         return out
 
     def make(B, ctx):
-        perm = torch.randperm(num_blocks, device="cuda", generator=g)
-        per_seq = ctx // bs
-        bt = perm[:B * per_seq].view(B, per_seq).to(torch.int32)
-        lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
-        q = torch.randn(B, H, D, device="cuda", dtype=dtype, generator=g)
-        return q, bt, lens
+        return paged_decode_inputs(num_blocks, B, ctx, H, D, bs, dtype, g)
 
     sweep = configs_sweep()
     for B in batches:
@@ -215,16 +232,7 @@ def decode_attention(copy_bw: float, quick: bool, full_sweep: bool = False) -> l
             kv_bytes = B * ctx * Hkv * D * 2 * k_cache.element_size()
             ms_tri = bench_graph(lambda: PA.paged_attention_decode(
                 q, k_cache, v_cache, bt, lens, bs, D ** -0.5, max_seq_len=ctx))
-            # the same keys, contiguous: [B, Hkv, ctx, D]
-            slots = (bt.long()[:, :, None] * bs + torch.arange(bs, device="cuda")).view(B, -1)
-            kc = k_cache[slots].permute(0, 2, 1, 3).contiguous()
-            vc = v_cache[slots].permute(0, 2, 1, 3).contiguous()
-            qs = q[:, :, None, :]
-
-            def sdpa():
-                return F.scaled_dot_product_attention(qs, kc, vc, scale=D ** -0.5,
-                                                      enable_gqa=True)
-
+            sdpa = sdpa_on_contiguous(q, k_cache, v_cache, bt, bs, D ** -0.5)
             ms_sdpa = bench_graph(sdpa)
             o_tri = PA.paged_attention_decode(q, k_cache, v_cache, bt, lens, bs, D ** -0.5)
             err = (o_tri.float() - sdpa()[:, :, 0].float()).abs().max().item()
@@ -233,7 +241,7 @@ def decode_attention(copy_bw: float, quick: bool, full_sweep: bool = False) -> l
                      frac_copy_bw=kv_bytes / (ms_tri * 1e-3) / copy_bw,
                      speedup_vs_sdpa=ms_sdpa / ms_tri, max_abs_diff=err)
             rows.append(r)
-            del kc, vc
+            del sdpa  # frees the contiguous copy
             torch.cuda.empty_cache()
     log("decode attention (bf16 KV, 32 heads / 8 KV heads, head_dim 128, block 16):")
     log(table(rows, ["batch", "context", "kv_MB", "triton_us", "sdpa_us", "triton_GBps",
