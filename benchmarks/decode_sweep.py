@@ -5,7 +5,8 @@
 
 For each shape (batch, context) it times :func:`kernels.paged_attention.paged_attention_decode`
 under every configuration of the grid (``BLOCK_N`` keys per tile, warps, pipeline
-stages) and ``F.scaled_dot_product_attention`` on the same K/V laid
+stages, and ``splits_per_program``: 1, 2, 4, a whole sequence per program, or the
+default rule) and ``F.scaled_dot_product_attention`` on the same K/V laid
 out contiguously, all as CUDA-graph replays (median, L2 flushed, as in gpu_suite.py).
 It also checks each configuration's output against SDPA and whether outputs are
 bit-identical across configurations (the engine needs one fixed configuration per model
@@ -38,17 +39,24 @@ from kernels import paged_attention as PA  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--spp", action="store_true",
+                    help="also time splits_per_program 1, 2, 4 and whole (default rule only)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("decode_sweep.py needs a CUDA GPU")
     H, Hkv, D, bs = 32, 8, 128, 16
     dtype = torch.bfloat16
     shapes = [(1, 256), (32, 4096), (64, 8192)] if args.quick else \
-        [(1, 256), (1, 4096), (8, 4096), (32, 4096), (64, 8192), (128, 1024), (256, 4096)]
-    grid = [dict(BLOCK_N=n, num_warps=w, num_stages=st)
-            for n, w, st in itertools.product((32, 64, 128), (4, 8), (2, 3))]
+        [(1, 256), (1, 4096), (8, 4096), (16, 4096), (32, 4096), (32, 32768), (64, 4096),
+         (64, 8192), (128, 1024), (128, 4096), (256, 4096)]
+    # "whole": one program per (sequence, KV head); None: the default rule
+    spps = (None, 1, 2, 4, "whole") if args.spp else (None,)
+    grid = [dict(BLOCK_N=n, num_warps=w, num_stages=st, spp=spp)
+            for (n, w, st), spp in itertools.product(
+                [(64, 4, st) for st in (2, 3, 4, 5, 6)] + [(128, 4, st) for st in (2, 3, 4)]
+                + [(128, 8, 3), (64, 8, 4)], spps)]
     if args.quick:
-        grid = [g for g in grid if g["num_stages"] == 2]
+        grid = [g for g in grid if g["BLOCK_N"] == 128 and g["num_warps"] == 4]
     copy_bw = copy_bandwidth()
     max_tokens = max(b * c for b, c in shapes)
     num_blocks = max_tokens // bs + 16
@@ -65,11 +73,14 @@ def main() -> None:
         ms_sdpa = bench_graph(sdpa)
         ref = sdpa()[:, :, 0].float()
         rows, first = [], None
+        splits = triton.cdiv(ctx, PA.SPLIT_SIZE)
         for i, cfg in enumerate(grid):
             PA.DECODE_CONFIG.clear()
-            PA.DECODE_CONFIG.update(cfg)
+            PA.DECODE_CONFIG.update({k: v for k, v in cfg.items() if k != "spp"})
+            spp = splits if cfg["spp"] == "whole" else cfg["spp"]
             run = lambda: PA.paged_attention_decode(  # noqa: E731
-                q, k_cache, v_cache, bt, lens, bs, D ** -0.5, max_seq_len=ctx)
+                q, k_cache, v_cache, bt, lens, bs, D ** -0.5, max_seq_len=ctx,
+                splits_per_program=spp)
             try:
                 ms = bench_graph(run)
                 o = run()
@@ -93,20 +104,20 @@ def main() -> None:
         bt_in_order = torch.arange(B * (ctx // bs), device="cuda", dtype=torch.int32).view(B, -1)
         ms_order = bench_graph(lambda: PA.paged_attention_decode(
             q, k_cache, v_cache, bt_in_order, lens, bs, D ** -0.5, max_seq_len=ctx))
-        splits = triton.cdiv(ctx, PA.SPLIT_SIZE)
         part_m = torch.zeros(B, H, splits, device="cuda")
         part_l = torch.ones_like(part_m)
         part_acc = torch.zeros(B, H, splits, D, device="cuda")
         out = torch.empty_like(q)
-        ms_reduce = bench_graph(lambda: PA._decode_reduce_kernel[(B, H)](
+        ms_reduce = bench_graph(lambda: PA._decode_reduce_kernel[(H, B)](
             part_m, part_l, part_acc, lens, out, out.stride(0), out.stride(1), splits,
             NUM_HEADS=H, HEAD_DIM=D, D_PAD=D, SPLIT=PA.SPLIT_SIZE))
         log(f"\nB={B} ctx={ctx}: SDPA {ms_sdpa * 1e3:.1f} us "
             f"({kv_bytes / (ms_sdpa * 1e-3) / copy_bw:.3f} of copy bandwidth)")
+        default = PA.default_splits_per_program(B, Hkv, splits, q.device)
         log(table(rows[:8] + [r for r in rows[8:] if all(r[k] == saved[k] for k in saved)],
                   list(rows[0].keys())))
-        log(f"default {saved}: blocks in order {ms_order * 1e3:.1f} us; "
-            f"reduce kernel alone {ms_reduce * 1e3:.1f} us")
+        log(f"default {saved}, splits_per_program {default} of {splits}: blocks in order "
+            f"{ms_order * 1e3:.1f} us; reduce kernel alone {ms_reduce * 1e3:.1f} us")
         summary.append(dict(batch=B, context=ctx, sdpa_us=ms_sdpa * 1e3, best=rows[0]))
     PA.DECODE_CONFIG.clear()
     PA.DECODE_CONFIG.update(saved)

@@ -236,7 +236,10 @@ def decode_attention(copy_bw: float, quick: bool, full_sweep: bool = False) -> l
             ms_sdpa = bench_graph(sdpa)
             o_tri = PA.paged_attention_decode(q, k_cache, v_cache, bt, lens, bs, D ** -0.5)
             err = (o_tri.float() - sdpa()[:, :, 0].float()).abs().max().item()
-            r = dict(batch=B, context=ctx, kv_MB=kv_bytes / 1e6, triton_us=ms_tri * 1e3,
+            spp = PA.default_splits_per_program(B, Hkv, -(-ctx // PA.SPLIT_SIZE),
+                                                q.device)
+            r = dict(batch=B, context=ctx, kv_MB=kv_bytes / 1e6, splits_per_program=spp,
+                     triton_us=ms_tri * 1e3,
                      sdpa_us=ms_sdpa * 1e3, triton_GBps=kv_bytes / (ms_tri * 1e-3) / 1e9,
                      frac_copy_bw=kv_bytes / (ms_tri * 1e-3) / copy_bw,
                      speedup_vs_sdpa=ms_sdpa / ms_tri, max_abs_diff=err)
@@ -244,8 +247,8 @@ def decode_attention(copy_bw: float, quick: bool, full_sweep: bool = False) -> l
             del sdpa  # frees the contiguous copy
             torch.cuda.empty_cache()
     log("decode attention (bf16 KV, 32 heads / 8 KV heads, head_dim 128, block 16):")
-    log(table(rows, ["batch", "context", "kv_MB", "triton_us", "sdpa_us", "triton_GBps",
-                     "frac_copy_bw", "speedup_vs_sdpa", "max_abs_diff"]))
+    log(table(rows, ["batch", "context", "kv_MB", "splits_per_program", "triton_us", "sdpa_us",
+                     "triton_GBps", "frac_copy_bw", "speedup_vs_sdpa", "max_abs_diff"]))
     # fp8 KV: half the bytes
     fp8_rows = []
     k8, v8 = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)

@@ -5,21 +5,28 @@ vLLM: ``vllm/attention/ops/paged_attn.py`` / ``csrc/attention/paged_attention_v2
 scheme. Keys and values live in a paged cache ``[num_slots, num_kv_heads, head_dim]``
 with ``slot = block_tables[b, pos // block_size] * block_size + pos % block_size``.
 
-Two kernels:
+A sequence's keys are cut into splits of ``SPLIT_SIZE`` positions. Each split gets its
+own online softmax (Milakov & Gimelshein 2018): running max m, sum l and un-normalised
+output acc, for all the query heads that share a KV head (GQA: each K/V tile is loaded
+once for the group). The splits' results are then merged in split order. Two kernels:
 
-1. ``_decode_split_kernel``: program ``(kv_head, b, split)`` reads positions
-   ``[split * SPLIT_SIZE, (split + 1) * SPLIT_SIZE)`` of sequence b, for all the query
-   heads that share that KV head (GQA: the K/V tile is loaded once for the group), and
-   keeps an online softmax (Milakov & Gimelshein 2018): running max m, sum l, and
-   un-normalised output acc, written as partial results.
-2. ``_decode_reduce_kernel``: program ``(b, head)`` merges the partials of that
-   sequence's splits, in split order.
+1. ``_decode_split_kernel``: program ``(kv_head, b, chunk)`` reads ``splits_per_program``
+   consecutive splits of sequence b in one loop over key tiles. If it covers the whole
+   sequence (``splits_per_program == max_splits``, chosen for large batches), it merges
+   the splits as it goes and writes the output; otherwise it writes each split's
+   (m, l, acc) as a partial result.
+2. ``_decode_reduce_kernel`` (only in the second case): program ``(head, b)`` merges
+   the partials of that sequence's splits, in split order, with the same code.
 
-The split *size* is fixed (``SPLIT_SIZE`` tokens), not the number of splits. So the
-reduction order for a request depends only on its own length: its output does not
-change with the batch it runs in (batch invariance), and a CUDA graph captured for the
-longest context can run any shorter one (extra split programs exit at once). vLLM's v2
-kernel makes the same choice (``PARTITION_SIZE = 512``).
+The split *size* is fixed, not the number of splits, and the merge order is always split
+order. So the result for a request depends only on its own length: it does not change
+with the batch it runs in or with ``splits_per_program`` (batch invariance), and a CUDA
+graph captured for the longest context can run any shorter one (extra programs exit at
+once). vLLM's v2 kernel makes the same choice (``PARTITION_SIZE = 512``). Large batches
+have enough (sequence, KV head) pairs to fill the GPU, so one program per pair streams
+the keys in one pass and skips the second kernel, as FlashAttention's split-KV heuristic
+does when it picks one split (``num_splits_heuristic`` in flash-attention's
+``flash_api.cpp``).
 
 Precision: scores, softmax and accumulation in float32; K and V are dequantized
 (``stored * scale``) and cast to the query dtype before the dot products, as the
@@ -28,6 +35,7 @@ reference does; on GPUs, float32 dot products use IEEE float32, not TF32.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -41,6 +49,34 @@ SPLIT_SIZE = 512  # tokens per split (a multiple of BLOCK_N)
 # Tuned on an H200 by benchmarks/decode_sweep.py: the lowest mean time over batch 1-256,
 # context 256-8k (BLOCK_N 64 / 2 stages ties at batch >= 64 and is 15 % slower at batch 1).
 DECODE_CONFIG = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3}
+# A launch gives each (sequence, KV head) one program that reads all its splits once there
+# are at least this many such pairs per streaming multiprocessor (SM); fewer, and the
+# splits are spread over more programs, to fill the GPU. Tuned on an H200 (132 SMs) by
+# benchmarks/decode_sweep.py.
+WHOLE_SEQUENCE_PAIRS_PER_SM = 1.9
+TARGET_PROGRAMS_PER_SM = 4
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter runs one program at a time
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_splits_per_program(batch: int, num_kv_heads: int, max_splits: int,
+                               device: torch.device) -> int:
+    """Splits per program for a decode launch: ``max_splits`` (one program per sequence
+    and KV head, which merges its splits itself: no second kernel) when the batch has
+    ``WHOLE_SEQUENCE_PAIRS_PER_SM`` (sequence, KV head) pairs per SM; else as few as
+    give about ``TARGET_PROGRAMS_PER_SM`` programs per SM. Depends only on the launch
+    shape, and any value gives the same bits (see :func:`paged_attention_decode`)."""
+    pairs = batch * num_kv_heads
+    sms = _num_sms(device)
+    if pairs >= WHOLE_SEQUENCE_PAIRS_PER_SM * sms:
+        return max_splits
+    programs_per_pair = triton.cdiv(TARGET_PROGRAMS_PER_SM * sms, pairs)
+    return max(1, triton.cdiv(max_splits, programs_per_pair))
 
 
 @triton.jit
@@ -87,10 +123,34 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, ks_cache
 
 
 @triton.jit
+def _merge_split(m, l, acc, m_s, l_s, acc_s):
+    """Fold one split's partial result (m_s [G], l_s [G], acc_s [G, D]) into the running
+    (m, l, acc): rescale both to the larger max and add. Explicit FMAs, so the compiler
+    cannot contract the two products differently in the two kernels that call this."""
+    m_new = tl.maximum(m, m_s)
+    a = tl.exp(m - m_new)
+    a_s = tl.exp(m_s - m_new)
+    l = tl.fma(l_s, a_s, l * a)
+    acc = tl.fma(acc_s, a_s[:, None], acc * a[:, None])
+    return m_new, l, acc
+
+
+@triton.jit
+def _store_output(out_ptr, b, heads, gmask, d, l, acc, stride_ob, stride_oh,
+                  HEAD_DIM: tl.constexpr):
+    """out[b, heads] = acc / l in the output dtype; a row that saw no key (l == 0: a
+    seq_len-0 padding row of a CUDA graph) gets zeros, not 0/0."""
+    o = tl.where(l[:, None] > 0, acc / tl.maximum(l, 1e-38)[:, None], 0.0)
+    tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+             cast_rne(o, out_ptr.dtype.element_ty), mask=gmask[:, None] & (d[None, :] < HEAD_DIM))
+
+
+@triton.jit
 def _decode_split_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, ks_cache_ptr, vs_cache_ptr,
-        block_tables_ptr, seq_lens_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-        stride_qb, stride_qh, stride_bt, max_splits, sm_scale,
+        block_tables_ptr, seq_lens_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr,
+        stride_qb, stride_qh, stride_bt, stride_ob, stride_oh, max_splits, splits_per_program,
+        sm_scale,
         QUERY_GROUP: tl.constexpr, G_PAD: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr,
@@ -99,20 +159,29 @@ def _decode_split_kernel(
     # which sit next to each other in memory ([slot, kv_head, head_dim]).
     kvh = tl.program_id(0)
     b = tl.program_id(1)
-    split = tl.program_id(2)
+    first = tl.program_id(2) * splits_per_program  # this program's first split
     seq_len = tl.load(seq_lens_ptr + b)
-    start = split * SPLIT
-    if start < seq_len:
-        end = tl.minimum(start + SPLIT, seq_len)
-        g = tl.arange(0, G_PAD)
-        d = tl.arange(0, D_PAD)
-        heads = kvh * QUERY_GROUP + g
-        gmask = g < QUERY_GROUP
+    num_splits = tl.cdiv(seq_len, SPLIT)
+    # one program per (sequence, KV head): it merges its splits itself and writes the
+    # output; else it writes each split's partial result for _decode_reduce_kernel
+    whole = splits_per_program >= max_splits
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D_PAD)
+    heads = kvh * QUERY_GROUP + g
+    gmask = g < QUERY_GROUP
+    if first < num_splits:
+        start = first * SPLIT
+        end = tl.minimum(start + splits_per_program * SPLIT, seq_len)
         q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
                     mask=gmask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
-        m = tl.full([G_PAD], float("-inf"), tl.float32)
+        m = tl.full([G_PAD], float("-inf"), tl.float32)  # this split's online softmax
         l = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+        m_all = tl.full([G_PAD], float("-inf"), tl.float32)  # splits merged so far
+        l_all = tl.zeros([G_PAD], tl.float32)
+        acc_all = tl.zeros([G_PAD, D_PAD], tl.float32)
+        # one flat loop over the program's tiles (the pipeline does not drain at split
+        # boundaries); a split ends every SPLIT // BLOCK_N tiles
         for n0 in range(start, end, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
             pmask = pos < end
@@ -123,40 +192,49 @@ def _decode_split_kernel(
                 q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, ks_cache_ptr,
                 vs_cache_ptr, slot, pmask, pmask[None, :], kvh, d, m, l, acc, sm_scale,
                 NUM_KV_HEADS, HEAD_DIM, QUANT, DYNAMIC, PRECISION, UPCAST)
-        row = (b * (NUM_KV_HEADS * QUERY_GROUP) + heads) * max_splits + split  # [G]
-        tl.store(part_m_ptr + row, m, mask=gmask)
-        tl.store(part_l_ptr + row, l, mask=gmask)
-        tl.store(part_acc_ptr + row[:, None] * D_PAD + d[None, :], acc, mask=gmask[:, None])
+            if ((n0 + BLOCK_N) % SPLIT == 0) | (n0 + BLOCK_N >= end):  # a split ends
+                if whole:
+                    m_all, l_all, acc_all = _merge_split(m_all, l_all, acc_all, m, l, acc)
+                else:
+                    row = (b * (NUM_KV_HEADS * QUERY_GROUP) + heads) * max_splits + n0 // SPLIT
+                    tl.store(part_m_ptr + row, m, mask=gmask)
+                    tl.store(part_l_ptr + row, l, mask=gmask)
+                    tl.store(part_acc_ptr + row[:, None] * D_PAD + d[None, :], acc,
+                             mask=gmask[:, None])
+                m = tl.full([G_PAD], float("-inf"), tl.float32)
+                l = tl.zeros([G_PAD], tl.float32)
+                acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+        if whole:
+            _store_output(out_ptr, b, heads, gmask, d, l_all, acc_all, stride_ob, stride_oh,
+                          HEAD_DIM)
+    elif whole:  # seq_len 0 (a CUDA-graph padding row): zeros
+        _store_output(out_ptr, b, heads, gmask, d, tl.zeros([G_PAD], tl.float32),
+                      tl.zeros([G_PAD, D_PAD], tl.float32), stride_ob, stride_oh, HEAD_DIM)
 
 
 @triton.jit
 def _decode_reduce_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, seq_lens_ptr, out_ptr,
-                          stride_ob, stride_oh, max_splits,
-                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          D_PAD: tl.constexpr, SPLIT: tl.constexpr):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
+                          stride_ob, stride_oh, max_splits, NUM_HEADS: tl.constexpr,
+                          HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLIT: tl.constexpr):
+    """Program (query head, b): merges the partial results of sequence b's splits, in
+    split order, with the same code as a whole-sequence split program (one head, as a
+    [1] tensor: the shapes that code takes), so the result never depends on the batch
+    or on splits_per_program."""
+    heads = tl.program_id(0) + tl.arange(0, 1)
+    b = tl.program_id(1)
     d = tl.arange(0, D_PAD)
-    seq_len = tl.load(seq_lens_ptr + b)
-    num_splits = tl.cdiv(seq_len, SPLIT)
-    base = (b * NUM_HEADS + h) * max_splits
-    m = tl.full([], float("-inf"), tl.float32)
-    l = tl.full([], 0.0, tl.float32)
-    acc = tl.zeros([D_PAD], tl.float32)
-    for s in range(0, num_splits):  # in split order: the result never depends on the batch
-        m_s = tl.load(part_m_ptr + base + s)
-        l_s = tl.load(part_l_ptr + base + s)
-        acc_s = tl.load(part_acc_ptr + (base + s) * D_PAD + d)
-        m_new = tl.maximum(m, m_s)
-        a = tl.exp(m - m_new)
-        a_s = tl.exp(m_s - m_new)
-        l = l * a + l_s * a_s
-        acc = acc * a + acc_s * a_s
-        m = m_new
-    # an empty sequence (seq_len 0: CUDA-graph padding) gives zeros, not 0/0
-    o = tl.where(l > 0, acc / tl.maximum(l, 1e-38), 0.0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, cast_rne(o, out_ptr.dtype.element_ty),
-             mask=d < HEAD_DIM)
+    num_splits = tl.cdiv(tl.load(seq_lens_ptr + b), SPLIT)
+    rows = (b * NUM_HEADS + heads) * max_splits  # [1]
+    m = tl.full([1], float("-inf"), tl.float32)
+    l = tl.zeros([1], tl.float32)
+    acc = tl.zeros([1, D_PAD], tl.float32)
+    for s in range(0, num_splits):
+        m_s = tl.load(part_m_ptr + rows + s)
+        l_s = tl.load(part_l_ptr + rows + s)
+        acc_s = tl.load(part_acc_ptr + (rows + s)[:, None] * D_PAD + d[None, :])
+        m, l, acc = _merge_split(m, l, acc, m_s, l_s, acc_s)
+    _store_output(out_ptr, b, heads, heads < NUM_HEADS, d, l, acc, stride_ob, stride_oh,
+                  HEAD_DIM)
 
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -227,7 +305,8 @@ def paged_attention_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache
                            k_scale_cache: Optional[torch.Tensor] = None,
                            v_scale_cache: Optional[torch.Tensor] = None,
                            max_seq_len: Optional[int] = None,
-                           out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                           out: Optional[torch.Tensor] = None,
+                           splits_per_program: Optional[int] = None) -> torch.Tensor:
     """Decode attention over a paged KV cache (Triton, split-KV).
 
     Args:
@@ -249,10 +328,13 @@ def paged_attention_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache
             A value below the true maximum is the caller's bug (not checked: it would
             need a sync) and reads outside the partial-result buffers.
         out: optional [B, num_heads, head_dim] output buffer.
+        splits_per_program: how many consecutive ``SPLIT_SIZE`` splits one program
+            reads (>= 1; capped at the number of splits). A launch choice only: every
+            value gives bit-identical outputs. Default: :func:`default_splits_per_program`.
     Returns:
         [B, num_heads, head_dim] in q's dtype.
     Raises:
-        ValueError: shape, device or layout mismatch.
+        ValueError: shape, device or layout mismatch; splits_per_program < 1.
     """
     num_heads, num_kv_heads, head_dim = _check_paged_args(q, key_cache, value_cache,
                                                          block_tables, "paged_attention_decode")
@@ -269,27 +351,40 @@ def paged_attention_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
     max_splits = max(1, triton.cdiv(max_seq_len, SPLIT_SIZE))
+    if splits_per_program is None:
+        splits_per_program = default_splits_per_program(B, num_kv_heads, max_splits, q.device)
+    if splits_per_program < 1:
+        raise ValueError(f"paged_attention_decode: splits_per_program must be >= 1, got "
+                         f"{splits_per_program}")
+    splits_per_program = min(int(splits_per_program), max_splits)
+    whole = splits_per_program == max_splits
     group = num_heads // num_kv_heads
+    g_pad = max(16, next_pow2(group))
     d_pad = next_pow2(head_dim)
-    part_m = torch.empty(B, num_heads, max_splits, dtype=torch.float32, device=q.device)
+    # partial results, one per (sequence, head, split); not needed when every program
+    # covers a whole sequence (an empty buffer then stands in for the pointer)
+    n = 0 if whole else B * num_heads * max_splits
+    part_m = torch.empty(n, dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
-    part_acc = torch.empty(B, num_heads, max_splits, d_pad, dtype=torch.float32, device=q.device)
+    part_acc = torch.empty(n * d_pad, dtype=torch.float32, device=q.device)
     kind = quant_format(key_cache.dtype)[0]
     # float caches use no scale: skip making the [H] tensors (two small kernels)
     ks = _per_head(k_scale, num_kv_heads, q.device) if kind else q
     vs = _per_head(v_scale, num_kv_heads, q.device) if kind else q
     dynamic = k_scale_cache is not None
-    _decode_split_kernel[(num_kv_heads, B, max_splits)](
+    _decode_split_kernel[(num_kv_heads, B, triton.cdiv(max_splits, splits_per_program))](
         q, key_cache, value_cache, ks, vs, k_scale_cache if dynamic else ks,
         v_scale_cache if dynamic else vs, block_tables, seq_lens, part_m, part_l, part_acc,
-        q.stride(0), q.stride(1), block_tables.stride(0), max_splits, float(scale),
-        QUERY_GROUP=group, G_PAD=max(16, next_pow2(group)), NUM_KV_HEADS=num_kv_heads,
+        out, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        max_splits, splits_per_program, float(scale),
+        QUERY_GROUP=group, G_PAD=g_pad, NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size, SPLIT=SPLIT_SIZE,
         QUANT=kind != 0, DYNAMIC=dynamic, PRECISION=_dot_precision(q.dtype),
         UPCAST=_upcast(q.dtype), **DECODE_CONFIG)
-    _decode_reduce_kernel[(B, num_heads)](
-        part_m, part_l, part_acc, seq_lens, out, out.stride(0), out.stride(1), max_splits,
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad, SPLIT=SPLIT_SIZE)
+    if not whole:
+        _decode_reduce_kernel[(num_heads, B)](
+            part_m, part_l, part_acc, seq_lens, out, out.stride(0), out.stride(1), max_splits,
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad, SPLIT=SPLIT_SIZE)
     return out
 
 

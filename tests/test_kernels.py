@@ -480,6 +480,13 @@ def test_paged_attention_decode_matches_ref(dtype, cache_dtype, mode, bs, D, H, 
     # the defaults: out=None, max_seq_len inferred; same numbers
     assert_bitwise(paged_attention_decode(q, block_size=bs, seq_lens=sl, scale=D ** -0.5, **kv),
                    out, "out=None vs out=buffer")
+    # every launch split gives the same bits: one split per program + the reduce kernel,
+    # two or three splits per program, one program per whole sequence (no reduce)
+    max_splits = -(-max(seq_lens) // SPLIT_SIZE)
+    for spp in sorted({1, 2, 3, max_splits}):
+        assert_bitwise(paged_attention_decode(q, block_size=bs, seq_lens=sl, scale=D ** -0.5,
+                                              splits_per_program=spp, **kv),
+                       out, f"splits_per_program={spp} vs default")
 
 
 @pytest.mark.parametrize("dtype,cache_dtype,mode", [(F32, F32, None), (BF16, E4M3, "dynamic"),
@@ -509,6 +516,11 @@ def test_decode_batch_invariant(dtype, cache_dtype, mode):
     padded = run(qp, btp, slp, max_seq_len=2048)
     assert_bitwise(padded[:len(lens)], batch, "padded batch vs batch")
     assert (padded[len(lens):] == 0).all()
+    # the launch split (GPU default: depends on the batch size) never changes the bits,
+    # padding rows included
+    for spp in (1, 2, 4):
+        out = run(qp, btp, slp, max_seq_len=2048, splits_per_program=spp)
+        assert_bitwise(out, padded, f"splits_per_program={spp} vs default")
     ref = paged_attention_decode_ref(q, block_tables=bt, seq_lens=sl, block_size=bs,
                                      scale=D ** -0.5, **kv)
     assert_attn_close(batch, ref, dtype, "decode batch vs ref")
@@ -903,7 +915,8 @@ def test_mismatched_cache_dtypes_raise():
 
 
 @pytest.mark.parametrize("case", ["decode out dtype", "decode out shape", "prefill out dtype",
-                                  "decode k_scale_cache alone", "prefill k_scale_cache alone"])
+                                  "decode k_scale_cache alone", "prefill k_scale_cache alone",
+                                  "decode splits_per_program 0"])
 def test_attention_argument_checks(case):
     """`out` must match q; dynamic scale caches come in pairs (as in reshape_and_cache)."""
     D, bs = 64, 16
@@ -924,6 +937,8 @@ def test_attention_argument_checks(case):
                                     out=torch.empty_like(q, dtype=F16), **pre)
         elif case == "decode k_scale_cache alone":
             paged_attention_decode(q, kc, vc, bt, sl, bs, 0.1, k_scale_cache=scs)
+        elif case == "decode splits_per_program 0":
+            paged_attention_decode(q, kc, vc, bt, sl, bs, 0.1, splits_per_program=0)
         else:
             paged_prefill_attention(q, kc, vc, bt, seq_lens=sl, block_size=bs, scale=0.1,
                                     k_scale_cache=scs, **pre)
