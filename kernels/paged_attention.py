@@ -50,11 +50,9 @@ SPLIT_SIZE = 512  # tokens per split (a multiple of BLOCK_N)
 # context 256-8k (BLOCK_N 64 / 2 stages ties at batch >= 64 and is 15 % slower at batch 1).
 DECODE_CONFIG = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3}
 # A launch gives each (sequence, KV head) one program that reads all its splits once there
-# are at least this many such pairs per streaming multiprocessor (SM); fewer, and the
-# splits are spread over more programs, to fill the GPU. Tuned on an H200 (132 SMs) by
-# benchmarks/decode_sweep.py.
+# are at least this many such pairs per streaming multiprocessor (SM); otherwise one
+# program per split. Tuned on an H200 (132 SMs) by benchmarks/decode_sweep.py.
 WHOLE_SEQUENCE_PAIRS_PER_SM = 1.9
-TARGET_PROGRAMS_PER_SM = 4
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,16 +65,17 @@ def _num_sms(device: torch.device) -> int:
 def default_splits_per_program(batch: int, num_kv_heads: int, max_splits: int,
                                device: torch.device) -> int:
     """Splits per program for a decode launch: ``max_splits`` (one program per sequence
-    and KV head, which merges its splits itself: no second kernel) when the batch has
-    ``WHOLE_SEQUENCE_PAIRS_PER_SM`` (sequence, KV head) pairs per SM; else as few as
-    give about ``TARGET_PROGRAMS_PER_SM`` programs per SM. Depends only on the launch
-    shape, and any value gives the same bits (see :func:`paged_attention_decode`)."""
-    pairs = batch * num_kv_heads
-    sms = _num_sms(device)
-    if pairs >= WHOLE_SEQUENCE_PAIRS_PER_SM * sms:
+    and KV head, which merges its splits itself: no second kernel) when the batch has at
+    least ``WHOLE_SEQUENCE_PAIRS_PER_SM`` (sequence, KV head) pairs per SM; else 1 (one
+    program per split, then the reduce kernel).
+
+    Measured on an H200 (``benchmarks/decode_sweep.py``, bf16 KV): whole sequences save
+    the reduce kernel and stream in one pass at batch >= 32 (8 KV heads); at smaller
+    batches they leave SMs idle, and 2-8 splits per program were no faster than 1. Any
+    value gives the same bits."""
+    if batch * num_kv_heads >= WHOLE_SEQUENCE_PAIRS_PER_SM * _num_sms(device):
         return max_splits
-    programs_per_pair = triton.cdiv(TARGET_PROGRAMS_PER_SM * sms, pairs)
-    return max(1, triton.cdiv(max_splits, programs_per_pair))
+    return 1
 
 
 @triton.jit
@@ -228,7 +227,7 @@ def _decode_reduce_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, seq_lens_ptr, ou
     m = tl.full([1], float("-inf"), tl.float32)
     l = tl.zeros([1], tl.float32)
     acc = tl.zeros([1, D_PAD], tl.float32)
-    for s in range(0, num_splits):
+    for s in tl.range(0, num_splits, num_stages=4):  # loads of later splits in flight
         m_s = tl.load(part_m_ptr + rows + s)
         l_s = tl.load(part_l_ptr + rows + s)
         acc_s = tl.load(part_acc_ptr + (rows + s)[:, None] * D_PAD + d[None, :])
@@ -351,6 +350,7 @@ def paged_attention_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
     max_splits = max(1, triton.cdiv(max_seq_len, SPLIT_SIZE))
+    kind = quant_format(key_cache.dtype)[0]
     if splits_per_program is None:
         splits_per_program = default_splits_per_program(B, num_kv_heads, max_splits, q.device)
     if splits_per_program < 1:
@@ -367,7 +367,6 @@ def paged_attention_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     part_m = torch.empty(n, dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
     part_acc = torch.empty(n * d_pad, dtype=torch.float32, device=q.device)
-    kind = quant_format(key_cache.dtype)[0]
     # float caches use no scale: skip making the [H] tensors (two small kernels)
     ks = _per_head(k_scale, num_kv_heads, q.device) if kind else q
     vs = _per_head(v_scale, num_kv_heads, q.device) if kind else q
