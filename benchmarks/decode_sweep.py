@@ -2,12 +2,14 @@
 
     python benchmarks/decode_sweep.py            # Llama-3-8B attention shape, bf16 KV
     python benchmarks/decode_sweep.py --quick    # fewer shapes and configurations
+    python benchmarks/decode_sweep.py --spp      # also splits_per_program 1, 2, 4, whole
 
 For each shape (batch, context) it times :func:`kernels.paged_attention.paged_attention_decode`
 under every configuration of the grid (``BLOCK_N`` keys per tile, warps, pipeline
-stages, and ``splits_per_program``: 1, 2, 4, a whole sequence per program, or the
-default rule) and ``F.scaled_dot_product_attention`` on the same K/V laid
-out contiguously, all as CUDA-graph replays (median, L2 flushed, as in gpu_suite.py).
+stages; with ``--spp`` also ``splits_per_program``: 1, 2, 4 or a whole sequence per
+program; otherwise the default rule's) and ``F.scaled_dot_product_attention`` on the
+same K/V laid out contiguously, all as CUDA-graph replays (median, L2 flushed, as in
+gpu_suite.py).
 It also checks each configuration's output against SDPA and whether outputs are
 bit-identical across configurations (the engine needs one fixed configuration per model
 for batch invariance; this says whether two configurations could be mixed).
