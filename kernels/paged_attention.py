@@ -36,6 +36,7 @@ reference does; on GPUs, float32 dot products use IEEE float32, not TF32.
 from __future__ import annotations
 
 import functools
+import numbers
 from typing import Optional
 
 import torch
@@ -333,7 +334,8 @@ def paged_attention_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     Returns:
         [B, num_heads, head_dim] in q's dtype.
     Raises:
-        ValueError: shape, device or layout mismatch; splits_per_program < 1.
+        ValueError: shape, device or layout mismatch; splits_per_program not an
+            integer >= 1.
     """
     num_heads, num_kv_heads, head_dim = _check_paged_args(q, key_cache, value_cache,
                                                          block_tables, "paged_attention_decode")
@@ -353,9 +355,10 @@ def paged_attention_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     kind = quant_format(key_cache.dtype)[0]
     if splits_per_program is None:
         splits_per_program = default_splits_per_program(B, num_kv_heads, max_splits, q.device)
-    if splits_per_program < 1:
-        raise ValueError(f"paged_attention_decode: splits_per_program must be >= 1, got "
-                         f"{splits_per_program}")
+    if (not isinstance(splits_per_program, numbers.Integral)
+            or isinstance(splits_per_program, bool) or splits_per_program < 1):
+        raise ValueError(f"paged_attention_decode: splits_per_program must be an integer "
+                         f">= 1, got {splits_per_program!r}")
     splits_per_program = min(int(splits_per_program), max_splits)
     whole = splits_per_program == max_splits
     group = num_heads // num_kv_heads

@@ -916,7 +916,9 @@ def test_mismatched_cache_dtypes_raise():
 
 @pytest.mark.parametrize("case", ["decode out dtype", "decode out shape", "prefill out dtype",
                                   "decode k_scale_cache alone", "prefill k_scale_cache alone",
-                                  "decode splits_per_program 0"])
+                                  "decode splits_per_program 0",
+                                  "decode splits_per_program 1.5",
+                                  "decode splits_per_program True"])
 def test_attention_argument_checks(case):
     """`out` must match q; dynamic scale caches come in pairs (as in reshape_and_cache)."""
     D, bs = 64, 16
@@ -937,8 +939,9 @@ def test_attention_argument_checks(case):
                                     out=torch.empty_like(q, dtype=F16), **pre)
         elif case == "decode k_scale_cache alone":
             paged_attention_decode(q, kc, vc, bt, sl, bs, 0.1, k_scale_cache=scs)
-        elif case == "decode splits_per_program 0":
-            paged_attention_decode(q, kc, vc, bt, sl, bs, 0.1, splits_per_program=0)
+        elif case.startswith("decode splits_per_program"):
+            value = {"0": 0, "1.5": 1.5, "True": True}[case.split()[-1]]
+            paged_attention_decode(q, kc, vc, bt, sl, bs, 0.1, splits_per_program=value)
         else:
             paged_prefill_attention(q, kc, vc, bt, seq_lens=sl, block_size=bs, scale=0.1,
                                     k_scale_cache=scs, **pre)
