@@ -6,7 +6,7 @@
 
 For each shape (batch, context) it times :func:`kernels.paged_attention.paged_attention_decode`
 under every configuration of the grid (``BLOCK_N`` keys per tile, warps, pipeline
-stages; with ``--spp`` also ``splits_per_program``: 1, 2, 4 or a whole sequence per
+stages, where ``None`` is :func:`~kernels.paged_attention.decode_num_stages`' choice; with ``--spp`` also ``splits_per_program``: 1, 2, 4 or a whole sequence per
 program; otherwise the default rule's) and ``F.scaled_dot_product_attention`` on the
 same K/V laid out contiguously, all as CUDA-graph replays (median, L2 flushed, as in
 gpu_suite.py).
@@ -55,7 +55,7 @@ def main() -> None:
     spps = (None, 1, 2, 4, "whole") if args.spp else (None,)
     grid = [dict(BLOCK_N=n, num_warps=w, num_stages=st, spp=spp)
             for (n, w, st), spp in itertools.product(
-                [(64, 4, st) for st in (2, 3, 4, 5, 6)] + [(128, 4, st) for st in (2, 3, 4)]
+                [(64, 4, st) for st in (None, 2, 3, 4, 5, 6)] + [(128, 4, st) for st in (2, 3, 4)]
                 + [(128, 8, 3), (64, 8, 4)], spps)]
     if args.quick:
         grid = [g for g in grid if g["BLOCK_N"] == 128 and g["num_warps"] == 4]
@@ -78,7 +78,8 @@ def main() -> None:
         splits = triton.cdiv(ctx, PA.SPLIT_SIZE)
         for i, cfg in enumerate(grid):
             PA.DECODE_CONFIG.clear()
-            PA.DECODE_CONFIG.update({k: v for k, v in cfg.items() if k != "spp"})
+            PA.DECODE_CONFIG.update({k: v for k, v in cfg.items()
+                                     if k != "spp" and v is not None})  # None: the rule
             spp = splits if cfg["spp"] == "whole" else cfg["spp"]
             run = lambda: PA.paged_attention_decode(  # noqa: E731
                 q, k_cache, v_cache, bt, lens, bs, D ** -0.5, max_seq_len=ctx,

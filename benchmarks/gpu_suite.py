@@ -213,6 +213,7 @@ def decode_attention(copy_bw: float, quick: bool, full_sweep: bool = False) -> l
                 best = (ms, dict(PA.DECODE_CONFIG), split)
         # report only: the default (tuned over all shapes by benchmarks/decode_sweep.py)
         # is what the engine runs, so it is what the tables below measure
+        PA.DECODE_CONFIG.clear()
         PA.DECODE_CONFIG.update(saved)
         PA.SPLIT_SIZE = saved_split
         log(f"decode kernel configs at B={B}, ctx={ctx} (default {saved}; best here "
@@ -261,9 +262,20 @@ def decode_attention(copy_bw: float, quick: bool, full_sweep: bool = False) -> l
                              frac_copy_bw=kv_bytes / (ms * 1e-3) / copy_bw))
     log("decode attention, fp8_e4m3 KV:")
     log(table(fp8_rows, ["batch", "context", "kv_MB", "triton_us", "frac_copy_bw"]))
+    # batch invariance at this shape: the launch choices that follow the batch (splits per
+    # program, pipeline depth) must not change a sequence's output bits
+    invariant = {}
+    q, bt, lens = make(256, 4096)
+    lens -= 7 * torch.arange(256, device="cuda", dtype=torch.int32)  # ragged
+    for name, kc, vc in (("bf16", k_cache, v_cache), ("fp8_e4m3", k8, v8)):
+        run = lambda n: PA.paged_attention_decode(  # noqa: E731
+            q[:n], kc, vc, bt[:n], lens[:n], bs, D ** -0.5, max_seq_len=4096)
+        full = run(256)
+        invariant[name] = all(torch.equal(run(n), full[:n]) for n in (1, 8, 32, 64))
+    log(f"batch 1, 8, 32, 64 give the first rows of batch 256 bit for bit: {invariant}")
     del k_cache, v_cache, k8, v8
     torch.cuda.empty_cache()
-    return rows, fp8_rows, sweep
+    return rows, fp8_rows, sweep, all(invariant.values())
 
 
 # --- 3. engine -----------------------------------------------------------------------
@@ -415,9 +427,10 @@ def main() -> int:
     head = {"gpu": env["gpu"], "copy_GBps": round(bw / 1e9)}
     if "attention" not in ns.skip:
         try:
-            rows, fp8_rows, sweep = decode_attention(bw, ns.quick, ns.sweep)
+            rows, fp8_rows, sweep, invariant = decode_attention(bw, ns.quick, ns.sweep)
             report.update(decode_attention=rows, decode_attention_fp8=fp8_rows,
-                          decode_configs=sweep)
+                          decode_configs=sweep, decode_batch_invariant=invariant)
+            head["attn_batch_invariant"] = invariant
             big = [r for r in rows if r["batch"] >= 32 and r["context"] >= 4096]
             if big:
                 head["attn_min_frac_copy_bw_b32_ctx4k"] = round(

@@ -12,9 +12,9 @@ once for the group). The splits' results are then merged in split order. Two ker
 
 1. ``_decode_split_kernel``: program ``(kv_head, b, chunk)`` reads ``splits_per_program``
    consecutive splits of sequence b in one loop over key tiles. If it covers the whole
-   sequence (``splits_per_program == max_splits``, chosen for large batches), it merges
-   the splits as it goes and writes the output; otherwise it writes each split's
-   (m, l, acc) as a partial result.
+   sequence (``splits_per_program == max_splits``, chosen for large batches; the
+   ``WHOLE`` variant), it merges the splits as it goes and writes the output; otherwise
+   it writes each split's (m, l, acc) as a partial result.
 2. ``_decode_reduce_kernel`` (only in the second case): program ``(head, b)`` merges
    the partials of that sequence's splits, in split order, with the same code.
 
@@ -22,7 +22,9 @@ The split *size* is fixed, not the number of splits, and the merge order is alwa
 order. So the result for a request depends only on its own length: it does not change
 with the batch it runs in or with ``splits_per_program`` (batch invariance), and a CUDA
 graph captured for the longest context can run any shorter one (extra programs exit at
-once). vLLM's v2 kernel makes the same choice (``PARTITION_SIZE = 512``). Large batches
+once). What may follow the batch is only what leaves the operation order alone:
+``splits_per_program`` and the pipeline depth (:func:`decode_num_stages`); the tile size
+and warp count are fixed per cache dtype (``DECODE_CONFIG``). vLLM's v2 kernel makes the same choice (``PARTITION_SIZE = 512``). Large batches
 have enough (sequence, KV head) pairs to fill the GPU, so one program per pair streams
 the keys in one pass and skips the second kernel, as FlashAttention's split-KV heuristic
 does when it picks one split (``num_splits_heuristic`` in flash-attention's
@@ -46,14 +48,22 @@ from kernels._triton import INTERPRET, device_ok, next_pow2, tl, triton
 from kernels.reshape_and_cache import _per_head
 
 SPLIT_SIZE = 512  # tokens per split (a multiple of BLOCK_N)
-# Launch configuration of the split kernel: keys per inner tile, warps, pipeline stages.
-# Tuned on an H200 by benchmarks/decode_sweep.py: the lowest mean time against SDPA over
-# 11 shapes, batch 1-256 and context 256-32k (64-key tiles with 5-6 stages come next).
-DECODE_CONFIG = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3}
+# Launch configuration of the split kernel: keys per tile and warps. Both change the order
+# of the floating-point operations (so the bits), so each is fixed per cache kind and never
+# chosen per batch. Tuned on an H200 (benchmarks/decode_sweep.py, .../RESULTS.md):
+# float caches stream fastest with 64-key tiles; fp8/int8 caches, whose dequantization
+# makes the loop compute-bound, with 128-key tiles. A "num_stages" key here overrides
+# decode_num_stages() (the benchmarks' sweeps use it).
+DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4}
+DECODE_CONFIG_QUANT = {"BLOCK_N": 128, "num_warps": 4}
 # A launch gives each (sequence, KV head) one program that reads all its splits once there
 # are at least this many such pairs per streaming multiprocessor (SM); otherwise one
 # program per split. Tuned on an H200 (132 SMs) by benchmarks/decode_sweep.py.
 WHOLE_SEQUENCE_PAIRS_PER_SM = 1.9
+# Whole-sequence programs per SM above which the float kernel's pipeline is kept short
+# (3 stages, 39 KB of shared memory: 4 programs fit on an SM) rather than deep (5 stages,
+# 72 KB: 3 fit). Measured on an H200, see decode_num_stages().
+DEEP_PIPELINE_MAX_PROGRAMS_PER_SM = 3
 
 
 @functools.lru_cache(maxsize=None)
@@ -77,6 +87,27 @@ def default_splits_per_program(batch: int, num_kv_heads: int, max_splits: int,
     if batch * num_kv_heads >= WHOLE_SEQUENCE_PAIRS_PER_SM * _num_sms(device):
         return max_splits
     return 1
+
+
+def decode_num_stages(programs: int, whole: bool, quantized: bool,
+                      device: torch.device) -> int:
+    """Software-pipeline depth (Triton ``num_stages``: key/value tiles loaded ahead) for
+    a launch of ``programs`` split-kernel programs. Unlike the tile size it does not
+    change the bits, so it may follow the batch.
+
+    Measured on an H200 (bf16 KV, 64-key tiles, speed against SDPA): a deep pipeline (5)
+    keeps more bytes in flight per program, which is what few programs per SM need
+    (whole sequences at batch 32: 0.971x against 0.853x with 3; one split per program:
+    20.7 against 25.8 us at batch 1 / 4k). But its 72 KB of shared memory lets only 3
+    programs share an SM, and whole-sequence programs all run equally long, so when more
+    than 3 per SM are launched the last ones run as a second, mostly empty wave (batch 64:
+    0.78x against 0.98x with 3 stages). fp8/int8 caches (128-key tiles): 2 (285 against
+    323 us with 3 at batch 64 / 4k)."""
+    if quantized:
+        return 2
+    if whole and programs > DEEP_PIPELINE_MAX_PROGRAMS_PER_SM * _num_sms(device):
+        return 3
+    return 5
 
 
 @triton.jit
@@ -154,7 +185,8 @@ def _decode_split_kernel(
         QUERY_GROUP: tl.constexpr, G_PAD: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr,
-        DYNAMIC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+        DYNAMIC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+        WHOLE: tl.constexpr):
     # KV head fastest: programs that run side by side read the heads of the same tokens,
     # which sit next to each other in memory ([slot, kv_head, head_dim]).
     kvh = tl.program_id(0)
@@ -162,14 +194,14 @@ def _decode_split_kernel(
     first = tl.program_id(2) * splits_per_program  # this program's first split
     seq_len = tl.load(seq_lens_ptr + b)
     num_splits = tl.cdiv(seq_len, SPLIT)
-    # one program per (sequence, KV head): it merges its splits itself and writes the
-    # output; else it writes each split's partial result for _decode_reduce_kernel
-    whole = splits_per_program >= max_splits
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
     heads = kvh * QUERY_GROUP + g
     gmask = g < QUERY_GROUP
-    if first < num_splits:
+    # WHOLE: one program per (sequence, KV head); it merges its splits itself and writes
+    # the output (zeros for a seq_len-0 padding row: the loop does not run). Else it
+    # writes each split's partial result for _decode_reduce_kernel.
+    if WHOLE or first < num_splits:
         start = first * SPLIT
         end = tl.minimum(start + splits_per_program * SPLIT, seq_len)
         q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
@@ -177,9 +209,10 @@ def _decode_split_kernel(
         m = tl.full([G_PAD], float("-inf"), tl.float32)  # this split's online softmax
         l = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-        m_all = tl.full([G_PAD], float("-inf"), tl.float32)  # splits merged so far
-        l_all = tl.zeros([G_PAD], tl.float32)
-        acc_all = tl.zeros([G_PAD, D_PAD], tl.float32)
+        if WHOLE:  # splits merged so far
+            m_all = tl.full([G_PAD], float("-inf"), tl.float32)
+            l_all = tl.zeros([G_PAD], tl.float32)
+            acc_all = tl.zeros([G_PAD, D_PAD], tl.float32)
         # one flat loop over the program's tiles (the pipeline does not drain at split
         # boundaries); a split ends every SPLIT // BLOCK_N tiles
         for n0 in range(start, end, BLOCK_N):
@@ -193,7 +226,7 @@ def _decode_split_kernel(
                 vs_cache_ptr, slot, pmask, pmask[None, :], kvh, d, m, l, acc, sm_scale,
                 NUM_KV_HEADS, HEAD_DIM, QUANT, DYNAMIC, PRECISION, UPCAST)
             if ((n0 + BLOCK_N) % SPLIT == 0) | (n0 + BLOCK_N >= end):  # a split ends
-                if whole:
+                if WHOLE:
                     m_all, l_all, acc_all = _merge_split(m_all, l_all, acc_all, m, l, acc)
                 else:
                     row = (b * (NUM_KV_HEADS * QUERY_GROUP) + heads) * max_splits + n0 // SPLIT
@@ -204,12 +237,9 @@ def _decode_split_kernel(
                 m = tl.full([G_PAD], float("-inf"), tl.float32)
                 l = tl.zeros([G_PAD], tl.float32)
                 acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-        if whole:
+        if WHOLE:
             _store_output(out_ptr, b, heads, gmask, d, l_all, acc_all, stride_ob, stride_oh,
                           HEAD_DIM)
-    elif whole:  # seq_len 0 (a CUDA-graph padding row): zeros
-        _store_output(out_ptr, b, heads, gmask, d, tl.zeros([G_PAD], tl.float32),
-                      tl.zeros([G_PAD, D_PAD], tl.float32), stride_ob, stride_oh, HEAD_DIM)
 
 
 @triton.jit
@@ -374,7 +404,12 @@ def paged_attention_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     ks = _per_head(k_scale, num_kv_heads, q.device) if kind else q
     vs = _per_head(v_scale, num_kv_heads, q.device) if kind else q
     dynamic = k_scale_cache is not None
-    _decode_split_kernel[(num_kv_heads, B, triton.cdiv(max_splits, splits_per_program))](
+    config = dict(DECODE_CONFIG_QUANT if kind else DECODE_CONFIG)
+    grid = (num_kv_heads, B, triton.cdiv(max_splits, splits_per_program))
+    if "num_stages" not in config:
+        config["num_stages"] = decode_num_stages(grid[0] * grid[1] * grid[2], whole, kind != 0,
+                                                 q.device)
+    _decode_split_kernel[grid](
         q, key_cache, value_cache, ks, vs, k_scale_cache if dynamic else ks,
         v_scale_cache if dynamic else vs, block_tables, seq_lens, part_m, part_l, part_acc,
         out, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
@@ -382,7 +417,7 @@ def paged_attention_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache
         QUERY_GROUP=group, G_PAD=g_pad, NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size, SPLIT=SPLIT_SIZE,
         QUANT=kind != 0, DYNAMIC=dynamic, PRECISION=_dot_precision(q.dtype),
-        UPCAST=_upcast(q.dtype), **DECODE_CONFIG)
+        UPCAST=_upcast(q.dtype), WHOLE=whole, **config)
     if not whole:
         _decode_reduce_kernel[(num_heads, B)](
             part_m, part_l, part_acc, seq_lens, out, out.stride(0), out.stride(1), max_splits,

@@ -29,6 +29,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import paged_attention as PA
 from kernels._triton import INTERPRET
 from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.batch_invariant import (linear_batch_invariant, matmul_batch_invariant, matmul_ref,
@@ -491,7 +492,7 @@ def test_paged_attention_decode_matches_ref(dtype, cache_dtype, mode, bs, D, H, 
 
 @pytest.mark.parametrize("dtype,cache_dtype,mode", [(F32, F32, None), (BF16, E4M3, "dynamic"),
                                                     (F16, I8, "head")], ids=str)
-def test_decode_batch_invariant(dtype, cache_dtype, mode):
+def test_decode_batch_invariant(dtype, cache_dtype, mode, monkeypatch):
     """A sequence's output is bit-identical alone, in a batch with longer sequences (more
     split programs), with a larger max_seq_len (CUDA graphs), and with padding rows."""
     torch.manual_seed(300)
@@ -521,6 +522,14 @@ def test_decode_batch_invariant(dtype, cache_dtype, mode):
     for spp in (1, 2, 4):
         out = run(qp, btp, slp, max_seq_len=2048, splits_per_program=spp)
         assert_bitwise(out, padded, f"splits_per_program={spp} vs default")
+    if not INTERPRET:  # the pipeline depth (chosen per launch) neither; the interpreter
+        # has no pipeline
+        for config in (PA.DECODE_CONFIG, PA.DECODE_CONFIG_QUANT):
+            for stages in (2, 3, 5):
+                monkeypatch.setitem(config, "num_stages", stages)
+                for spp in (1, 4):  # one split per program; whole sequences
+                    out = run(qp, btp, slp, max_seq_len=2048, splits_per_program=spp)
+                    assert_bitwise(out, padded, f"num_stages={stages}, splits_per_program={spp}")
     ref = paged_attention_decode_ref(q, block_tables=bt, seq_lens=sl, block_size=bs,
                                      scale=D ** -0.5, **kv)
     assert_attn_close(batch, ref, dtype, "decode batch vs ref")
