@@ -6,8 +6,10 @@
 
 For each shape (batch, context) it times :func:`kernels.paged_attention.paged_attention_decode`
 under every configuration of the grid (``BLOCK_N`` keys per tile, warps, pipeline
-stages, where ``None`` is :func:`~kernels.paged_attention.decode_num_stages`' choice; with ``--spp`` also ``splits_per_program``: 1, 2, 4 or a whole sequence per
-program; otherwise the default rule's) and ``F.scaled_dot_product_attention`` on the
+stages, where ``None`` is the choice of
+:func:`~kernels.paged_attention.decode_num_stages`; with ``--spp`` also
+``splits_per_program``: 1, 2, 4 or a whole sequence per program; otherwise the default
+rule's) and ``F.scaled_dot_product_attention`` on the
 same K/V laid out contiguously, all as CUDA-graph replays (median, L2 flushed, as in
 gpu_suite.py).
 It also checks each configuration's output against SDPA and whether outputs are

@@ -22,13 +22,13 @@ The split *size* is fixed, not the number of splits, and the merge order is alwa
 order. So the result for a request depends only on its own length: it does not change
 with the batch it runs in or with ``splits_per_program`` (batch invariance), and a CUDA
 graph captured for the longest context can run any shorter one (extra programs exit at
-once). What may follow the batch is only what leaves the operation order alone:
-``splits_per_program`` and the pipeline depth (:func:`decode_num_stages`); the tile size
-and warp count are fixed per cache dtype (``DECODE_CONFIG``). vLLM's v2 kernel makes the same choice (``PARTITION_SIZE = 512``). Large batches
-have enough (sequence, KV head) pairs to fill the GPU, so one program per pair streams
-the keys in one pass and skips the second kernel, as FlashAttention's split-KV heuristic
-does when it picks one split (``num_splits_heuristic`` in flash-attention's
-``flash_api.cpp``).
+once). vLLM's v2 kernel makes the same choice (``PARTITION_SIZE = 512``). What may
+follow the batch is only what leaves the operation order alone: ``splits_per_program``
+and the pipeline depth (:func:`decode_num_stages`); the tile size and warp count are
+fixed per cache dtype (``DECODE_CONFIG``). Large batches have enough (sequence, KV head)
+pairs to fill the GPU, so one program per pair streams the keys in one pass and skips
+the second kernel, as FlashAttention's split-KV heuristic does when it picks one split
+(``num_splits_heuristic`` in flash-attention's ``flash_api.cpp``).
 
 Precision: scores, softmax and accumulation in float32; K and V are dequantized
 (``stored * scale``) and cast to the query dtype before the dot products, as the
