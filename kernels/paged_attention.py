@@ -50,7 +50,7 @@ from kernels.reshape_and_cache import _per_head
 SPLIT_SIZE = 512  # tokens per split (a multiple of BLOCK_N)
 # Launch configuration of the split kernel: keys per tile and warps. Both change the order
 # of the floating-point operations (so the bits), so each is fixed per cache kind and never
-# chosen per batch. Tuned on an H200 (benchmarks/decode_sweep.py, .../RESULTS.md):
+# chosen per batch. Tuned on an H200 (benchmarks/decode_sweep.py, benchmarks/RESULTS.md):
 # float caches stream fastest with 64-key tiles; fp8/int8 caches, whose dequantization
 # makes the loop compute-bound, with 128-key tiles. A "num_stages" key here overrides
 # decode_num_stages() (the benchmarks' sweeps use it).
@@ -87,6 +87,13 @@ def default_splits_per_program(batch: int, num_kv_heads: int, max_splits: int,
     if batch * num_kv_heads >= WHOLE_SEQUENCE_PAIRS_PER_SM * _num_sms(device):
         return max_splits
     return 1
+
+
+def decode_config(cache_dtype: torch.dtype) -> dict:
+    """The launch configuration dict for a cache dtype: ``DECODE_CONFIG_QUANT`` for
+    fp8/int8 caches, ``DECODE_CONFIG`` for float caches (the module-level dict itself, so
+    a benchmark or test can set ``"num_stages"`` in it)."""
+    return DECODE_CONFIG_QUANT if quant_format(cache_dtype)[0] else DECODE_CONFIG
 
 
 def decode_num_stages(programs: int, whole: bool, quantized: bool,
@@ -404,7 +411,7 @@ def paged_attention_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     ks = _per_head(k_scale, num_kv_heads, q.device) if kind else q
     vs = _per_head(v_scale, num_kv_heads, q.device) if kind else q
     dynamic = k_scale_cache is not None
-    config = dict(DECODE_CONFIG_QUANT if kind else DECODE_CONFIG)
+    config = dict(decode_config(key_cache.dtype))
     grid = (num_kv_heads, B, triton.cdiv(max_splits, splits_per_program))
     if "num_stages" not in config:
         config["num_stages"] = decode_num_stages(grid[0] * grid[1] * grid[2], whole, kind != 0,

@@ -524,12 +524,11 @@ def test_decode_batch_invariant(dtype, cache_dtype, mode, monkeypatch):
         assert_bitwise(out, padded, f"splits_per_program={spp} vs default")
     if not INTERPRET:  # the pipeline depth (chosen per launch) neither; the interpreter
         # has no pipeline
-        for config in (PA.DECODE_CONFIG, PA.DECODE_CONFIG_QUANT):
-            for stages in (2, 3, 5):
-                monkeypatch.setitem(config, "num_stages", stages)
-                for spp in (1, 4):  # one split per program; whole sequences
-                    out = run(qp, btp, slp, max_seq_len=2048, splits_per_program=spp)
-                    assert_bitwise(out, padded, f"num_stages={stages}, splits_per_program={spp}")
+        for stages in (2, 3, 5):
+            monkeypatch.setitem(PA.decode_config(cache_dtype), "num_stages", stages)
+            for spp in (1, 4):  # one split per program; whole sequences
+                out = run(qp, btp, slp, max_seq_len=2048, splits_per_program=spp)
+                assert_bitwise(out, padded, f"num_stages={stages}, splits_per_program={spp}")
     ref = paged_attention_decode_ref(q, block_tables=bt, seq_lens=sl, block_size=bs,
                                      scale=D ** -0.5, **kv)
     assert_attn_close(batch, ref, dtype, "decode batch vs ref")
