@@ -24,7 +24,8 @@ Steps, all in one process so every ratio is measured side by side:
    engine with its graphs switched off (what ``enforce_eager=True`` runs), and HF
    ``generate`` (transformers' LlamaForCausalLM, same config, its own random init; bf16,
    sdpa attention); batch 1, 16, 64, 256; prompts of 128 random tokens, 128 new tokens,
-   EOS ignored, greedy. Decode step time = (time for 128 tokens - time for 1 token) / 127.
+   EOS ignored, greedy. Decode step time = (time for 128 tokens - time for 1 token) / 127;
+   with CUDA graphs the median of 3 such measurements.
 4. (c) Roofline: a decode step must read every weight once plus the batch's K/V; at the
    measured copy bandwidth that takes ``(weight_bytes + kv_bytes) / bandwidth``. The
    ratio roofline / measured step time is how close the engine gets.
@@ -40,6 +41,7 @@ import gc
 import json
 import platform
 import subprocess
+import statistics
 import sys
 import tempfile
 import time
@@ -324,13 +326,20 @@ def engine(copy_bw: float, quick: bool) -> tuple[list[dict], dict]:
     rows = {B: dict(batch=B) for B in batches}
     for mode in ("graphs", "eager"):
         runner.cuda_graphs = graphs if mode == "graphs" else None
+        # the graph runs are short and carry the roofline target: median of 3 (eager and
+        # HF, the slow sides of the ratios, run once)
+        reps = 3 if mode == "graphs" else 1
         for B in batches:
-            t_full = run_engine(B, new_tokens)
-            t_one = run_engine(B, 1)
-            step = (t_full - t_one) / (new_tokens - 1)
+            runs = [(run_engine(B, new_tokens), run_engine(B, 1)) for _ in range(reps)]
+            t_full = statistics.median(full for full, _ in runs)
+            steps = [(full - one) / (new_tokens - 1) for full, one in runs]
+            step = statistics.median(steps)
             rows[B][f"{mode}_tok_s"] = B * new_tokens / t_full
             rows[B][f"{mode}_step_ms"] = step * 1e3
             rows[B][f"{mode}_decode_tok_s"] = B / step
+            if reps > 1:
+                log(f"{mode} batch {B}: step ms per run "
+                    f"{', '.join(f'{x * 1e3:.3f}' for x in steps)} (median taken)")
     runner.cuda_graphs = graphs
     # graph replay alone at batch 1 (GPU time of the forward pass and the LM head, which
     # the graph includes; no scheduler, no sampler)
