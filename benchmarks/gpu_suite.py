@@ -18,7 +18,8 @@ Steps, all in one process so every ratio is measured side by side:
    ``F.scaled_dot_product_attention`` on the same K/V laid out contiguously
    (``[B, kv_heads, ctx, 128]``, ``enable_gqa``). Achieved bandwidth = K/V bytes read /
    kernel time (``triton.testing.do_bench`` on a CUDA-graph replay of the call, as the
-   engine runs it, for both: median, L2 flushed).
+   engine runs it, for both: median, L2 flushed). SDPA's backend is PyTorch's pick (with
+   torch 2.11 on an H200: cuDNN's fused attention); the suite logs the kernels it ran.
 3. (b) Engine decode throughput for a Llama-3-8B-shaped model with random bf16 weights
    (``load_format="dummy"``: nothing to download): minivllm with CUDA graphs, the same
    engine with its graphs switched off (what ``enforce_eager=True`` runs), and HF
@@ -163,6 +164,26 @@ def paged_decode_inputs(num_blocks: int, B: int, ctx: int, H: int, D: int, bs: i
     return q, bt, lens
 
 
+def cuda_kernel_names(fn) -> list[str]:
+    """Names of the CUDA kernels (and memsets) one call of ``fn`` launches, from the torch
+    profiler: which backend SDPA dispatched to is PyTorch's choice, so the suite says it."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sorted({e.name for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA})
+
+
+def sdpa_backend(kernel_names: list[str]) -> str:
+    """A short name for the SDPA backend the kernel names show."""
+    text = " ".join(kernel_names).lower()
+    for key, name in (("cudnn", "cudnn"), ("flash", "flash"), ("fmha", "efficient"),
+                      ("mem_eff", "efficient")):
+        if key in text:
+            return name
+    return "math"
+
+
 def sdpa_on_contiguous(q, k_cache, v_cache, bt, bs: int, scale: float):
     """SDPA on the same keys and values laid out contiguously ([B, kv_heads, ctx, D],
     copied once here): returns a function giving [B, H, 1, D], for timing."""
@@ -174,14 +195,15 @@ def sdpa_on_contiguous(q, k_cache, v_cache, bt, bs: int, scale: float):
     return lambda: F.scaled_dot_product_attention(qs, kc, vc, scale=scale, enable_gqa=True)
 
 
-def decode_attention(copy_bw: float, quick: bool, full_sweep: bool = False) -> list[dict]:
+def decode_attention(copy_bw: float, quick: bool, full_sweep: bool = False) -> tuple:
     from kernels import paged_attention as PA
 
     H, Hkv, D, bs = 32, 8, 128, 16
     batches = [1, 8, 32] if quick else [1, 8, 32, 64, 128, 256]
     ctxs = [512, 4096] if quick else [512, 1024, 4096, 8192, 16384, 32768]
     dtype = torch.bfloat16
-    max_tokens = max(b * c for b in batches for c in ctxs)
+    # room for every timed shape and for the batch-invariance check (256 x 4096) below
+    max_tokens = max([b * c for b in batches for c in ctxs] + [256 * 4096])
     num_blocks = max_tokens // bs + 16
     g = torch.Generator(device="cuda").manual_seed(0)
     k_cache = torch.randn(num_blocks * bs, Hkv, D, device="cuda", dtype=dtype, generator=g)
@@ -229,6 +251,7 @@ def decode_attention(copy_bw: float, quick: bool, full_sweep: bool = False) -> l
         return paged_decode_inputs(num_blocks, B, ctx, H, D, bs, dtype, g)
 
     sweep = configs_sweep()
+    sdpa_kernels: list[str] = []
     for B in batches:
         for ctx in ctxs:
             q, bt, lens = make(B, ctx)
@@ -236,6 +259,9 @@ def decode_attention(copy_bw: float, quick: bool, full_sweep: bool = False) -> l
             ms_tri = bench_graph(lambda: PA.paged_attention_decode(
                 q, k_cache, v_cache, bt, lens, bs, D ** -0.5, max_seq_len=ctx))
             sdpa = sdpa_on_contiguous(q, k_cache, v_cache, bt, bs, D ** -0.5)
+            if not sdpa_kernels:
+                sdpa_kernels = cuda_kernel_names(sdpa)
+                log(f"SDPA here runs: {sdpa_kernels}")
             ms_sdpa = bench_graph(sdpa)
             o_tri = PA.paged_attention_decode(q, k_cache, v_cache, bt, lens, bs, D ** -0.5)
             err = (o_tri.float() - sdpa()[:, :, 0].float()).abs().max().item()
@@ -277,7 +303,7 @@ def decode_attention(copy_bw: float, quick: bool, full_sweep: bool = False) -> l
     log(f"batch 1, 8, 32, 64 give the first rows of batch 256 bit for bit: {invariant}")
     del k_cache, v_cache, k8, v8
     torch.cuda.empty_cache()
-    return rows, fp8_rows, sweep, all(invariant.values())
+    return rows, fp8_rows, sweep, all(invariant.values()), sdpa_kernels
 
 
 # --- 3. engine -----------------------------------------------------------------------
@@ -436,10 +462,13 @@ def main() -> int:
     head = {"gpu": env["gpu"], "copy_GBps": round(bw / 1e9)}
     if "attention" not in ns.skip:
         try:
-            rows, fp8_rows, sweep, invariant = decode_attention(bw, ns.quick, ns.sweep)
+            rows, fp8_rows, sweep, invariant, sdpa_kernels = decode_attention(
+                bw, ns.quick, ns.sweep)
             report.update(decode_attention=rows, decode_attention_fp8=fp8_rows,
-                          decode_configs=sweep, decode_batch_invariant=invariant)
+                          decode_configs=sweep, decode_batch_invariant=invariant,
+                          sdpa_kernels=sdpa_kernels)
             head["attn_batch_invariant"] = invariant
+            head["sdpa_backend"] = sdpa_backend(sdpa_kernels)
             big = [r for r in rows if r["batch"] >= 32 and r["context"] >= 4096]
             if big:
                 head["attn_min_frac_copy_bw_b32_ctx4k"] = round(
