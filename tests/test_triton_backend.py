@@ -222,6 +222,35 @@ def test_rotary_kernel_matches_reference(dtype):
 
 
 
+def test_deferred_residual_adds_keep_the_bits(tiny_model_dir):
+    """With the kernels in use, each layer hands its residual to the next fused
+    add+RMSNorm instead of adding it itself (one kernel per layer fewer). The log-probs are
+    bit for bit those of the plain layer order, which a forward hook on a decoder layer
+    brings back, so that the hook sees the residual stream."""
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=5)
+    prompt = [[5, 9, 13, 21, 34, 55, 89]]
+    llm = LLM(model=str(tiny_model_dir), dtype="float32", attention_backend="TRITON",
+              device=DEVICE, enforce_eager=True)  # eager: a hook added later must run
+    model = llm.llm_engine.model_runner.model
+    model.use_triton_kernels()  # on CUDA the engine already did
+    assert model._defer_residual_adds()
+    deferred = llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0]
+    seen = []
+    handle = model.layers[1].register_forward_hook(lambda m, a, out: seen.append(out))
+    try:
+        assert not model._defer_residual_adds()
+        plain = llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0]
+    finally:
+        handle.remove()
+    assert seen and isinstance(seen[0], torch.Tensor), "the hook must see the stream"
+    assert plain.token_ids == deferred.token_ids
+    for step, (a, b) in enumerate(zip(plain.logprobs, deferred.logprobs)):
+        got = {t: lp.logprob for t, lp in b.items()}
+        want = {t: lp.logprob for t, lp in a.items()}
+        assert got == want, f"step {step}: deferred {got} != plain {want}"
+    assert model._defer_residual_adds()  # the hook is gone
+
+
 def test_model_with_triton_kernels_matches_plain_model(tiny_model_dir):
     """use_triton_kernels (fused add+RMSNorm, rotary kernel; what the engine does with
     TRITON on CUDA) gives the same logits; a planted fault still takes effect."""

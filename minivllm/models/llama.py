@@ -92,6 +92,8 @@ class LlamaDecoderLayer(nn.Module):
                             bool(cfg.get("mlp_bias", False)))
 
     def forward(self, positions, x, meta):
+        """x: the residual stream [num_tokens, hidden]; returns the stream after this
+        layer."""
         if self.post_attention_layernorm.fused_add_impl is None:
             h = x + self.self_attn(positions, self.input_layernorm(x), meta)
             return h + self.mlp(self.post_attention_layernorm(h))
@@ -99,6 +101,22 @@ class LlamaDecoderLayer(nn.Module):
         a = self.self_attn(positions, self.input_layernorm(x), meta)
         normed, h = self.post_attention_layernorm.add_and_norm(a, x)
         return h + self.mlp(normed)
+
+    def forward_deferred(self, positions, x, residual, meta):
+        """The same layer with the residual add after the MLP left to the next norm's
+        fused add+RMSNorm kernel (vLLM's ``residual`` argument): x is the previous layer's
+        MLP output, or the embeddings when ``residual`` is None (first layer). Returns
+        ``(mlp_output, residual)``; their sum is what :meth:`forward` returns, and the
+        next fused norm computes it with the same rounding, so the numbers are the same
+        and one kernel per layer is saved. Used by the model only when no hook watches a
+        decoder layer's output (see :meth:`LlamaForCausalLM.forward`)."""
+        if residual is None:
+            residual, normed = x, self.input_layernorm(x)
+        else:
+            normed, residual = self.input_layernorm.add_and_norm(x, residual)
+        a = self.self_attn(positions, normed, meta)
+        normed, residual = self.post_attention_layernorm.add_and_norm(a, residual)
+        return self.mlp(normed), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -133,9 +151,30 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """Returns final-norm hidden states [num_tokens, hidden] in the model dtype."""
         h = self.embed_tokens(input_ids)
+        if self._defer_residual_adds():
+            residual = None
+            for layer in self.layers:
+                h, residual = layer.forward_deferred(positions, h, residual, meta)
+            return self.norm.add_and_norm(h, residual)[0]
         for layer in self.layers:
             h = layer(positions, h, meta)
         return self.norm(h)
+
+    def _defer_residual_adds(self) -> bool:
+        """Pass the residual to the next fused norm instead of adding it after each
+        layer (:meth:`LlamaDecoderLayer.forward_deferred`): only with the kernels in use
+        (:meth:`use_triton_kernels`; the PyTorch path stays the plain reference) and no
+        forward hook on a decoder layer, since a hook there expects the layer's output to
+        be the residual stream (the precision toolkit's ``layers.{i}``). Hooks on the
+        sublayers (attention, MLP, norms) still run either way."""
+        if self.norm.fused_add_impl is None:
+            return False
+        mod = nn.modules.module  # global hooks (register_module_forward_hook) see layers too
+        if getattr(mod, "_global_forward_hooks", None) or getattr(
+                mod, "_global_forward_pre_hooks", None):
+            return False
+        return not any(layer._forward_hooks or layer._forward_pre_hooks
+                       for layer in self.layers)
 
     def use_triton_kernels(self) -> None:
         """RMSNorm (fused with the residual add), rotary and SiLU-and-mul from
