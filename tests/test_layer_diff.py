@@ -104,6 +104,33 @@ def test_fault_arguments_are_checked(llm):
             pass
 
 
+def test_faults_suspend_cuda_graphs_while_active(llm):
+    """A CUDA graph captured before a fault would replay the unpatched layer, so each
+    fault makes the engine's decode steps eager while it is active, and only then
+    (a graph runner holding no graphs stands in for CUDA's: runs on CPU)."""
+    from types import SimpleNamespace
+
+    from minivllm.worker.cuda_graph import CUDAGraphRunner
+
+    mr = llm.llm_engine.model_runner
+    assert mr.cuda_graphs is None  # CPU
+    runner = CUDAGraphRunner.__new__(CUDAGraphRunner)
+    runner.model = mr.model
+    runner._alloc_buffers(max_batch_size=4, max_model_len=64, block_size=16,
+                          device=torch.device("cpu"))
+    runner._watch_model()
+    decode = [(SimpleNamespace(score=None), 1)] * 2
+    mr.cuda_graphs = runner
+    try:
+        for fault, args in ((faults.fp16_rmsnorm, (0,)), (faults.wrong_rope_theta, (1, 100.0))):
+            assert runner.can_run(decode)
+            with fault(llm, *args):
+                assert not runner.can_run(decode), f"{fault.__name__}: graphs still on"
+            assert runner.can_run(decode), f"{fault.__name__}: graphs not back after"
+    finally:
+        mr.cuda_graphs = None
+
+
 def test_noise_floor_is_tiny_nonzero_and_weights_are_restored(llm):
     ids = IDS[:64]
     before = {k: v.clone() for k, v in llm.llm_engine.model_runner.model.state_dict().items()}

@@ -150,6 +150,91 @@ def test_cuda_graph_inputs_and_padding():
     assert runner.input_ids[:3].tolist() == [8, 110, 217]
 
 
+def test_cuda_graphs_step_aside_for_hooks_and_suspension(caplog):
+    """A graph replay calls no Python, so a forward hook registered after capture would
+    miss every graph step: while any forward or pre hook is on the model (or a global
+    module hook), decode steps must run eagerly, with one warning; once the hooks are
+    removed, graphs run again. Likewise inside ``suspended()`` (nested too). (Buffers and
+    a stand-in model only: runs on CPU.)"""
+    from types import SimpleNamespace
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.ReLU()))
+    runner = CUDAGraphRunner.__new__(CUDAGraphRunner)
+    runner.model = model
+    runner._alloc_buffers(max_batch_size=8, max_model_len=64, block_size=4,
+                          device=torch.device("cpu"))
+    runner._watch_model()
+    decode = [(SimpleNamespace(score=None), 1)] * 3
+    assert runner.can_run(decode)
+    assert not runner.can_run([(SimpleNamespace(score=None), 2)])  # a prefill chunk
+    assert not runner.can_run(decode * 3)  # 9 rows > the largest graph (8)
+
+    def hook(*args):
+        return None
+
+    registrations = [
+        lambda: model[1][0].register_forward_hook(hook),  # a nested module
+        lambda: model[0].register_forward_pre_hook(hook),
+        lambda: model.register_forward_hook(hook, with_kwargs=True),
+        lambda: torch.nn.modules.module.register_module_forward_hook(hook),
+        lambda: torch.nn.modules.module.register_module_forward_pre_hook(hook),
+    ]
+    for i, register in enumerate(registrations):
+        handle = register()
+        try:
+            with caplog.at_level("WARNING", logger="minivllm"):
+                caplog.clear()
+                assert not runner.can_run(decode), f"registration {i}: graphs still used"
+                assert not runner.can_run(decode)
+            warnings = [r for r in caplog.records if "hooks" in r.getMessage()]
+            assert len(warnings) == 1, f"registration {i}: {len(warnings)} warnings"
+        finally:
+            handle.remove()
+        assert runner.can_run(decode), f"registration {i}: graphs not back after removal"
+    with runner.suspended():
+        assert not runner.can_run(decode)
+        with runner.suspended():
+            assert not runner.can_run(decode)
+        assert not runner.can_run(decode), "the outer suspension must still hold"
+    assert runner.can_run(decode)
+    with pytest.raises(RuntimeError), runner.suspended():
+        raise RuntimeError("a failed step")
+    assert runner.can_run(decode), "an exception must not leave graphs suspended"
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="CUDA graphs need CUDA")
+def test_hooks_and_faults_reach_every_step_under_cuda_graphs(tiny_model_dir):
+    """On CUDA, with graphs captured: a hook registered afterwards sees the prefill and
+    every decode step, and a planted fault changes the decode steps exactly as it does
+    in an engine without graphs (bit-identical log-probs: both run those steps eagerly)."""
+    from minivllm.precision.faults import fp16_rmsnorm, wrong_rope_theta
+
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
+    prompt = [[5, 9, 13, 21, 34, 55, 89]]
+    kw = dict(model=str(tiny_model_dir), dtype="float32", attention_backend="TRITON",
+              device=DEVICE)
+    graphs, eager = LLM(**kw), LLM(**kw, enforce_eager=True)
+    assert graphs.llm_engine.model_runner.cuda_graphs is not None
+    assert eager.llm_engine.model_runner.cuda_graphs is None
+    calls = []
+    handle = graphs.llm_engine.model_runner.model.layers[0].register_forward_hook(
+        lambda m, a, out: calls.append(1))
+    try:
+        graphs.generate(prompt, sp, use_tqdm=False)
+    finally:
+        handle.remove()
+    assert len(calls) == 6, f"the hook ran {len(calls)} times for 1 prefill + 5 decode steps"
+    for fault, args in ((fp16_rmsnorm, (0,)), (wrong_rope_theta, (1, 100.0))):
+        with fault(graphs, *args), fault(eager, *args):
+            a = graphs.generate(prompt, sp, use_tqdm=False)[0].outputs[0]
+            b = eager.generate(prompt, sp, use_tqdm=False)[0].outputs[0]
+        assert a.token_ids == b.token_ids, fault.__name__
+        for step, (x, y) in enumerate(zip(a.logprobs, b.logprobs)):
+            got = {t: lp.logprob for t, lp in x.items()}
+            want = {t: lp.logprob for t, lp in y.items()}
+            assert got == want, f"{fault.__name__}, step {step}: {got} != {want}"
+
+
 def test_dummy_weights_and_no_tokenizer(tiny_model_dir, tmp_path):
     cfg = json.loads((tiny_model_dir / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(cfg))  # config only, no weights

@@ -3,6 +3,8 @@
 Chapters use them to show what a bug looks like in the metrics, tests use them to check
 that the layer diff finds the right layer, and labs hide one for the learner to find.
 Each is a context manager that patches one layer of an ``LLM``'s model and restores it.
+While one is active, the engine runs every step eagerly: a CUDA graph captured before
+would replay the unpatched layer.
 """
 
 from __future__ import annotations
@@ -24,6 +26,14 @@ def _layer(llm, layer: int):
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < len(layers):
         raise ValueError(f"layer must be in [0, {len(layers)}), got {layer}")
     return layers[layer]
+
+
+@contextlib.contextmanager
+def _without_cuda_graphs(llm):
+    """Eager steps while a fault is planted (CUDA graphs replay what they captured)."""
+    graphs = llm.llm_engine.model_runner.cuda_graphs
+    with graphs.suspended() if graphs is not None else contextlib.nullcontext():
+        yield
 
 
 def rms_norm_fp16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -49,7 +59,8 @@ def fp16_rmsnorm(llm, layer: int, which: str = "input_layernorm"):
     old = norm.impl
     norm.impl = rms_norm_fp16
     try:
-        yield
+        with _without_cuda_graphs(llm):
+            yield
     finally:
         norm.impl = old if old is not None else rms_norm_ref
 
@@ -65,6 +76,7 @@ def wrong_rope_theta(llm, layer: int, theta: float):
     attn.rotary_emb = RotaryEmbedding(old.head_dim, old.cos_cached.shape[0], theta).to(
         old.cos_cached.device)
     try:
-        yield
+        with _without_cuda_graphs(llm):
+            yield
     finally:
         attn.rotary_emb = old

@@ -17,7 +17,11 @@ launches of one forward pass once and replays them with a single call. A graph r
 
 The LM head runs inside the graph (it is the largest single matmul of a decode step);
 the sampler runs outside it, on the real rows only. Steps with prefill tokens, scoring
-requests, or more sequences than the largest graph run eagerly.
+requests, or more sequences than the largest graph run eagerly. A replay calls no
+Python, so a change to the model's Python after capture would silently miss every graph
+step: all steps also run eagerly while a forward hook is registered on the model, and
+inside :meth:`CUDAGraphRunner.suspended` (which the planted faults of
+:mod:`minivllm.precision.faults` enter).
 
 Padding changes the matmuls' row count M. cuBLAS may pick a different kernel for M=8
 than for M=5, so graph and eager logits can differ in the last bits (in bfloat16 that
@@ -27,6 +31,7 @@ can flip a near-tie argmax): this is chapter 24's incident, measured, not a bug.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 
 import torch
@@ -71,6 +76,32 @@ class CUDAGraphRunner:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self._capture_all()
+        self._watch_model()
+
+    def _watch_model(self) -> None:
+        """Keep every submodule's forward (pre-)hook dict, to see cheaply (one pass over
+        them, a few microseconds) whether a hook has been registered since capture."""
+        self._hook_dicts = [d for m in self.model.modules()
+                            for d in (m._forward_hooks, m._forward_pre_hooks)]
+        self._warned_hooks = False
+        self._suspended = 0
+
+    @contextlib.contextmanager
+    def suspended(self):
+        """Run every step eagerly inside this block (nestable): for a change to the
+        model's Python (a patched module or function) that a replay would not see."""
+        self._suspended += 1
+        try:
+            yield
+        finally:
+            self._suspended -= 1
+
+    def hooks_registered(self) -> bool:
+        """True while a forward or forward-pre hook is registered on any of the model's
+        modules, or globally (``torch.nn.modules.module.register_module_forward_hook``)."""
+        glob = torch.nn.modules.module
+        return bool(glob._global_forward_hooks or glob._global_forward_pre_hooks
+                    or any(self._hook_dicts))
 
     def _alloc_buffers(self, max_batch_size: int, max_model_len: int, block_size: int,
                        device: torch.device) -> None:
@@ -123,9 +154,21 @@ class CUDAGraphRunner:
 
     def can_run(self, scheduled: list[tuple[Request, int]]) -> bool:
         """True for a pure-decode step (one new token per request, no scoring) that fits
-        the largest graph."""
-        return (0 < len(scheduled) <= self.max_batch_size
-                and all(n == 1 and req.score is None for req, n in scheduled))
+        the largest graph, outside :meth:`suspended`, while no forward hook is registered
+        on the model (a replay would skip it; the step then runs eagerly, and a warning
+        says so once)."""
+        if self._suspended or not (0 < len(scheduled) <= self.max_batch_size
+                and all(n == 1 and req.score is None for req, n in scheduled)):
+            return False
+        if self.hooks_registered():
+            if not self._warned_hooks:
+                logger.warning("forward hooks are registered on the model: decode steps run "
+                               "eagerly, without CUDA graphs, while they are (a graph replay "
+                               "would not call them)")
+                self._warned_hooks = True
+            return False
+        self._warned_hooks = False  # warn again if hooks come back
+        return True
 
     def _fill_inputs(self, reqs: list[Request], block_tables: dict[str, list[int]]) -> int:
         """Write the step's inputs into the static buffers (through the pinned host
