@@ -69,6 +69,16 @@ def _compare(ref, got, what, tol=LOGPROB_TOL_F32):
         assert err <= tol, f"{what}: prompt {i} log-probs differ by {err:.2e} (tol {tol})"
 
 
+def _assert_same_bits(got, want, what):
+    """Two completions with the same tokens and bit-identical top-k log-probs per step."""
+    assert got.token_ids == want.token_ids, f"{what}: {got.token_ids} != {want.token_ids}"
+    assert len(got.logprobs) == len(want.logprobs), what
+    for step, (x, y) in enumerate(zip(got.logprobs, want.logprobs)):
+        g = {t: lp.logprob for t, lp in x.items()}
+        w = {t: lp.logprob for t, lp in y.items()}
+        assert g == w, f"{what}, step {step}: {g} != {w}"
+
+
 @pytest.mark.parametrize("scenario", ["plain", "chunked", "preempted", "fp8_e4m3",
                                       "int8_dynamic"])
 def test_triton_backend_matches_torch(tiny_model_dir, prompts, scenario):
@@ -228,11 +238,7 @@ def test_hooks_and_faults_reach_every_step_under_cuda_graphs(tiny_model_dir):
         with fault(graphs, *args), fault(eager, *args):
             a = graphs.generate(prompt, sp, use_tqdm=False)[0].outputs[0]
             b = eager.generate(prompt, sp, use_tqdm=False)[0].outputs[0]
-        assert a.token_ids == b.token_ids, fault.__name__
-        for step, (x, y) in enumerate(zip(a.logprobs, b.logprobs)):
-            got = {t: lp.logprob for t, lp in x.items()}
-            want = {t: lp.logprob for t, lp in y.items()}
-            assert got == want, f"{fault.__name__}, step {step}: {got} != {want}"
+        _assert_same_bits(a, b, fault.__name__)
 
 
 def test_dummy_weights_and_no_tokenizer(tiny_model_dir, tmp_path):
@@ -328,11 +334,7 @@ def test_deferred_residual_adds_keep_the_bits(tiny_model_dir):
     finally:
         handle.remove()
     assert seen and isinstance(seen[0], torch.Tensor), "the hook must see the stream"
-    assert plain.token_ids == deferred.token_ids
-    for step, (a, b) in enumerate(zip(plain.logprobs, deferred.logprobs)):
-        got = {t: lp.logprob for t, lp in b.items()}
-        want = {t: lp.logprob for t, lp in a.items()}
-        assert got == want, f"step {step}: deferred {got} != plain {want}"
+    _assert_same_bits(deferred, plain, "deferred against plain")
     assert model._defer_residual_adds()  # the hook is gone
 
 

@@ -23,6 +23,7 @@ from minivllm.layers.linear import Linear, float_linear
 from minivllm.layers.rms_norm import RMSNorm
 from minivllm.layers.rotary_embedding import get_rope
 from minivllm.quantization.kv_cache import LayerKVCache
+from minivllm.utils import forward_hooks_registered, hook_dicts
 
 
 class LlamaAttention(nn.Module):
@@ -169,12 +170,8 @@ class LlamaForCausalLM(nn.Module):
         sublayers (attention, MLP, norms) still run either way."""
         if self.norm.fused_add_impl is None:
             return False
-        mod = nn.modules.module  # global hooks (register_module_forward_hook) see layers too
-        if getattr(mod, "_global_forward_hooks", None) or getattr(
-                mod, "_global_forward_pre_hooks", None):
-            return False
-        return not any(layer._forward_hooks or layer._forward_pre_hooks
-                       for layer in self.layers)
+        # global hooks (register_module_forward_hook) see the layers too
+        return not forward_hooks_registered(hook_dicts(self.layers))
 
     def use_triton_kernels(self) -> None:
         """RMSNorm (fused with the residual add), rotary and SiLU-and-mul from

@@ -38,6 +38,7 @@ import torch
 
 from minivllm.attention.metadata import AttentionMetadata, PagedMetadata
 from minivllm.engine.request import Request
+from minivllm.utils import forward_hooks_registered, hook_dicts
 
 logger = logging.getLogger("minivllm")
 
@@ -81,8 +82,7 @@ class CUDAGraphRunner:
     def _watch_model(self) -> None:
         """Keep every submodule's forward (pre-)hook dict, to see cheaply (one pass over
         them, a few microseconds) whether a hook has been registered since capture."""
-        self._hook_dicts = [d for m in self.model.modules()
-                            for d in (m._forward_hooks, m._forward_pre_hooks)]
+        self._hook_dicts = hook_dicts(self.model.modules())
         self._warned_hooks = False
         self._suspended = 0
 
@@ -99,9 +99,7 @@ class CUDAGraphRunner:
     def hooks_registered(self) -> bool:
         """True while a forward or forward-pre hook is registered on any of the model's
         modules, or globally (``torch.nn.modules.module.register_module_forward_hook``)."""
-        glob = torch.nn.modules.module
-        return bool(glob._global_forward_hooks or glob._global_forward_pre_hooks
-                    or any(self._hook_dicts))
+        return forward_hooks_registered(self._hook_dicts)
 
     def _alloc_buffers(self, max_batch_size: int, max_model_len: int, block_size: int,
                        device: torch.device) -> None:
