@@ -73,6 +73,30 @@ class LLM:
         :mod:`minivllm.quantization.checkpoint`). Raises ValueError if not quantized."""
         return self.llm_engine.save_quantized(path)
 
+    def swap_step(self, name: str, fn, where=None):
+        """Run ``fn`` in place of one of the engine's numeric steps inside a ``with`` block.
+
+            with llm.swap_step("rms_norm", my_rms_norm, where=17):   # layer 17 only
+                rows = llm.score(ids)
+
+        Args:
+            name: a step of :mod:`minivllm.steps` ("rms_norm", "rotary.table", "linear",
+                "lm_head", "attention.decode", "attention.prefill", "kv.quantize",
+                "kv.dequantize", "slot_mapping", "block_hash", "scheduler.preempt",
+                "sampler.penalties", "sampler.top_k_top_p").
+            fn: a function with the signature of the step's reference
+                (``minivllm.steps.reference(name)``).
+            where: for per-layer steps, a layer index, a list of them, or a module-name
+                pattern such as ``"layers.3.input_layernorm"``; None: everywhere.
+        Returns:
+            a context manager; on exit (also on an exception) the previous function is
+            back. CUDA graphs are suspended inside, and the prefix cache is reset around
+            steps that change K/V.
+        Raises:
+            ValueError, TypeError: see :func:`minivllm.steps.swap_step`.
+        """
+        return self.llm_engine.swap_step(name, fn, where)
+
     @property
     def stats(self) -> EngineStats:
         """Preemptions, KV usage, prefix-cache queries/hits, free blocks, per-step history."""

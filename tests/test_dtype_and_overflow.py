@@ -107,7 +107,7 @@ def test_packed_cpu_linear_is_float32_accurate_and_follows_weight_edits():
         with torch.inference_mode():
             got = lin(x)
         _assert_f32_linear_close(got, x, lin.weight, lin.bias, f"packed, x {shape}")
-    assert hasattr(lin, "_packed_cache"), "the packed weight is kept between calls"
+    assert hasattr(lin.weight, "_packed_cache"), "the packed weight is kept between calls"
     x = torch.randn(6, 96, generator=g)
     with torch.inference_mode():
         before = lin(x)

@@ -6,7 +6,7 @@ vLLM: ``vllm/v1/attention/backends/*`` (``*AttentionMetadata``). The flat token 
 
 Two read forms, one per backend:
 
-* TORCH (reference): per-sequence slot lists and masks (``decodes``, ``prefills``),
+* TORCH (reference): per-sequence read slots (``decodes``, ``prefills``),
   gathered into dense tensors for ``scaled_dot_product_attention``;
 * TRITON: block tables and lengths (``paged``), walked by the kernels in
   :mod:`kernels`, which never materialise the gathered keys.
@@ -25,16 +25,14 @@ class PrefillSeq:
     """One sequence with more than one new token in this step (a prompt or a chunk).
 
     Attributes:
-        start, end: its query rows in the flat batch.
+        start, end: its query rows in the flat batch (the last end - start positions of
+            the sequence; earlier chunks or cached prefix blocks precede them).
         kv_slots: [seq_len] int64, cache slots of all its tokens so far (context + new).
-        mask: [num_new, seq_len] bool (True = attend), or None when the chunk is the
-            whole sequence and plain causal masking applies.
     """
 
     start: int
     end: int
     kv_slots: torch.Tensor
-    mask: torch.Tensor | None
 
 
 @dataclass
@@ -43,12 +41,15 @@ class DecodeGroup:
 
     Attributes:
         rows: [B] int64 query rows in the flat batch.
-        kv_slots: [B, max_seq_len] int64 read slots (padded with slot 0).
+        kv_slots: [B, max_seq_len] int64 read slots (padding positions read whatever
+            slot the padded block table gives them).
+        seq_lens: [B] int64 real lengths (keys at positions >= seq_lens[b] are padding).
         mask: [B, 1, 1, max_seq_len] bool, True for real keys.
     """
 
     rows: torch.Tensor
     kv_slots: torch.Tensor
+    seq_lens: torch.Tensor
     mask: torch.Tensor
 
 
@@ -105,6 +106,25 @@ class AttentionMetadata:
     paged: Optional[PagedMetadata] = None
 
 
+def slot_mapping_ref(block_table: torch.Tensor, positions: torch.Tensor,
+                     block_size: int) -> torch.Tensor:
+    """Cache slot of each position: ``block_table[pos // block_size] * block_size + pos %
+    block_size`` (the "slot_mapping" step, :mod:`minivllm.steps`).
+
+    Args:
+        block_table: [..., num_blocks] int64, the physical block ids of one sequence's
+            logical blocks (or a batch of such rows).
+        positions: [..., n] int64 token positions, the same leading dims as block_table
+            (every position < num_blocks * block_size).
+        block_size: tokens per block.
+    Returns:
+        [..., n] int64 slots. The model runner uses it for the slots a step writes and for
+        the slots the TORCH backend reads. vLLM: ``BlockTable.compute_slot_mapping``
+        (``vllm/v1/worker/block_table.py``).
+    """
+    return block_table.gather(-1, positions // block_size) * block_size + positions % block_size
+
+
 def single_prefill_metadata(n: int, device) -> AttentionMetadata:
     """One causal prefill of n tokens stored in slots 0..n-1 (a scratch cache of n slots,
     seen as one block of n tokens), in both read forms."""
@@ -115,5 +135,5 @@ def single_prefill_metadata(n: int, device) -> AttentionMetadata:
         prefill_query_lens=one, prefill_seq_lens=one,
         prefill_block_tables=torch.zeros(1, 1, dtype=torch.int32, device=device),
         prefill_max_query_len=n)
-    return AttentionMetadata(slot_mapping=slots, prefills=[PrefillSeq(0, n, slots, None)],
+    return AttentionMetadata(slot_mapping=slots, prefills=[PrefillSeq(0, n, slots)],
                              paged=paged)

@@ -25,7 +25,10 @@ _ROOT_HASH = b"minivllm-prefix-root"
 
 def hash_block_tokens(parent_hash: Optional[BlockHash], token_ids: list[int],
                       extra_keys: tuple = ()) -> BlockHash:
-    """Chained sha256 of (parent hash, token ids, extra keys). 32 bytes."""
+    """Chained sha256 of (parent hash, token ids, extra keys). 32 bytes.
+
+    The "block_hash" step's reference (:mod:`minivllm.steps`). ``parent_hash`` is None
+    for a request's first block. vLLM: ``vllm/v1/core/kv_cache_utils.py:hash_block_tokens``."""
     h = hashlib.sha256()
     h.update(parent_hash if parent_hash is not None else _ROOT_HASH)
     h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
@@ -46,6 +49,7 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.hash_block_tokens = hash_block_tokens  # the "block_hash" step
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # Prefix-cache statistics in tokens (vLLM's prefix_cache_queries / hits).
@@ -61,7 +65,7 @@ class KVCacheManager:
         while (len(hashes) + 1) * bs <= len(tokens):
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs]))
+            hashes.append(self.hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs]))
 
     # --- lookups ------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:

@@ -44,6 +44,21 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+def preempt_request_ref(request: Request) -> None:
+    """Reset a preempted request for recompute (the "scheduler.preempt" step).
+
+    vLLM v1 preempts by recompute: the request's KV blocks are freed (by the scheduler,
+    before this runs) and its whole sequence, prompt and generated tokens alike, is
+    prefilled again when it is rescheduled. What must survive is the request's token
+    list (``all_token_ids``, ``output_token_ids``), its sampling state (seeded generator)
+    and its outputs; what must reset is ``num_computed_tokens``. vLLM:
+    ``Scheduler._preempt_request`` (``vllm/v1/core/sched/scheduler.py``).
+    """
+    request.status = RequestStatus.PREEMPTED
+    request.num_computed_tokens = 0
+    request.num_preemptions += 1
+
+
 class Scheduler:
     """FCFS continuous batching with chunked prefill and recompute preemption."""
 
@@ -53,6 +68,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.preempt_request = preempt_request_ref  # the "scheduler.preempt" step
         self.num_preemptions = 0
 
     # --- queue management ---------------------------------------------------------
@@ -141,10 +157,10 @@ class Scheduler:
         return out
 
     def _preempt(self, request: Request) -> None:
+        """Free the request's blocks, reset its state for recompute (the
+        "scheduler.preempt" step) and put it first in the waiting queue."""
         self.kv_cache_manager.free(request)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        request.num_preemptions += 1
+        self.preempt_request(request)
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 

@@ -457,6 +457,13 @@ class LLMEngine:
             req.finish_time = time.monotonic()
             self.finished_outputs[request_id] = self._make_output(req)
 
+    def swap_step(self, name: str, fn, where=None):
+        """A context manager that runs ``fn`` in place of the named numeric step (see
+        :mod:`minivllm.steps`, which also lists the steps)."""
+        from minivllm.steps import swap_step
+
+        return swap_step(self, name, fn, where)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 

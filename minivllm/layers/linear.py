@@ -54,16 +54,18 @@ def clear_weight_caches(model: nn.Module) -> None:
     so the next forward recomputes them (needed after editing weights or scales in place
     through ``.data`` or under inference mode, which the caches cannot see)."""
     for module in model.modules():
-        for attr in ("_tf32_cache", "_packed_cache"):
-            if hasattr(module, attr):
-                delattr(module, attr)
+        for holder in (module, *module.parameters(recurse=False)):
+            for attr in ("_tf32_cache", "_packed_cache"):
+                if hasattr(holder, attr):
+                    delattr(holder, attr)
         if isinstance(module, QuantLinear):
             module._dequant = None
 
 
-def _cached_weight(owner: Optional[nn.Module], attr: str, weight: torch.Tensor, make):
-    """``make(weight)``, kept on ``owner`` under ``attr`` until the weight tensor is
-    replaced or edited in place (no owner: computed every call)."""
+def _cached_weight(owner: Optional[object], attr: str, weight: torch.Tensor, make):
+    """``make(weight)``, kept on ``owner`` (a module, or the weight tensor itself) under
+    ``attr`` until the weight tensor is replaced or edited in place (no owner: computed
+    every call)."""
     key = (weight.data_ptr(), _version(weight), weight.shape)
     cached = getattr(owner, attr, None) if owner is not None else None
     if cached is None or cached[0] != key:
@@ -83,7 +85,7 @@ _PACK_BATCH_HINT = 64
 
 
 def packed_cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                      owner: nn.Module) -> torch.Tensor:
+                      owner: object) -> torch.Tensor:
     """``F.linear`` for float32 CPU tensors with the weight reordered once into oneDNN's
     blocked layout and kept on ``owner`` (``_packed_cache``; recomputed when the weight
     is replaced or edited in place, see :func:`clear_weight_caches`)."""
@@ -96,7 +98,7 @@ def packed_cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
 
 
 def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                 tf32: bool, owner: Optional[nn.Module] = None) -> torch.Tensor:
+                 tf32: bool, owner: Optional[object] = None) -> torch.Tensor:
     """``F.linear``, or with TF32 emulation (``tf32`` on float32 CPU data) the same with
     both inputs rounded to TF32. ``owner`` keeps the rounded weight between calls (it is
     recomputed when the weight tensor is replaced or edited in place; see
@@ -114,16 +116,35 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
                                                      round_to_tf32), bias)
 
 
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """The "linear" step's reference (:mod:`minivllm.steps`): ``x @ weight.T + bias`` in
+    the inputs' dtype, as the engine computes it with ``float32_matmul_precision=
+    "highest"`` (float32 on CPU: the oneDNN-packed weight, kept on the weight tensor).
+
+    Args:
+        x: [..., in_features]; weight: [out_features, in_features]; bias: [out] or None.
+    Returns:
+        [..., out_features] in x's dtype.
+    """
+    return float_linear(x, weight, bias, False, owner=weight)
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` with the engine's matmul precision (``tf32``: emulate TF32 on CPU).
 
     Same parameters and state-dict names as ``nn.Linear``, so checkpoints load as usual.
+    ``impl``: the "linear" step when swapped (``LLM.swap_step``), a function with
+    :func:`linear_ref`'s signature; None runs the engine's own path (the reference, or
+    its TF32 emulation).
     """
 
     tf32 = False
+    impl = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return float_linear(x, self.weight, self.bias, self.tf32, owner=self)
+        if self.impl is not None:
+            return self.impl(x, self.weight, self.bias)
+        return float_linear(x, self.weight, self.bias, self.tf32, owner=self.weight)
 
 
 class LinearMethod:

@@ -21,6 +21,27 @@ def apply_rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
 
 
+def rope_table_ref(head_dim: int, max_position: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary tables (the "rotary.table" step, :mod:`minivllm.steps`).
+
+    ``inv_freq[i] = 1 / base^(2i / head_dim)``, angle ``pos * inv_freq[i]``, both in
+    float32 as HF ``LlamaRotaryEmbedding`` computes them; the rotate-half layout repeats
+    the angles for both halves of the head.
+
+    Args:
+        head_dim: rotary dimension (even).
+        max_position: number of positions (rows).
+        base: rope_theta.
+    Returns:
+        (cos, sin): float32 [max_position, head_dim] each.
+    """
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    t = torch.arange(max_position, dtype=torch.int64).float()
+    freqs = torch.outer(t, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
 class RotaryEmbedding(nn.Module):
     """Default (unscaled) RoPE.
 
@@ -28,18 +49,19 @@ class RotaryEmbedding(nn.Module):
         head_dim: rotary dimension (the whole head).
         max_position: size of the precomputed table (positions >= it raise IndexError).
         base: rope_theta.
+        table_fn: the function that computes the tables (the "rotary.table" step;
+            default :func:`rope_table_ref`). Its result is cast to float32.
     """
 
-    def __init__(self, head_dim: int, max_position: int, base: float):
+    def __init__(self, head_dim: int, max_position: int, base: float, table_fn=rope_table_ref):
         super().__init__()
         self.head_dim = head_dim
+        self.max_position = max_position
         self.base = base
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        t = torch.arange(max_position, dtype=torch.int64).float()
-        freqs = torch.outer(t, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos_cached", emb.cos(), persistent=False)
-        self.register_buffer("sin_cached", emb.sin(), persistent=False)
+        self.table_fn = table_fn
+        cos, sin = table_fn(head_dim, max_position, base)
+        self.register_buffer("cos_cached", cos.float(), persistent=False)
+        self.register_buffer("sin_cached", sin.float(), persistent=False)
         self._last: tuple | None = None  # (positions, dtype, cos, sin) of the last call
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):

@@ -90,25 +90,49 @@ def _token_counts(token_lists: list[list[int]], vocab_size: int, device) -> torc
     return counts
 
 
-def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Repetition, frequency and presence penalties; returns a new [B, V] tensor."""
+def penalties_ref(logits: torch.Tensor, prompt_token_ids: list[list[int]],
+                  output_token_ids: list[list[int]], presence_penalty: Optional[torch.Tensor],
+                  frequency_penalty: Optional[torch.Tensor],
+                  repetition_penalty: Optional[torch.Tensor]) -> torch.Tensor:
+    """Repetition, frequency and presence penalties (the "sampler.penalties" step).
+
+    Args:
+        logits: [B, V] float32 (not modified).
+        prompt_token_ids, output_token_ids: per row, the request's prompt and the tokens
+            it has generated so far.
+        presence_penalty, frequency_penalty, repetition_penalty: [B] float32, or None
+            when no row uses that penalty.
+    Returns:
+        a new [B, V] tensor. Repetition (CTRL, Keskar et al. 2019): a logit of a token
+        seen in the prompt or the output is divided by the penalty when positive and
+        multiplied when negative. Frequency and presence (OpenAI): subtract
+        ``frequency * count_in_output + presence * (count_in_output > 0)``. vLLM:
+        ``vllm/model_executor/layers/utils.py:apply_penalties``.
+    """
+    V = logits.shape[1]
+    logits = logits.clone()
+    out_counts = _token_counts(output_token_ids, V, logits.device)
+    if repetition_penalty is not None:
+        prompt_seen = _token_counts(prompt_token_ids, V, logits.device) > 0
+        seen = prompt_seen | (out_counts > 0)
+        rp = repetition_penalty[:, None].expand_as(logits)
+        penalised = torch.where(logits > 0, logits / rp, logits * rp)
+        logits = torch.where(seen, penalised, logits)
+    if frequency_penalty is not None:
+        logits -= frequency_penalty[:, None] * out_counts
+    if presence_penalty is not None:
+        logits -= presence_penalty[:, None] * (out_counts > 0).float()
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata, penalties=penalties_ref) -> torch.Tensor:
+    """The penalties of ``meta`` (``penalties``: the step to use); returns ``logits``
+    itself when no row has a penalty, else a new [B, V] tensor."""
     if meta.repetition_penalty is None and meta.frequency_penalty is None \
             and meta.presence_penalty is None:
         return logits
-    V = logits.shape[1]
-    logits = logits.clone()
-    out_counts = _token_counts(meta.output_token_ids, V, logits.device)
-    if meta.repetition_penalty is not None:
-        prompt_seen = _token_counts(meta.prompt_token_ids, V, logits.device) > 0
-        seen = prompt_seen | (out_counts > 0)
-        rp = meta.repetition_penalty[:, None].expand_as(logits)
-        penalised = torch.where(logits > 0, logits / rp, logits * rp)
-        logits = torch.where(seen, penalised, logits)
-    if meta.frequency_penalty is not None:
-        logits -= meta.frequency_penalty[:, None] * out_counts
-    if meta.presence_penalty is not None:
-        logits -= meta.presence_penalty[:, None] * (out_counts > 0).float()
-    return logits
+    return penalties(logits, meta.prompt_token_ids, meta.output_token_ids,
+                     meta.presence_penalty, meta.frequency_penalty, meta.repetition_penalty)
 
 
 # --- truncation ---------------------------------------------------------------------
@@ -124,7 +148,15 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor],
                       top_p: Optional[torch.Tensor]) -> torch.Tensor:
     """Top-k (keep the k largest logits, ties at the k-th kept) then top-p (keep the
     smallest head of the sorted distribution whose mass reaches p; the most likely token
-    always survives)."""
+    always survives). The "sampler.top_k_top_p" step's reference.
+
+    Args:
+        logits: [B, V] float32, already divided by the temperature.
+        top_k: [B] int64 (<= 0 or >= V: no limit) or None; top_p: [B] float32 in (0, 1]
+            or None.
+    Returns:
+        [B, V]: dropped tokens set to -inf. vLLM: ``vllm/v1/sample/ops/topk_topp_sampler.py``.
+    """
     if top_k is None and top_p is None:
         return logits
     V = logits.shape[1]
@@ -163,10 +195,13 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator],
 
 
 class Sampler:
-    """Callable sampler; swap ``Sampler.sample`` or its helpers to change a step."""
+    """Callable sampler. ``penalties`` and ``top_k_top_p`` are the "sampler.penalties" and
+    "sampler.top_k_top_p" steps (:mod:`minivllm.steps`; swap them with ``LLM.swap_step``)."""
 
     def __init__(self, generator: Optional[torch.Generator] = None):
         self.generator = generator
+        self.penalties = penalties_ref
+        self.top_k_top_p = apply_top_k_top_p
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits: [B, V] float32. Returns SamplerOutput."""
@@ -178,7 +213,7 @@ class Sampler:
             logits = logits.clone()
             for row, ids in meta.min_tokens_block.items():
                 logits[row, ids] = NEG_INF
-        logits = apply_penalties(logits, meta)
+        logits = apply_penalties(logits, meta, self.penalties)
 
         if meta.all_greedy:
             sampled = logits.argmax(dim=-1)
@@ -204,7 +239,7 @@ class Sampler:
             sub = logits[rows] / meta.temperature[rows, None]
             if meta.min_p is not None:
                 sub = apply_min_p(sub, meta.min_p[rows])
-            sub = apply_top_k_top_p(
+            sub = self.top_k_top_p(
                 sub, None if meta.top_k is None else meta.top_k[rows],
                 None if meta.top_p is None else meta.top_p[rows])
             probs = torch.softmax(sub, dim=-1)

@@ -26,6 +26,19 @@ from minivllm.quantization.kv_cache import LayerKVCache
 from minivllm.utils import forward_hooks_registered, hook_dicts
 
 
+def lm_head_ref(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The "lm_head" step's reference (:mod:`minivllm.steps`): logits in float32.
+
+    Args:
+        hidden: [rows, hidden_size] final-norm hidden states, model dtype.
+        weight: [vocab, hidden_size] LM head (the tied embedding for SmolLM2), model dtype.
+    Returns:
+        [rows, vocab] float32: the product is computed in the model dtype and then cast,
+        as vLLM's ``LogitsProcessor`` does; an "fp32 LM head" would cast first.
+    """
+    return float_linear(hidden, weight, None, False, owner=weight).float()
+
+
 class LlamaAttention(nn.Module):
     """Grouped-query attention over the paged KV cache.
 
@@ -193,11 +206,16 @@ class LlamaForCausalLM(nn.Module):
             elif isinstance(m, LlamaMLP):
                 m.act_and_mul = silu_and_mul
 
+    lm_head_impl = None  # the "lm_head" step when swapped (minivllm.steps)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [rows, hidden] -> logits [rows, vocab] in float32 (the LM head runs in
-        the model dtype, as in vLLM; the sampler works in float32)."""
+        the model dtype, as in vLLM; the sampler works in float32). A swapped "lm_head"
+        step gets ``(hidden, weight)`` (see :func:`lm_head_ref`)."""
         weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return float_linear(hidden, weight, None, self.tf32, owner=self).float()
+        if self.lm_head_impl is not None:
+            return self.lm_head_impl(hidden, weight)
+        return float_linear(hidden, weight, None, self.tf32, owner=weight).float()
 
     # --- weights ----------------------------------------------------------------------
     _stacked = {  # HF name piece -> (fused param piece, shard index)

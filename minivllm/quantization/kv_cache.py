@@ -126,6 +126,8 @@ class LayerKVCache:
             [num_kv_heads] (per head); 1.0 for float caches.
         k_scale_cache, v_scale_cache: dynamic per-token scales [num_slots, num_kv_heads]
             float32, or None for static scaling.
+        quantize, dequantize: this layer's "kv.quantize" and "kv.dequantize" steps
+            (:mod:`minivllm.steps`; references :func:`quantize_kv`, :func:`dequantize_kv`).
     """
 
     key: torch.Tensor
@@ -136,6 +138,8 @@ class LayerKVCache:
     v_scale_cache: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
+        self.quantize = quantize_kv
+        self.dequantize = dequantize_kv
         self.set_scales(self.k_scale, self.v_scale)
         self.nonfinite_rows: Optional[torch.Tensor] = None
         # set (and kept) by the TORCH backend once a NaN/inf K or V has been stored
@@ -170,9 +174,9 @@ class LayerKVCache:
                 scale = x.detach().float().abs().amax(dim=-1) * (1.0 / qmax(cache.dtype))  # [T, H]
                 scale = torch.where(scale > 0, scale, torch.ones_like(scale))
                 dyn[slots] = scale
-                q = quantize_kv(x, cache.dtype, scale[..., None])
+                q = self.quantize(x, cache.dtype, scale[..., None])
             else:
-                q = quantize_kv(x, cache.dtype, static)
+                q = self.quantize(x, cache.dtype, static)
             write_kv_slots(cache, slots, q)
 
     def note_nonfinite(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -194,7 +198,7 @@ class LayerKVCache:
                 scale = read_kv_slots(dyn, slots)[..., None]
             else:
                 scale = static
-            out.append(dequantize_kv(stored, dtype, scale))
+            out.append(self.dequantize(stored, dtype, scale))
         return out[0], out[1]
 
     @staticmethod

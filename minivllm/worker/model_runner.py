@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from minivllm.attention.metadata import (AttentionMetadata, DecodeGroup, PagedMetadata,
-                                         PrefillSeq)
+                                         PrefillSeq, slot_mapping_ref)
 from minivllm.config import CacheConfig, ModelConfig
 from minivllm.engine.request import Request
 from minivllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
@@ -110,6 +110,9 @@ class ModelRunner:
         gen = torch.Generator(device=self.device)
         gen.manual_seed(seed)
         self.sampler = Sampler(gen)
+        # The "slot_mapping" step (minivllm.steps): write slots, and the TORCH backend's
+        # read slots (the TRITON kernels walk the block tables themselves).
+        self.slot_mapping = slot_mapping_ref
         self.backend = model.layers[0].self_attn.backend
         self.paged = self.backend.needs_paged_metadata
         self.cuda_graphs = None
@@ -170,7 +173,7 @@ class ModelRunner:
         dev = self.device
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        slots: list[torch.Tensor] = []
         decode_rows, decode_tables, decode_lens = [], [], []
         prefill_rows, prefill_tables, prefill_ns, prefill_lens = [], [], [], []
         logits_rows: list[int] = []
@@ -184,7 +187,8 @@ class ModelRunner:
             table = block_tables[req.request_id]
             input_ids.extend(req.all_token_ids[start:seq_len])
             positions.extend(range(start, seq_len))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, seq_len))
+            slots.append(self.slot_mapping(torch.tensor(table, dtype=torch.int64),
+                                           torch.arange(start, seq_len), bs))
             if n == 1:
                 decode_rows.append(row)
                 decode_tables.append(table)
@@ -204,7 +208,7 @@ class ModelRunner:
                 sample_reqs.append(req)
             row += n
 
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev))
+        meta = AttentionMetadata(slot_mapping=torch.cat(slots).to(dev))
         if self.paged:
             meta.paged = self._paged_metadata(row, decode_rows, decode_tables, decode_lens,
                                               prefill_rows, prefill_tables, prefill_ns,
@@ -219,16 +223,10 @@ class ModelRunner:
 
     def _prefill_seq(self, row: int, table: list[int], n: int, seq_len: int) -> PrefillSeq:
         """TORCH form of a sequence with n new tokens: read slots of all its seq_len
-        tokens, and a mask when earlier tokens (chunks, cached prefix) precede them."""
-        bs = self.block_size
-        t = torch.tensor(table, dtype=torch.int64)
-        all_pos = torch.arange(seq_len)
-        kv_slots = (t[all_pos // bs] * bs + all_pos % bs).to(self.device)
-        mask = None
-        if seq_len > n:
-            pos = torch.arange(seq_len - n, seq_len)
-            mask = (all_pos[None, :] <= pos[:, None]).to(self.device)
-        return PrefillSeq(row, row + n, kv_slots, mask)
+        tokens (the attention step masks what precedes each query)."""
+        kv_slots = self.slot_mapping(torch.tensor(table, dtype=torch.int64),
+                                     torch.arange(seq_len), self.block_size)
+        return PrefillSeq(row, row + n, kv_slots.to(self.device))
 
     def _paged_metadata(self, num_rows, decode_rows, decode_tables, decode_lens,
                         prefill_rows, prefill_tables, prefill_ns, prefill_lens) -> PagedMetadata:
@@ -286,7 +284,8 @@ class ModelRunner:
             seq_lens = torch.tensor([lens[i] for i in members])
             out.append(DecodeGroup(
                 rows=torch.tensor([rows[i] for i in members], dtype=torch.int64, device=dev),
-                kv_slots=(table[:, j // bs] * bs + j % bs).to(dev),
+                kv_slots=self.slot_mapping(table, j.expand(len(members), max_len), bs).to(dev),
+                seq_lens=seq_lens.to(dev),
                 mask=(j[None, :] < seq_lens[:, None])[:, None, None, :].to(dev)))
         return out
 

@@ -5,6 +5,11 @@ FlashAttention backend does), so the cache's storage dtype affects every token.
 Decodes are batched: their keys are gathered into a padded ``[B, heads, max_len, D]``
 tensor and masked (one such batch per group of similar lengths). Prefills run one sequence at a time (causal, or with an explicit mask
 when earlier chunks / cached prefix blocks precede the new tokens).
+
+The attention math itself is two swappable steps (:mod:`minivllm.steps`), each a plain
+function on dense tensors with its reference here: ``"attention.decode"``
+(:func:`decode_attention_ref`) and ``"attention.prefill"`` (:func:`prefill_attention_ref`).
+The backend gathers K/V from the cache and calls the layer's current step.
 """
 
 from __future__ import annotations
@@ -16,11 +21,72 @@ from minivllm.attention.metadata import AttentionMetadata
 from minivllm.quantization.kv_cache import LayerKVCache
 
 
+def decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decode attention of a padded batch (the "attention.decode" step).
+
+    Args:
+        q: [B, H, D] one query per sequence, rotary applied, compute dtype.
+        k, v: [B, L, Hkv, D] each sequence's keys/values, padded to a common length L
+            (H % Hkv == 0: grouped-query attention, query head h reads KV head
+            h // (H // Hkv)). Keys at positions >= seq_lens[b] are padding; they hold
+            finite values.
+        seq_lens: [B] int64 real lengths (1 <= seq_lens[b] <= L).
+        scale: softmax scale (head_dim ** -0.5).
+    Returns:
+        [B, H, D] in q's dtype: ``softmax(q k^T * scale) v`` over each sequence's real keys.
+
+    One masked ``scaled_dot_product_attention`` over the padded batch. Its bits depend on
+    L (the padded length), not only on the real keys: batch composition changes a
+    sequence's result (chapter 5).
+    """
+    L = k.shape[1]
+    mask = (torch.arange(L, device=q.device)[None, :] < seq_lens[:, None])[:, None, None, :]
+    o = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+        scale=scale, enable_gqa=True)  # [B, H, 1, D]
+    return o.squeeze(2)
+
+
+def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+    """Causal attention of one sequence's new tokens (the "attention.prefill" step).
+
+    Args:
+        q: [n, H, D] queries of the last n positions of the sequence.
+        k, v: [L, Hkv, D] keys/values of all L >= n positions (earlier chunks or cached
+            prefix blocks first, then the n new tokens).
+        scale: softmax scale.
+    Returns:
+        [n, H, D] in q's dtype; query i (position L - n + i) attends to keys 0..L - n + i.
+    """
+    n, L = q.shape[0], k.shape[0]
+    qp = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+    kp = k.transpose(0, 1).unsqueeze(0)
+    vp = v.transpose(0, 1).unsqueeze(0)
+    if n == L:
+        o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale,
+                                           enable_gqa=True)
+    else:
+        pos = torch.arange(L - n, L, device=q.device)
+        mask = torch.arange(L, device=q.device)[None, :] <= pos[:, None]
+        o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale,
+                                           enable_gqa=True)
+    return o.squeeze(0).transpose(0, 1)
+
+
 class TorchAttentionBackend:
-    """The reference backend (default on CPU)."""
+    """The reference backend (default on CPU).
+
+    ``decode_attention`` and ``prefill_attention`` are this layer's "attention.decode" and
+    "attention.prefill" steps (swap them with ``LLM.swap_step``)."""
 
     name = "TORCH"
     needs_paged_metadata = False
+
+    def __init__(self):
+        self.decode_attention = decode_attention_ref
+        self.prefill_attention = prefill_attention_ref
 
     def store(self, kv: LayerKVCache, slot_mapping: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
@@ -53,21 +119,11 @@ class TorchAttentionBackend:
         for g in meta.decodes:
             out[g.rows] = self._decode(q[g.rows], kv, g, scale)
         for p in meta.prefills:
-            qp = q[p.start:p.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             k, v = kv.read(p.kv_slots, dtype)
-            k = k.transpose(0, 1).unsqueeze(0)
-            v = v.transpose(0, 1).unsqueeze(0)
-            if p.mask is None:
-                o = F.scaled_dot_product_attention(qp, k, v, is_causal=True, scale=scale,
-                                                   enable_gqa=True)
-            else:
-                o = F.scaled_dot_product_attention(qp, k, v, attn_mask=p.mask, scale=scale,
-                                                   enable_gqa=True)
-            out[p.start:p.end] = o.squeeze(0).transpose(0, 1)
+            out[p.start:p.end] = self.prefill_attention(q[p.start:p.end], k, v, scale)
         return out
 
-    @staticmethod
-    def _decode(q, kv: LayerKVCache, g, scale) -> torch.Tensor:
+    def _decode(self, q, kv: LayerKVCache, g, scale) -> torch.Tensor:
         """One decode group: q [B, H, D] (rows of g, in g's order) -> [B, H, D]."""
         k, v = kv.read(g.kv_slots, q.dtype)
         # Padded positions read slot 0, which may hold anything (even NaN from a failed
@@ -78,7 +134,4 @@ class TorchAttentionBackend:
             keep = g.mask[:, 0, 0, :, None, None]
             k = k.masked_fill(~keep, 0)
             v = v.masked_fill(~keep, 0)
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=g.mask,
-            scale=scale, enable_gqa=True)  # [B, H, 1, D]
-        return o.squeeze(2)
+        return self.decode_attention(q, k, v, g.seq_lens, scale)

@@ -1,0 +1,327 @@
+"""The step registry: every numerically relevant step of the engine, by name.
+
+Each step is a small function with a reference implementation beside the code that
+calls it, and every engine lets a caller swap it for the length of a ``with`` block
+(DESIGN principle 2). That is how a chapter plants a fault, how a lab hands one step to
+the learner, and how a test compares a fast path with its reference::
+
+    from minivllm import LLM
+    from minivllm.steps import reference
+
+    llm = LLM(dtype="float32")
+    def rms_norm_fp16(x, weight, eps): ...               # same signature as the reference
+    with llm.swap_step("rms_norm", rms_norm_fp16):       # every RMSNorm of the model
+        rows = llm.score(ids)
+    with llm.swap_step("rms_norm", rms_norm_fp16, where=17):   # decoder layer 17 only
+        ...
+    with llm.swap_step("rms_norm", rms_norm_fp16, where="layers.17.input_layernorm"):
+        ...
+    reference("rms_norm")                                # the engine's own reference
+
+The steps (signatures in each reference's docstring):
+
+=====================  =========================================  ==================
+name                   reference                                  where it is called
+=====================  =========================================  ==================
+rms_norm               layers/rms_norm.py:rms_norm_ref            every RMSNorm
+rotary.table           layers/rotary_embedding.py:rope_table_ref  each layer's rotary
+linear                 layers/linear.py:linear_ref                float linear layers
+lm_head                models/llama.py:lm_head_ref                compute_logits
+attention.decode       attention/backends/torch_ref.py            TORCH backend
+attention.prefill      attention/backends/torch_ref.py            TORCH backend
+kv.quantize            quantization/kv_cache.py:quantize_kv       LayerKVCache.write
+kv.dequantize          quantization/kv_cache.py:dequantize_kv     LayerKVCache.read
+slot_mapping           attention/metadata.py:slot_mapping_ref     ModelRunner
+block_hash             core/kv_cache_manager.py:hash_block_tokens KVCacheManager
+scheduler.preempt      core/scheduler.py:preempt_request_ref      Scheduler._preempt
+sampler.penalties      layers/sampler.py:penalties_ref            Sampler
+sampler.top_k_top_p    layers/sampler.py:apply_top_k_top_p        Sampler
+=====================  =========================================  ==================
+
+While nothing is swapped the engine runs its own path, which is the reference in the
+default configuration (TORCH backend, ``float32_matmul_precision="highest"``) and the
+configured variant otherwise (Triton kernels for RMSNorm and rotary on CUDA, TF32
+emulation for the linears and the LM head). ``swap_step``:
+
+* suspends CUDA graphs for the block (a replay runs no Python, so it would skip the
+  swapped function);
+* resets the prefix cache on entry and exit when the step changes K/V (``changes_kv``),
+  so no block computed with one function is reused under the other; such a step cannot
+  be swapped while requests are in flight;
+* restores what was there before on exit, also when the block raises; swaps nest.
+
+vLLM has no single registry; its analogs are ``CustomOp`` (``vllm/model_executor/
+custom_op.py``: a reference ``forward_native`` beside each device kernel, selected by
+``compilation_config.custom_ops``), ``@register_quantization_config``, the attention
+backend selection (``VLLM_ATTENTION_BACKEND``) and logits processors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional, Union
+
+from minivllm.attention.backends.torch_ref import decode_attention_ref, prefill_attention_ref
+from minivllm.attention.metadata import slot_mapping_ref
+from minivllm.core.kv_cache_manager import hash_block_tokens
+from minivllm.core.scheduler import preempt_request_ref
+from minivllm.layers.linear import Linear, linear_ref
+from minivllm.layers.rms_norm import RMSNorm, rms_norm_ref
+from minivllm.layers.rotary_embedding import RotaryEmbedding, rope_table_ref
+from minivllm.layers.sampler import apply_top_k_top_p, penalties_ref
+from minivllm.models.llama import lm_head_ref
+from minivllm.quantization.kv_cache import dequantize_kv, quantize_kv
+
+logger = logging.getLogger("minivllm")
+
+Where = Union[None, int, str, Iterable[int]]
+
+
+@dataclass(frozen=True)
+class Site:
+    """One place a step is called: ``name`` (a module path such as
+    ``layers.3.input_layernorm``, or an engine part such as ``sampler``) and ``swap(fn,
+    memo) -> restore``, which installs ``fn`` there and returns a function that puts
+    back what was there. ``memo`` is shared by the sites of one swap."""
+
+    name: str
+    swap: Callable[[Callable, dict], Callable[[], None]]
+
+
+@dataclass(frozen=True)
+class Step:
+    """A named step.
+
+    Attributes:
+        name: the registry name.
+        reference: the reference implementation (its docstring gives the signature).
+        signature: the call, in one line.
+        changes_kv: swapping it changes the K/V the cache stores (the prefix cache is
+            reset around a swap).
+        per_layer: it has one site per layer, so ``where`` can pick layers.
+        torch_backend_only: only the TORCH attention backend calls it (the TRITON
+            kernels do this work inside the kernel).
+        sites: ``engine -> [Site]``.
+    """
+
+    name: str
+    reference: Callable
+    signature: str
+    changes_kv: bool
+    per_layer: bool
+    torch_backend_only: bool
+    sites: Callable[[Any], list[Site]]
+
+
+def _attr_site(name: str, obj: Any, attr: str) -> Site:
+    def swap(fn, memo):
+        had = attr in vars(obj)
+        old = getattr(obj, attr)
+        setattr(obj, attr, fn)
+
+        def restore():
+            if had:
+                setattr(obj, attr, old)
+            else:
+                delattr(obj, attr)  # back to the class default
+        return restore
+    return Site(name, swap)
+
+
+def _module_sites(cls: type, attr: str, exclude: tuple[str, ...] = ()):
+    def sites(engine) -> list[Site]:
+        model = engine.model_runner.model
+        return [_attr_site(name, m, attr) for name, m in model.named_modules()
+                if isinstance(m, cls) and name not in exclude]
+    return sites
+
+
+def _attention_sites(attr: str):
+    def sites(engine) -> list[Site]:
+        return [_attr_site(f"layers.{i}.self_attn", layer.self_attn.backend, attr)
+                for i, layer in enumerate(engine.model_runner.model.layers)]
+    return sites
+
+
+def _kv_sites(attr: str):
+    def sites(engine) -> list[Site]:
+        return [_attr_site(f"layers.{i}.self_attn.kv_cache", layer.self_attn.kv_cache, attr)
+                for i, layer in enumerate(engine.model_runner.model.layers)]
+    return sites
+
+
+def _rotary_sites(engine) -> list[Site]:
+    """The rotary module is shared by all layers (one table); a swap builds a new module
+    from the step's tables for the chosen layers (one per module it replaces)."""
+    out = []
+    for i, layer in enumerate(engine.model_runner.model.layers):
+        attn = layer.self_attn
+
+        def swap(fn, memo, attn=attn):
+            old = attn.rotary_emb
+            new = memo.get(id(old))
+            if new is None:
+                new = RotaryEmbedding(old.head_dim, old.max_position, old.base, table_fn=fn)
+                for t, what in ((new.cos_cached, "cos"), (new.sin_cached, "sin")):
+                    if tuple(t.shape) != (old.max_position, old.head_dim):
+                        raise ValueError(f"the rotary.table step returned a {what} table of "
+                                         f"shape {tuple(t.shape)}; expected "
+                                         f"[max_position, head_dim] = "
+                                         f"{[old.max_position, old.head_dim]}")
+                new = new.to(old.cos_cached.device)
+                if "kernel" in vars(old):
+                    new.kernel = old.kernel
+                memo[id(old)] = new
+            attn.rotary_emb = new
+
+            def restore():
+                attn.rotary_emb = old
+            return restore
+        out.append(Site(f"layers.{i}.self_attn.rotary_emb", swap))
+    return out
+
+
+def _engine_site(name: str, get_obj: Callable[[Any], Any], attr: str):
+    return lambda engine: [_attr_site(name, get_obj(engine), attr)]
+
+
+STEPS: dict[str, Step] = {s.name: s for s in [
+    Step("rms_norm", rms_norm_ref, "rms_norm(x, weight, eps) -> y", True, True, False,
+         _module_sites(RMSNorm, "impl")),
+    Step("rotary.table", rope_table_ref,
+         "rotary_table(head_dim, max_position, base) -> (cos, sin)", True, True, False,
+         _rotary_sites),
+    Step("linear", linear_ref, "linear(x, weight, bias) -> y", True, True, False,
+         _module_sites(Linear, "impl", exclude=("lm_head",))),
+    Step("lm_head", lm_head_ref, "lm_head(hidden, weight) -> float32 logits", False, False,
+         False, _engine_site("lm_head", lambda e: e.model_runner.model, "lm_head_impl")),
+    Step("attention.decode", decode_attention_ref,
+         "decode_attention(q, k, v, seq_lens, scale) -> out", True, True, True,
+         _attention_sites("decode_attention")),
+    Step("attention.prefill", prefill_attention_ref,
+         "prefill_attention(q, k, v, scale) -> out", True, True, True,
+         _attention_sites("prefill_attention")),
+    Step("kv.quantize", quantize_kv, "quantize(x, cache_dtype, scale) -> stored", True, True,
+         True, _kv_sites("quantize")),
+    Step("kv.dequantize", dequantize_kv, "dequantize(stored, dtype, scale) -> x", True, True,
+         True, _kv_sites("dequantize")),
+    Step("slot_mapping", slot_mapping_ref,
+         "slot_mapping(block_table, positions, block_size) -> slots", True, False, False,
+         _engine_site("model_runner", lambda e: e.model_runner, "slot_mapping")),
+    Step("block_hash", hash_block_tokens,
+         "block_hash(parent_hash, token_ids, extra_keys) -> bytes", True, False, False,
+         _engine_site("kv_cache_manager", lambda e: e.kv_cache_manager, "hash_block_tokens")),
+    Step("scheduler.preempt", preempt_request_ref, "preempt(request) -> None", False, False,
+         False, _engine_site("scheduler", lambda e: e.scheduler, "preempt_request")),
+    Step("sampler.penalties", penalties_ref,
+         "penalties(logits, prompt_token_ids, output_token_ids, presence_penalty, "
+         "frequency_penalty, repetition_penalty) -> logits", False, False, False,
+         _engine_site("sampler", lambda e: e.model_runner.sampler, "penalties")),
+    Step("sampler.top_k_top_p", apply_top_k_top_p,
+         "top_k_top_p(logits, top_k, top_p) -> logits", False, False, False,
+         _engine_site("sampler", lambda e: e.model_runner.sampler, "top_k_top_p")),
+]}
+
+
+def get_step(name: str) -> Step:
+    """The step called ``name``.
+
+    Raises:
+        ValueError: an unknown name (the message lists the known ones).
+    """
+    if not isinstance(name, str) or name not in STEPS:
+        raise ValueError(f"unknown step {name!r}; the steps are: {', '.join(STEPS)}")
+    return STEPS[name]
+
+
+def reference(name: str) -> Callable:
+    """The reference implementation of a step (see :func:`get_step`)."""
+    return get_step(name).reference
+
+
+def site_names(engine, name: str) -> list[str]:
+    """Where step ``name`` is called in this engine (what ``where`` can select)."""
+    return [s.name for s in get_step(name).sites(engine)]
+
+
+def _select(step: Step, sites: list[Site], where: Where) -> list[Site]:
+    if where is None:
+        return sites
+    if not step.per_layer:
+        raise ValueError(f"step {step.name!r} has one site ({sites[0].name}); where= picks "
+                         "layers of per-layer steps only: leave it out")
+    if isinstance(where, bool):
+        raise TypeError("where must be a layer index, a list of them, or a module-name pattern")
+    if isinstance(where, str):
+        chosen = [s for s in sites if fnmatch.fnmatchcase(s.name, where)
+                  or s.name.startswith(where + ".")]
+    else:
+        layers = [where] if isinstance(where, int) else list(where)
+        if not layers or any(isinstance(i, bool) or not isinstance(i, int) for i in layers):
+            raise TypeError(f"where must be a layer index, a non-empty list of them, or a "
+                            f"module-name pattern, got {where!r}")
+        chosen = [s for s in sites if any(s.name.startswith(f"layers.{i}.") or
+                                          s.name == f"layers.{i}" for i in layers)]
+        found = {int(s.name.split(".")[1]) for s in chosen}
+        missing = sorted(set(layers) - found)
+        if missing:
+            n = sum(1 for s in sites if s.name.startswith("layers."))
+            raise ValueError(f"where={where!r}: no layer {missing} here (step {step.name!r} "
+                             f"has sites in layers 0..{max(n - 1, 0)})")
+    if not chosen:
+        names = [s.name for s in sites]
+        raise ValueError(f"where={where!r} matches no site of step {step.name!r}; its sites "
+                         f"are {names[:4]}{' ...' if len(names) > 4 else ''} "
+                         f"({len(names)} in all)")
+    return chosen
+
+
+@contextlib.contextmanager
+def swap_step(engine, name: str, fn: Callable, where: Where = None):
+    """Run ``fn`` in place of step ``name`` inside the ``with`` block (see the module
+    docstring). ``LLM.swap_step`` and ``LLMEngine.swap_step`` call this.
+
+    Args:
+        engine: an ``LLMEngine``.
+        name: a step name (:data:`STEPS`).
+        fn: a function with the reference's signature.
+        where: per-layer steps only: None (every site), a decoder layer index or a list
+            of them, or a module-name pattern (``fnmatch``, e.g. ``"layers.17.*"``,
+            ``"*.post_attention_layernorm"``, or a module path prefix).
+    Raises:
+        ValueError: unknown step, a ``where`` that matches nothing, a TORCH-only step on
+            the TRITON backend, or a K/V-changing step while requests are in flight.
+        TypeError: ``fn`` not callable, or a malformed ``where``.
+    """
+    step = get_step(name)
+    if not callable(fn):
+        raise TypeError(f"swap_step({name!r}, fn): fn must be a function with the signature "
+                        f"{step.signature}, got {type(fn).__name__}")
+    backend = engine.model_runner.backend.name
+    if step.torch_backend_only and backend != "TORCH":
+        raise ValueError(f"step {name!r} is computed inside the {backend} kernels; it can be "
+                         "swapped on an engine built with attention_backend='TORCH'")
+    sites = _select(step, step.sites(engine), where)
+    if step.changes_kv and engine.has_unfinished_requests():
+        raise ValueError(f"step {name!r} changes the K/V the cache stores; swap it before "
+                         "adding requests (requests are in flight)")
+    graphs = engine.model_runner.cuda_graphs
+    restores: list[Callable[[], None]] = []
+    try:
+        with graphs.suspended() if graphs is not None else contextlib.nullcontext():
+            memo: dict = {}
+            for site in sites:
+                restores.append(site.swap(fn, memo))
+            if step.changes_kv:
+                engine.kv_cache_manager.reset_prefix_cache()
+            yield
+    finally:
+        for restore in reversed(restores):
+            restore()
+        if step.changes_kv and not engine.kv_cache_manager.reset_prefix_cache():
+            logger.warning("swap_step(%r): requests were left in flight, so the prefix cache "
+                           "could not be reset; blocks computed with the swapped step may be "
+                           "reused", name)
