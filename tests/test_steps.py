@@ -206,3 +206,23 @@ def test_bad_arguments_say_what_is_allowed(llm, tiny_model_dir):
         triton.swap_step("attention.decode", reference("attention.decode")).__enter__()
     with triton.swap_step("rms_norm", reference("rms_norm")):
         pass  # model steps apply to every backend
+
+
+def test_drop_outputs_on_resume_fault_changes_only_preempted_requests(llm, baseline):
+    """The planted preemption bug of lab 2 / chapter 8: requests that were preempted after
+    generating come back with their answer's start twice; the pool ends empty (no leak)."""
+    from minivllm.precision import faults
+
+    greedy = SamplingParams(temperature=0, max_tokens=14)
+    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)]
+    with faults.drop_outputs_on_resume(llm):
+        outs = llm.generate(PROMPTS, greedy)
+    got = [o.outputs[0].token_ids for o in outs]
+    resumed = [o.metrics["num_preemptions"] > 0 for o in outs]
+    assert any(resumed), "the workload must preempt"
+    assert any(g != w for g, w in zip(got, want))
+    for g, w, r in zip(got, want, resumed):
+        if not r:
+            assert g == w, "a request that was never preempted must not change"
+    assert llm.stats.num_free_blocks == llm.stats.num_total_blocks
+    assert same(workload(llm), baseline), "the fault must be gone after the with block"

@@ -65,3 +65,24 @@ def wrong_rope_theta(llm, layer: int, theta: float):
 
     with llm.swap_step("rotary.table", table, where=layer):
         yield
+
+
+@contextlib.contextmanager
+def drop_outputs_on_resume(llm):
+    """Preemption by recompute that forgets what the request generated (the
+    "scheduler.preempt" step): the resumed request re-prefills its prompt only, so it
+    generates its answer again from the start and its output holds the first part twice.
+    vLLM had bugs of this family: #16832 (outputs truncated after a RECOMPUTE preemption),
+    PR #5349 (inconsistent state after recompute), vllm-gaudi PR #524. Only requests that
+    are preempted change."""
+    from minivllm.core.scheduler import preempt_request_ref
+
+    block_size = llm.llm_engine.cache_config.block_size
+
+    def preempt(request):
+        preempt_request_ref(request)
+        del request.all_token_ids[request.num_prompt_tokens:]  # the bug: context lost
+        del request.block_hashes[request.num_prompt_tokens // block_size:]
+
+    with llm.swap_step("scheduler.preempt", preempt):
+        yield
