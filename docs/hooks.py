@@ -10,12 +10,17 @@ the site, so nothing here is kept in step by hand:
 - ``on_page_markdown``: ``<!-- syllabus -->`` becomes the 30-chapter table with each
   chapter's status, ``<!-- labs -->`` the list of labs, ``<!-- module-map -->`` the
   module map section of README.md;
-- ``on_page_content``: Sphinx role names left in the API reference are dropped.
+- ``on_page_content``: Sphinx role names left in the API reference are dropped, and the
+  CDN MathJax 2 that nbconvert writes into each chapter page is taken out;
+- the math renderer is served with the site (no CDN: pages render math offline):
+  MathJax 3 from the ``django-static-mathjax`` wheel (docs extra; plain static files,
+  no Django needed) goes to ``javascripts/mathjax/`` (``mathjax_files``).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import json
 import logging
 import re
@@ -161,6 +166,8 @@ def on_files(files, config):
         files.append(File.generated(config, chapter_uri(src), abs_src_path=str(executed)))
     for n, src in sorted(labs_on_disk().items()):
         files.append(File.generated(config, lab_uri(n), content=lab_page(n, src)))
+    for uri, path in mathjax_files():
+        files.append(File.generated(config, uri, abs_src_path=str(path)))
     return files
 
 
@@ -184,13 +191,52 @@ def on_page_markdown(markdown, page, config, files):
     return markdown
 
 
+# nbconvert's page template loads MathJax 2 from a CDN (mkdocs-jupyter leaves its URL
+# empty: `<script src="">`) and configures it; the site's own MathJax 3 typesets notebook
+# Markdown (docs/javascripts/mathjax.js), so the block goes.
+NBCONVERT_MATHJAX = re.compile(r"<!-- Load mathjax -->.*?<!-- End of mathjax configuration -->\s*",
+                               re.S)
 ROLE = re.compile(r":(?:class|meth|func|attr|mod|data|obj|exc):(?=<code>|<a [^>]*><code>)")
 
 
 def on_page_content(html, page, config, files):
     """The engine's docstrings cite code with Sphinx roles (:class:`X`); mkdocstrings
-    renders `X` as code and leaves the role's name in front of it: drop the name."""
-    return ROLE.sub("", html) if page.file.src_uri.startswith("api/") else html
+    renders `X` as code and leaves the role's name in front of it: drop the name. A
+    chapter page loses nbconvert's MathJax 2 loader (see ``NBCONVERT_MATHJAX``)."""
+    if page.file.src_uri.startswith("api/"):
+        html = ROLE.sub("", html)
+    if page.file.src_uri.endswith(".ipynb"):
+        html = NBCONVERT_MATHJAX.sub("", html)
+    return html
+
+
+# ------------------------------------------------------------------ the math renderer
+
+MATHJAX_DIST = "django-static-mathjax"  # MathJax 3's npm package, as static files in a wheel
+MATHJAX_URI = "javascripts/mathjax"     # where it goes in the site (extra_javascript in mkdocs.yml)
+# What of MathJax's es5/ the pages use: the combined component mkdocs.yml loads and what
+# it loads on demand (TeX and MathML extensions, the CHTML fonts, the menu's parts and its
+# accessibility tools); the other combined components and the SVG output stay out (half).
+MATHJAX_KEEP = re.compile(r"^(?:tex-mml-chtml\.js$|input/(?:tex|mml)/|output/chtml/|ui/|a11y/|sre/)")
+
+
+def mathjax_files() -> list[tuple[str, Path]]:
+    """(site uri, file) for the MathJax the site serves itself."""
+    try:
+        dist = importlib.metadata.distribution(MATHJAX_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        raise PluginError(f"{MATHJAX_DIST} is not installed (the docs extra: "
+                          "pip install -e '.[docs]'); the site serves MathJax itself") from None
+    root = Path(dist.locate_file("mathjax/static/mathjax"))
+    es5 = root / "es5"
+    if not (es5 / "tex-mml-chtml.js").is_file():
+        raise PluginError(f"{MATHJAX_DIST} {dist.version}: no es5/tex-mml-chtml.js under {root}")
+    out = [(f"{MATHJAX_URI}/LICENSE", root / "LICENSE")] if (root / "LICENSE").is_file() else []
+    for p in sorted(es5.rglob("*")):
+        rel = p.relative_to(es5).as_posix()
+        if p.is_file() and MATHJAX_KEEP.match(rel):
+            out.append((f"{MATHJAX_URI}/{rel}", p))
+    return out
 
 
 # ------------------------------------------------------------------ generated markdown

@@ -5,12 +5,15 @@ The chapters are executed notebooks (docs/notebooks.py): when tests/test_course.
 first in the same session they are reused, otherwise this module executes them (about a
 minute each). Chromium and chromedriver come from Debian (`apt-get install chromium
 chromium-driver`); without them the browser tests skip, unless MINIVLLM_REQUIRE_BROWSER=1
-(CI), where they fail. Screenshots go to reports/site/.
+(CI), where they fail. The browser resolves no host name but the local server's, as where
+the network is closed (a classroom behind a proxy, `docker run --network none`): the pages
+must load everything, MathJax included, from the site. Screenshots go to reports/site/.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import shutil
@@ -27,6 +30,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SHOTS = ROOT / "reports" / "site"
 WAIT_S = 60
+WINDOW = (1280, 900)  # the browser's window: a laptop's screen
 
 pytestmark = [pytest.mark.site, pytest.mark.embedded]
 
@@ -148,6 +152,60 @@ def test_lab_pages_show_tasks_and_points_but_no_solutions(site):
         assert "BEGIN SOLUTION" not in text and "BEGIN HIDDEN TESTS" not in text
 
 
+class _Loads(HTMLParser):
+    """The URLs a page has the browser fetch as it loads: scripts, style sheets, icons,
+    images, frames, media."""
+
+    ATTR = {"script": "src", "link": "href", "img": "src", "iframe": "src", "frame": "src",
+            "source": "src", "audio": "src", "video": "src", "embed": "src", "object": "data"}
+
+    def __init__(self):
+        super().__init__()
+        self.urls: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "link" and (a.get("rel") or "").lower() in ("canonical", "alternate"):
+            return  # a link to follow, not something loaded
+        url = a.get(self.ATTR.get(tag, ""))
+        if url:
+            self.urls.append(url)
+
+
+OFF_SITE = re.compile(r"^(?:[a-z][a-z0-9+.-]*:)?//", re.I)  # http://, https://, //host
+MATHJAX = "javascripts/mathjax/tex-mml-chtml.js"
+
+
+def test_pages_load_nothing_from_other_hosts(site):
+    """Pages work with the network closed: no page loads a script, style sheet, icon or
+    image from another host, the site's style sheets import none, and the math renderer
+    (MathJax, from the docs extra) is served with the site to every page with math."""
+    pages = sorted(site.rglob("*.html"))
+    assert len(pages) > 10
+    off_site = {}
+    for page in pages:
+        p = _Loads()
+        p.feed(page.read_text())
+        if bad := [u for u in p.urls if OFF_SITE.match(u)]:
+            off_site[str(page.relative_to(site))] = bad
+    assert not off_site, off_site
+    for css in site.rglob("*.css"):
+        bad = re.findall(r"(?:url\(\s*['\"]?|@import\s+['\"])((?:[a-z]+:)?//[^'\")\s]+)",
+                         css.read_text(), re.I)
+        assert not bad, (str(css.relative_to(site)), bad)
+    assert (site / MATHJAX).is_file()
+    assert list((site / "javascripts/mathjax/output/chtml/fonts/woff-v2").glob("*.woff"))
+    with_math = [p for p in pages if 'class="arithmatex"' in p.read_text()]
+    assert with_math, "no page has a formula (lab 1 does)"
+    for page in with_math:
+        p = _Loads()
+        p.feed(page.read_text())
+        assert any(u.endswith(MATHJAX) for u in p.urls), (str(page.relative_to(site)), p.urls)
+    # nbconvert's CDN MathJax 2 is taken out of the chapter pages (docs/hooks.py)
+    for page in site.glob("chapters/ch*/index.html"):
+        assert "text/x-mathjax-config" not in page.read_text(), page
+
+
 def test_api_reference_renders_docstrings(site):
     text = _page(site, "api/llm").text
     for name in ("minivllm.llm.LLM", "SamplingParams", "RequestOutput", "kv_cache_dtype"):
@@ -207,8 +265,11 @@ def driver():
     for arg in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                 "--no-first-run", "--disable-background-networking",
                 "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage",
-                f"--user-data-dir={profile}", "--window-size=1280,900"):
+                f"--user-data-dir={profile}", f"--window-size={WINDOW[0]},{WINDOW[1]}",
+                # the network closed: no host name resolves but the local server's
+                "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1 , EXCLUDE localhost"):
         opts.add_argument(arg)
+    opts.set_capability("goog:loggingPrefs", {"performance": "ALL"})  # the page's requests
     drv = webdriver.Chrome(service=Service(executable_path=chromedriver), options=opts)
     drv.set_page_load_timeout(WAIT_S)
     SHOTS.mkdir(parents=True, exist_ok=True)
@@ -223,9 +284,41 @@ def _wait(drv, condition, what: str):
     return WebDriverWait(drv, WAIT_S).until(condition, message=f"timed out waiting for {what}")
 
 
+def _requests(drv) -> list[tuple[str, int | None]]:
+    """(url, HTTP status or None) of each request the browser made since the last call."""
+    sent, status = [], {}
+    for entry in drv.get_log("performance"):
+        msg = json.loads(entry["message"])["message"]
+        params = msg.get("params", {})
+        if msg["method"] == "Network.requestWillBeSent":
+            sent.append((params["requestId"], params["request"]["url"]))
+        elif msg["method"] == "Network.responseReceived":
+            status[params["requestId"]] = params["response"].get("status")
+    return [(url, status.get(rid)) for rid, url in sent]
+
+
+def _assert_site_only(drv, base_url: str):
+    """Every network request since the last call went to the local site, and none failed
+    there (data:, blob: and the browser's own chrome:// pages are no network)."""
+    requests = [(u, s) for u, s in _requests(drv)
+                if re.match(r"(?:https?|wss?|ftp):", u, re.I)]
+    off_site = [u for u, _ in requests if not u.startswith(base_url)]
+    assert not off_site, f"requests to other hosts: {off_site}"
+    failed = [(u, s) for u, s in requests if s is not None and s >= 400]
+    assert not failed, f"failed requests: {failed}"
+
+
+def _header_settled(drv):
+    """The header swaps the site name for the page title as one scrolls: let it settle."""
+    _wait(drv, lambda d: d.execute_script(
+        "const t = document.querySelectorAll('.md-header__topic');"
+        "return t.length < 2 || getComputedStyle(t[0]).opacity === '0';"), "the header")
+
+
 def test_home_page(driver, base_url):
     from selenium.webdriver.common.by import By
 
+    _requests(driver)
     driver.get(base_url)
     h1 = _wait(driver, lambda d: d.find_element(By.CSS_SELECTOR, "article h1"), "the heading")
     assert "minivllm" in driver.title
@@ -233,11 +326,13 @@ def test_home_page(driver, base_url):
     article = driver.find_element(By.CSS_SELECTOR, "article").text
     assert "make demo" in article and "make test" in article
     driver.save_screenshot(str(SHOTS / "home.png"))
+    _assert_site_only(driver, base_url)
 
 
 def test_chapter_page_shows_code_and_a_plot(driver, base_url):
     from selenium.webdriver.common.by import By
 
+    _requests(driver)
     driver.get(base_url + "chapters/ch01_fp32_baseline/")
     h1 = _wait(driver, lambda d: d.find_element(By.CSS_SELECTOR, ".jupyter-wrapper h1"),
                "the chapter's heading")
@@ -258,17 +353,113 @@ def test_chapter_page_shows_code_and_a_plot(driver, base_url):
     assert re.search(r"\d", outputs) and "Traceback" not in outputs
     img = driver.find_element(By.CSS_SELECTOR, sel)
     driver.execute_script("arguments[0].scrollIntoView({block: 'center'});", img)
-    # the header swaps the site name for the page title as one scrolls: let it settle
-    _wait(driver, lambda d: d.execute_script(
-        "const t = document.querySelectorAll('.md-header__topic');"
-        "return t.length < 2 || getComputedStyle(t[0]).opacity === '0';"), "the header")
+    _header_settled(driver)
     driver.save_screenshot(str(SHOTS / "chapter.png"))
+    _assert_site_only(driver, base_url)
+
+
+# A code line as long as the chapters' longest (100 characters).
+LINE_100 = 'print(f"{kv_cache_dtype:>10} {mean_kl:9.3e} {agreement:6.1%} {first_divergence:>5}", flush=True) # !'
+assert len(LINE_100) == 100
+
+
+def test_chapter_code_cells_do_not_scroll_sideways(driver, base_url):
+    """A chapter's code cells have room for 100 characters a line on a laptop's screen (the
+    table of contents in the left sidebar, docs/stylesheets/extra.css): a 100-character
+    line stays one line and no cell scrolls sideways; on a narrower screen a long line
+    wraps inside its cell instead of scrolling."""
+    from selenium.webdriver.common.by import By
+
+    driver.get(base_url + "chapters/ch01_fp32_baseline/")
+    _wait(driver, lambda d: d.find_elements(By.CSS_SELECTOR, ".jp-CodeCell .jp-InputArea pre"),
+          "the chapter's code cells")
+    measure = """
+        const pres = [...document.querySelectorAll('.jp-CodeCell .jp-InputArea pre')];
+        const box = p => p.closest('.highlight-ipynb') || p;
+        const scrolling = pres.filter(p => box(p).scrollWidth > box(p).clientWidth + 1)
+                              .map(p => p.textContent.slice(0, 60));
+        const pre = pres[0], line = document.createElement('span');
+        line.textContent = arguments[0];
+        pre.append('\\n', line);
+        const res = {scrolling, rows: line.getClientRects().length,
+                     overflow: box(pre).scrollWidth - box(pre).clientWidth,
+                     width: box(pre).clientWidth};
+        pre.lastChild.remove(); pre.lastChild.remove();
+        return res;"""
+    wide = driver.execute_script(measure, LINE_100)
+    assert not wide["scrolling"], f"code cells that scroll sideways: {wide['scrolling']}"
+    assert wide["rows"] == 1 and wide["overflow"] <= 1, (
+        f"a 100-character line does not fit a code cell at {WINDOW[0]} px: {wide}")
+    driver.set_window_size(800, WINDOW[1])
+    try:
+        narrow = driver.execute_script(measure, LINE_100)
+    finally:
+        driver.set_window_size(*WINDOW)
+    assert not narrow["scrolling"] and narrow["overflow"] <= 1, narrow
+    assert narrow["rows"] > 1, narrow  # wrapped, at 800 px
+
+
+def _lab_with_math() -> tuple[str, list[str]]:
+    """A lab whose text (its Markdown cells) has formulas, and their TeX."""
+    for src in sorted((ROOT / "labs" / "source").glob("ch*/*.py")):
+        markdown, lines = False, []
+        for ln in src.read_text().splitlines():
+            if ln.startswith("# %%"):
+                markdown = "[markdown]" in ln
+            elif markdown:
+                lines.append(ln[2:])
+        tex = re.findall(r"(?<![\\$])\$([^$\n]+)\$|\\\((.+?)\\\)", "\n".join(lines))
+        if tex:
+            return src.parent.name, [a or b for a, b in tex]
+    pytest.fail("no lab has a formula in its text: the math check has nothing to check")
+
+
+def test_lab_page_renders_math_offline(driver, base_url):
+    """With the network closed, a lab page's formulas are typeset by the site's own MathJax
+    (lab 1, task 1: the KL divergence): each is an mjx-container with its fonts loaded,
+    no TeX source is left on the page, and nothing was asked of another host."""
+    from selenium.webdriver.common.by import By
+
+    lab, tex = _lab_with_math()
+    _requests(driver)
+    driver.get(f"{base_url}labs/{lab}/")
+    _wait(driver, lambda d: d.execute_script(
+        "const m = [...document.querySelectorAll('article .arithmatex')];"
+        "const f = [...document.fonts].filter(f => f.family.includes('MJX'));"
+        "return m.length > 0 && m.every(e => e.querySelector('mjx-container'))"
+        " && f.some(f => f.status === 'loaded') && !f.some(f => f.status === 'loading');"),
+          f"MathJax to typeset the formulas of {lab} and load its fonts")
+    math = driver.execute_script(
+        "return [...document.querySelectorAll('article .arithmatex')].map(e => {"
+        "  const c = e.querySelector('mjx-container'), r = c.getBoundingClientRect();"
+        "  return {jax: c.getAttribute('jax'), w: r.width, h: r.height,"
+        "          errors: c.querySelectorAll('mjx-merror').length,"
+        "          nested: e.querySelectorAll('mjx-container').length}; });")
+    assert len(math) >= len(tex), (math, tex)
+    for m in math:
+        assert m["jax"] == "CHTML" and m["w"] > 20 and m["h"] > 5, m
+        assert m["errors"] == 0 and m["nested"] == 1, m  # no TeX error, typeset once
+    fonts = driver.execute_script(
+        "return [...document.fonts].filter(f => f.family.includes('MJX'))"
+        ".map(f => [f.family, f.status]);")
+    assert any(s == "loaded" for _, s in fonts), fonts
+    assert not [f for f in fonts if f[1] == "error"], fonts
+    shown = driver.find_element(By.CSS_SELECTOR, "article").text
+    assert "\\(" not in shown and "\\)" not in shown, "raw \\( ... \\) on the page"
+    left = [t for t in tex if t.strip() in shown]
+    assert not left, f"TeX shown as text: {left}"
+    first = driver.find_element(By.CSS_SELECTOR, "article .arithmatex mjx-container")
+    driver.execute_script("arguments[0].scrollIntoView({block: 'center'});", first)
+    _header_settled(driver)
+    driver.save_screenshot(str(SHOTS / "lab-math.png"))
+    _assert_site_only(driver, base_url)
 
 
 def test_search_finds_a_chapter(driver, base_url):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
 
+    _requests(driver)
     driver.get(base_url)
     box = _wait(driver, lambda d: d.find_element(By.CSS_SELECTOR, "input.md-search__input"),
                 "the search box")
@@ -288,3 +479,4 @@ def test_search_finds_a_chapter(driver, base_url):
     assert re.search(r"\d+ matching document", meta), meta
     driver.save_screenshot(str(SHOTS / "search.png"))
     box.send_keys(Keys.ESCAPE)
+    _assert_site_only(driver, base_url)
