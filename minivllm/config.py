@@ -43,6 +43,9 @@ _KV_CACHE_DTYPES: dict[str, Optional[torch.dtype]] = {
 }
 ALLOWED_KV_CACHE_DTYPES = tuple(_KV_CACHE_DTYPES)
 
+# lm_head_dtype values besides None (the model dtype): see EngineArgs.lm_head_dtype.
+LM_HEAD_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32}
+
 # Default KV-cache size on CPU when neither num_gpu_blocks_override nor
 # kv_cache_memory_bytes is given (vLLM's CPU backend uses VLLM_CPU_KVCACHE_SPACE,
 # default 4 GiB; we cap lower so tests on a 24 GB box can run side by side).
@@ -210,6 +213,16 @@ class EngineArgs:
     load_format: str = "auto"
     # True: no tokenizer is loaded; prompts must be token ids and outputs carry no text.
     skip_tokenizer_init: bool = False
+    # The LM head's compute dtype. None: the model dtype, as vLLM does (its
+    # LogitsProcessor multiplies in the model dtype and casts the logits to float32).
+    # "float32": the final hidden states and an fp32 copy of the LM-head weight (the
+    # tied embedding for SmolLM2; the embedding lookup stays in the model dtype) are cast
+    # to float32 before the matmul. NOT a vLLM flag: it mirrors the mitigation of vllm
+    # #18352 (vLLM vs HF logprobs differ by up to ~0.32 in bf16) adopted by
+    # allenai/open-instruct PR #1387 and PrimeIntellect-ai/prime-rl PR #2438 (an fp32
+    # lm_head with its own fp32 weight copy). Costs one fp32 copy of the weight
+    # (vocab x hidden x 4 bytes: 113 MB for SmolLM2), kept only when set.
+    lm_head_dtype: Optional[str] = None
 
     def validate(self) -> None:
         """Check arguments that can be checked without the model.
@@ -253,6 +266,10 @@ class EngineArgs:
                 raise ValueError(f"{name} must be True or False, got {value!r}")
         self._validate_kv_scales()
         self._validate_quantization()
+        if self.lm_head_dtype is not None and (not isinstance(self.lm_head_dtype, str)
+                                               or self.lm_head_dtype not in LM_HEAD_DTYPES):
+            raise ValueError(f"lm_head_dtype must be None (the model dtype, as vLLM) or "
+                             f"'float32' (an fp32 LM head), got {self.lm_head_dtype!r}")
         if self.float32_matmul_precision not in ("highest", "high"):
             raise ValueError(f"float32_matmul_precision must be 'highest' or 'high' (TF32), "
                              f"got {self.float32_matmul_precision!r}")

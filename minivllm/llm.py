@@ -196,7 +196,9 @@ class LLM:
 
     def score(self, token_ids: Union[Sequence[int], Sequence[Sequence[int]]],
               mode: str = "prefill", output: str = "logprobs",
-              use_tqdm: bool = False) -> Union["torch.Tensor", list["torch.Tensor"]]:
+              use_tqdm: bool = False,
+              positions: Union[Sequence[int], Sequence[Optional[Sequence[int]]], None] = None,
+              ) -> Union["torch.Tensor", list["torch.Tensor"]]:
         """Teacher-forced full-vocabulary scores of fixed token sequences.
 
         Row ``t`` of the result is the model's distribution of the token *after* position
@@ -213,11 +215,24 @@ class LLM:
                 later row comes from the decode path reading K/V from the paged cache.
             output: "logprobs" (log-softmax) or "logits" (raw, as the LM head gives them).
             use_tqdm: progress bar over finished sequences.
+            positions: score only these rows. For one sequence, a list of distinct ints
+                in [0, T); for a batch, one such list (or None: all rows) per sequence.
+                None: every row. Every position still goes through the model (later
+                positions need its K/V), but only the chosen rows go through the LM head
+                and the log-softmax, which is the cost of a long score (a [T, vocab]
+                float32 tensor: 393 MB at T = 2,000). The rows come back in the order
+                given and equal the same rows of a full score bit for bit (see
+                ``ModelRunner._score_rows`` for how the CPU GEMM is kept to the same
+                rounding).
         Returns:
-            float32 CPU tensor ``[T, vocab]`` for one sequence, or a list of them.
+            float32 CPU tensor ``[T, vocab]`` (``[len(positions), vocab]`` with
+            positions) for one sequence, or a list of them.
         Raises:
             ValueError: unknown mode or output, an empty sequence, token ids outside the
-                vocabulary, or a sequence longer than max_model_len.
+                vocabulary, a sequence longer than max_model_len, a position outside
+                [0, T) or given twice, or a positions list whose length does not match
+                the batch.
+            TypeError: positions that are not lists of ints.
 
         Not vLLM's ``LLM.score`` (that one is a cross-encoder similarity API); this is the
         precision toolkit's teacher-forced scorer (llama.cpp ``perplexity`` computes the
@@ -242,11 +257,13 @@ class LLM:
         for s in seqs:
             if not isinstance(s, (list, tuple)):
                 raise TypeError(f"a batch must hold lists of token ids, got {type(s).__name__}")
+        per_seq = self._score_positions(positions, single, len(seqs))
         engine = self.llm_engine
         reqs = []
         try:
-            for s in seqs:
-                reqs.append(engine.add_score_request(list(s), mode, logits=output == "logits"))
+            for s, pos in zip(seqs, per_seq):
+                reqs.append(engine.add_score_request(list(s), mode, logits=output == "logits",
+                                                     positions=pos))
         except BaseException:
             for r in reqs:
                 engine.abort_request(r.request_id)
@@ -255,6 +272,34 @@ class LLM:
         self._run_engine([r.request_id for r in reqs], use_tqdm)
         results = [r.score.result() for r in reqs]
         return results[0] if single else results
+
+    @staticmethod
+    def _score_positions(positions, single: bool, n: int) -> list:
+        """``score(positions=)`` as one entry (a list of ints, or None) per sequence."""
+        if positions is None:
+            return [None] * n
+        if isinstance(positions, (torch.Tensor, np.ndarray)):
+            if single:
+                return [positions]  # checked (1-D, ints) with the sequence
+            if positions.ndim != 2:
+                raise ValueError(f"positions for a batch of {n} sequences must be one list "
+                                 f"(or None) per sequence, got an array of shape "
+                                 f"{tuple(positions.shape)}")
+            positions = positions.tolist()
+        if single:
+            return [positions]
+        if isinstance(positions, (str, bytes, dict)) or not isinstance(positions, (list, tuple)):
+            raise TypeError(f"positions for a batch must be a list with one list of ints (or "
+                            f"None) per sequence, got {type(positions).__name__}")
+        per_seq = list(positions)
+        if any(isinstance(p, numbers.Integral) for p in per_seq):
+            raise TypeError("positions for a batch must hold one list of ints (or None) per "
+                            "sequence, not ints: e.g. positions=[[0, 5], None] for two "
+                            "sequences")
+        if len(per_seq) != n:
+            raise ValueError(f"got positions for {len(per_seq)} sequences but {n} sequences "
+                             "to score; give one list (or None) per sequence")
+        return per_seq
 
     def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
@@ -282,3 +327,4 @@ class LLM:
             if rid in engine.finished_outputs:
                 results[rid] = engine.finished_outputs.pop(rid)
         return [results[rid] for rid in ids]
+

@@ -15,8 +15,9 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from minivllm.config import (DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig, EngineArgs, ModelConfig,
@@ -146,6 +147,10 @@ class LLMEngine:
         model = load_model(path, cfg, dtype, max_model_len, device, self.attention_backend,
                            quant, calibration_ids, args.float32_matmul_precision,
                            load_format=args.load_format, seed=args.seed)
+        if args.lm_head_dtype is not None:
+            from minivllm.config import LM_HEAD_DTYPES
+
+            model.set_lm_head_dtype(LM_HEAD_DTYPES[args.lm_head_dtype])
         self.quant_config = saved_quant or quant
         self.kv_cache_manager = KVCacheManager(self.cache_config.num_blocks,
                                                self.cache_config.block_size,
@@ -376,15 +381,18 @@ class LLMEngine:
         return rid
 
     def add_score_request(self, token_ids: list[int], mode: str = "prefill",
-                          logits: bool = False, request_id: Optional[str] = None) -> Request:
+                          logits: bool = False, request_id: Optional[str] = None,
+                          positions: Optional[Sequence[int]] = None) -> Request:
         """Queue teacher-forced scoring of a fixed token sequence (see ``LLM.score``).
 
         Returns the Request; after the engine finishes it, ``request.score.result()`` is
-        the ``[T, vocab]`` float32 tensor.
+        the ``[T, vocab]`` float32 tensor, or ``[len(positions), vocab]`` (rows in the
+        order of ``positions``) when positions are given.
 
         Raises:
             ValueError: mode not "prefill"/"decode", an empty sequence, token ids outside
-                the vocabulary, or T > max_model_len (both lengths are named).
+                the vocabulary, T > max_model_len (both lengths are named), or positions
+                that are not distinct ints in [0, T).
         """
         if mode not in ("prefill", "decode"):
             raise ValueError(f"mode must be 'prefill' or 'decode', got {mode!r}")
@@ -403,8 +411,10 @@ class LLMEngine:
             prompt, forced = ids, []
         else:
             prompt, forced = ids[:1], ids[1:]
+        wanted = None if positions is None else check_score_positions(positions, len(ids))
         rid = self._new_request_id(request_id, prefix="score-")
-        state = ScoreState(num_positions=len(ids), forced_token_ids=forced, logits=logits)
+        state = ScoreState(num_positions=len(ids), forced_token_ids=forced, logits=logits,
+                           positions=wanted, vocab_size=self.model_config.vocab_size)
         # max_tokens only sizes Request bookkeeping: a score request finishes when it has
         # all T rows (the engine skips stop checks for it), never by length.
         params = SamplingParams(temperature=0.0, max_tokens=len(ids))
@@ -492,8 +502,8 @@ class LLMEngine:
         by_id = {req.request_id: req for req, _ in sched.scheduled}
         for rid, chunk in result.prompt_logprobs.items():
             self._append_prompt_logprobs(by_id[rid], chunk)
-        for rid, (first_pos, rows) in result.score_rows.items():
-            by_id[rid].score.add(first_pos, rows)
+        for rid, (first_pos, rows, count, chosen) in result.score_rows.items():
+            by_id[rid].score.add(first_pos, rows, count, chosen)
         so = result.sampler_output
         now = time.monotonic()
         for rid in result.nonfinite_request_ids:
@@ -647,3 +657,43 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
+
+
+def check_score_positions(positions, num_tokens: int) -> list[int]:
+    """``LLM.score(..., positions=)`` for one sequence of ``num_tokens`` tokens: distinct
+    ints in [0, num_tokens), as a list in the given order (numpy/torch 1-D integer arrays
+    and ``range`` accepted).
+
+    Raises:
+        TypeError: not a sequence of ints (a bool, a float, a string...).
+        ValueError: a position outside [0, num_tokens), or one that appears twice.
+    """
+    if isinstance(positions, (torch.Tensor, np.ndarray)):
+        if positions.ndim != 1:
+            raise ValueError(f"positions must be 1-D (the rows of one sequence), got shape "
+                             f"{tuple(positions.shape)}")
+        positions = positions.tolist()
+    if isinstance(positions, (str, bytes, dict, set, frozenset)) \
+            or not isinstance(positions, (list, tuple, range)):
+        raise TypeError(f"positions must be a list of ints (rows of the sequence), got "
+                        f"{type(positions).__name__}: {positions!r:.80}")
+    out = []
+    for p in positions:
+        if isinstance(p, (bool, np.bool_)) or not isinstance(p, numbers.Integral):
+            raise TypeError(f"positions must be ints, got {type(p).__name__}: {p!r:.40}")
+        p = int(p)
+        if not 0 <= p < num_tokens:
+            raise ValueError(f"position {p} is outside the sequence: a sequence of "
+                             f"{num_tokens} tokens has rows 0..{num_tokens - 1} (negative "
+                             "positions are not accepted)")
+        out.append(p)
+    if len(set(out)) != len(out):
+        seen, dup = set(), None
+        for p in out:
+            if p in seen:
+                dup = p
+                break
+            seen.add(p)
+        raise ValueError(f"position {dup} appears more than once in positions; give each "
+                         "row once (index the result to repeat a row)")
+    return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import enum
 import time
 from dataclasses import dataclass, field
@@ -32,43 +33,86 @@ class RequestStatus(enum.Enum):
 class ScoreState:
     """Teacher-forced scoring of a fixed token sequence (``LLM.score``).
 
-    Every position's full-vocabulary row is collected as the engine computes it. In
-    "decode" mode the request's prompt is the first token and ``forced_token_ids`` (the
-    rest) are fed one per step instead of sampled tokens, so each row after the first
-    comes from a decode step reading the paged KV cache.
+    Every wanted position's full-vocabulary row is collected as the engine computes it.
+    In "decode" mode the request's prompt is the first token and ``forced_token_ids``
+    (the rest) are fed one per step instead of sampled tokens, so each row after the
+    first comes from a decode step reading the paged KV cache.
 
     Attributes:
-        num_positions: T, the rows wanted (one per token of the sequence).
+        num_positions: T, the length of the sequence (every position goes through the
+            model: later positions need its K/V).
         forced_token_ids: tokens 1..T-1 in decode mode; empty in prefill mode.
         logits: collect raw logits instead of log-probs.
+        positions: the rows wanted, in the caller's order (distinct ints in [0, T));
+            None: all T. Only these rows go through the LM head and the log-softmax.
+        vocab_size: columns of a row (for an empty ``positions``).
         rows: ``[n_i, vocab]`` float32 chunks in position order; ``num_rows`` in total.
+        covered: positions [0, covered) are done (their rows held, or not wanted).
     """
 
     num_positions: int
     forced_token_ids: list[int]
     logits: bool = False
+    positions: Optional[list[int]] = None
+    vocab_size: int = 0
     rows: list[torch.Tensor] = field(default_factory=list)
     num_rows: int = 0
+    covered: int = 0
+
+    def __post_init__(self) -> None:
+        self._wanted = None if self.positions is None else sorted(self.positions)
+        self._held: list[int] = []  # positions of the held rows, in order (positions only)
 
     @property
     def done(self) -> bool:
-        return self.num_rows >= self.num_positions
+        return self.covered >= self.num_positions
 
-    def add(self, first_pos: int, chunk: torch.Tensor) -> None:
-        """Append rows for positions [first_pos, first_pos + len(chunk)); positions already
-        held (recomputed after a preemption) are skipped."""
-        skip = self.num_rows - first_pos
-        if skip < chunk.shape[0]:
-            chunk = chunk[max(skip, 0):]
+    def chosen_in(self, start: int, n: int) -> Optional[list[int]]:
+        """The wanted positions among [start, start + n) that are not held yet, ascending;
+        None when every position is wanted (no ``positions``)."""
+        if self._wanted is None:
+            return None
+        lo = bisect.bisect_left(self._wanted, max(start, self.covered))
+        hi = bisect.bisect_left(self._wanted, start + n)
+        return self._wanted[lo:hi]
+
+    def add(self, first_pos: int, chunk: torch.Tensor, count: Optional[int] = None,
+            chosen: Optional[list[int]] = None) -> None:
+        """Record a computed chunk of ``count`` positions starting at ``first_pos``.
+
+        Without ``chosen``, ``chunk`` holds the rows of all of them (``count`` defaults
+        to its length); positions already held (recomputed after a preemption) are
+        skipped. With ``chosen`` (the positions of :meth:`chosen_in`), ``chunk`` holds
+        only their rows."""
+        count = chunk.shape[0] if count is None else count
+        if chosen is None:
+            skip = self.covered - first_pos
+            if skip < chunk.shape[0]:
+                chunk = chunk[max(skip, 0):]
+                self.rows.append(chunk)
+                self.num_rows += chunk.shape[0]
+        elif chosen:
             self.rows.append(chunk)
             self.num_rows += chunk.shape[0]
+            self._held.extend(chosen)
+        self.covered = max(self.covered, first_pos + count)
 
     def result(self) -> torch.Tensor:
-        """The ``[T, vocab]`` rows. Raises RuntimeError if scoring stopped early (aborted)."""
+        """The ``[T, vocab]`` rows, or ``[len(positions), vocab]`` in the order of
+        ``positions``. Raises RuntimeError if scoring stopped early (aborted)."""
         if not self.done:
-            raise RuntimeError(f"scoring did not finish: {self.num_rows} of "
-                               f"{self.num_positions} rows (was the request aborted?)")
-        return torch.cat(self.rows)[: self.num_positions]
+            raise RuntimeError(f"scoring did not finish: {self.covered} of "
+                               f"{self.num_positions} positions (was the request aborted?)")
+        if self._wanted is None:
+            return torch.cat(self.rows)[: self.num_positions]
+        if not self.rows:
+            return torch.empty(0, self.vocab_size, dtype=torch.float32)
+        rows = torch.cat(self.rows)
+        index = {p: i for i, p in enumerate(self._held)}
+        order = [index[p] for p in self.positions]
+        if order == list(range(len(order))):
+            return rows
+        return rows[torch.tensor(order, dtype=torch.int64)]
 
 
 class Request:

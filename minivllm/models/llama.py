@@ -19,7 +19,7 @@ from torch import nn
 
 from minivllm.attention.backends import get_attention_backend
 from minivllm.attention.metadata import AttentionMetadata
-from minivllm.layers.linear import Linear, float_linear
+from minivllm.layers.linear import Linear, _cached_weight, float_linear
 from minivllm.layers.rms_norm import RMSNorm
 from minivllm.layers.rotary_embedding import get_rope
 from minivllm.quantization.kv_cache import LayerKVCache
@@ -37,6 +37,15 @@ def lm_head_ref(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         as vLLM's ``LogitsProcessor`` does; an "fp32 LM head" would cast first.
     """
     return float_linear(hidden, weight, None, False, owner=weight).float()
+
+
+def lm_head_fp32(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The fp32 LM head (``EngineArgs.lm_head_dtype="float32"``) as an "lm_head" step:
+    both inputs are cast to float32 *before* the product, so the logits carry no
+    rounding from a 16-bit matmul output (vllm #18352's mitigation). Same signature and
+    result as the engine's configured path, which keeps the fp32 weight copy between
+    calls instead of casting it every time."""
+    return F.linear(hidden.float(), weight.float())
 
 
 class LlamaAttention(nn.Module):
@@ -207,14 +216,41 @@ class LlamaForCausalLM(nn.Module):
                 m.act_and_mul = silu_and_mul
 
     lm_head_impl = None  # the "lm_head" step when swapped (minivllm.steps)
+    lm_head_dtype = None  # None: the model dtype; torch.float32: set_lm_head_dtype
+
+    def set_lm_head_dtype(self, dtype) -> None:
+        """Run the LM head in ``dtype`` (None: the model dtype; ``torch.float32``: the
+        fp32 LM head of ``EngineArgs.lm_head_dtype``). The fp32 copy of the weight is
+        made here, once, and kept (remade only if the weight tensor is replaced or
+        edited in place); None drops it. A float32 model needs no copy: its head already
+        runs in float32."""
+        if dtype not in (None, torch.float32):
+            raise ValueError(f"lm_head dtype must be None or torch.float32, got {dtype!r}")
+        self.lm_head_dtype = dtype
+        if hasattr(self, "_lm_head_fp32"):
+            del self._lm_head_fp32
+        if dtype is not None:
+            self._fp32_head_weight()
+
+    def _head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+
+    def _fp32_head_weight(self) -> torch.Tensor:
+        return _cached_weight(self, "_lm_head_fp32", self._head_weight(),
+                              lambda w: w.detach().float())
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [rows, hidden] -> logits [rows, vocab] in float32 (the LM head runs in
-        the model dtype, as in vLLM; the sampler works in float32). A swapped "lm_head"
-        step gets ``(hidden, weight)`` (see :func:`lm_head_ref`)."""
-        weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        the model dtype, as in vLLM, unless ``lm_head_dtype`` is float32; the sampler
+        works in float32). A swapped "lm_head" step gets ``(hidden, weight)`` with the
+        weight in the model dtype (see :func:`lm_head_ref`), whatever lm_head_dtype is."""
+        weight = self._head_weight()
         if self.lm_head_impl is not None:
             return self.lm_head_impl(hidden, weight)
+        if self.lm_head_dtype is not None and weight.dtype != torch.float32:
+            # fp32 LM head (lm_head_fp32, with the kept copy): plain F.linear on the
+            # copy (owner=None: no second, oneDNN-packed copy of 113 MB)
+            return float_linear(hidden.float(), self._fp32_head_weight(), None, self.tf32)
         return float_linear(hidden, weight, None, self.tf32, owner=weight).float()
 
     # --- weights ----------------------------------------------------------------------

@@ -54,8 +54,10 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
     # requests whose logits, prompt log-probs, score rows or int8 K/V held NaN/inf
     nonfinite_request_ids: list[str] = field(default_factory=list)
-    # LLM.score requests: (first position, [n, vocab] float32 log-probs or logits)
-    score_rows: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    # LLM.score requests: (first position, [rows, vocab] float32 log-probs or logits,
+    # positions in the chunk, the chosen positions or None: rows for all of them)
+    score_rows: dict[str, tuple[int, torch.Tensor, int, Optional[list[int]]]] = \
+        field(default_factory=dict)
 
 
 def kv_cache_bytes_per_block(model_config: ModelConfig, block_size: int,
@@ -357,14 +359,51 @@ class ModelRunner:
                     bad_ids.add(req.request_id)
             if req.request_id in score_rows:
                 row0, pos0, count = score_rows[req.request_id]
-                rows = self.model.compute_logits(hidden[row0:row0 + count])
+                chosen = req.score.chosen_in(pos0, count)
+                rows = self._score_rows(hidden[row0:row0 + count], pos0, chosen)
                 if not req.score.logits:
                     rows = torch.log_softmax(rows, dim=-1)
-                out.score_rows[req.request_id] = (pos0, rows.cpu())
+                out.score_rows[req.request_id] = (pos0, rows.cpu(), count, chosen)
                 if not bool(torch.isfinite(rows.sum(dim=-1)).all()):
                     bad_ids.add(req.request_id)
         out.nonfinite_request_ids = sorted(bad_ids)
         return out
+
+    # A chunk of at least this many rows runs the LM head of ``LLM.score(positions=)``
+    # on at least this many rows (see _score_rows).
+    SCORE_HEAD_MIN_ROWS = 16
+
+    def _score_rows(self, hidden: torch.Tensor, pos0: int,
+                    chosen: Optional[list[int]]) -> torch.Tensor:
+        """LM-head rows (float32 logits) of a score request's chunk: every row
+        (``chosen`` None), or only the rows at positions ``chosen`` (``LLM.score(...,
+        positions=)``), so that the head and the log-softmax skip the others.
+
+        The chosen rows must equal the same rows of a full score bit for bit. The GEMM
+        of a full chunk has ``len(hidden)`` rows, and a CPU GEMM's per-row result can
+        depend on the row count and on where a row sits in the batch (oneDNN's packed
+        float32 GEMM on this CPU: rows differ at 1-3, 5-7 and 9-11 rows, agree from 12
+        on; bfloat16 agreed at every count). So: a chunk shorter than
+        ``SCORE_HEAD_MIN_ROWS`` runs the head on all its rows (as the full score does)
+        and keeps the chosen ones; a longer chunk runs it on the chosen rows, padded
+        with neighbouring rows of the chunk to at least ``SCORE_HEAD_MIN_ROWS``."""
+        if chosen is None:
+            return self.model.compute_logits(hidden)
+        n = hidden.shape[0]
+        offs = [p - pos0 for p in chosen]
+        if not offs:
+            return hidden.new_empty((0, self.model.vocab_size), dtype=torch.float32)
+        k = self.SCORE_HEAD_MIN_ROWS
+        if n < k or len(offs) >= n:
+            return self.model.compute_logits(hidden)[offs]
+        if len(offs) >= k:
+            return self.model.compute_logits(hidden[offs])
+        picked = set(offs)
+        pad = [i for i in range(n) if i not in picked][: k - len(offs)]
+        head_rows = sorted(picked.union(pad))
+        where = {r: i for i, r in enumerate(head_rows)}
+        logits = self.model.compute_logits(hidden[head_rows])
+        return logits[[where[o] for o in offs]]
 
     def _execute_graph_decode(self, reqs: list[Request],
                               block_tables: dict[str, list[int]]) -> ModelRunnerOutput:
