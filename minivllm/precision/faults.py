@@ -86,3 +86,46 @@ def drop_outputs_on_resume(llm):
 
     with llm.swap_step("scheduler.preempt", preempt):
         yield
+
+
+def decode_attention_softmax_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                   seq_lens: torch.Tensor, scale: float,
+                                   softmax_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Decode attention written out (scores, mask, softmax, weighted sum) with the softmax
+    computed in ``softmax_dtype``: the scores are rounded to it, normalized in it, and the
+    probabilities are cast back to q's dtype for the sum over V. Same signature and
+    layout as ``decode_attention_ref`` (the "attention.decode" step) plus the dtype; with
+    ``softmax_dtype=torch.float32`` it is the reference up to float32 rounding.
+
+    A decode kernel that keeps its probabilities in the activation dtype (bf16/fp16)
+    while the prefill kernel accumulates them in float32 is the classic decode-only bug:
+    the prompt's numbers stay right, every generated token's attention is rounded.
+    """
+    B, H, D = q.shape
+    L, hkv = k.shape[1], k.shape[2]
+    group = H // hkv
+    kk = k.repeat_interleave(group, dim=2)  # [B, L, H, D]: query head h reads KV head h // group
+    vv = v.repeat_interleave(group, dim=2)
+    scores = torch.einsum("bhd,blhd->bhl", q, kk) * scale
+    mask = torch.arange(L, device=q.device)[None, :] < seq_lens[:, None]  # [B, L]
+    scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
+    probs = torch.softmax(scores.to(softmax_dtype), dim=-1)
+    return torch.einsum("bhl,blhd->bhd", probs.to(q.dtype), vv).to(q.dtype)
+
+
+@contextlib.contextmanager
+def decode_softmax_low_precision(llm, layer: int, dtype: torch.dtype = torch.bfloat16):
+    """Compute one layer's **decode** attention softmax in ``dtype`` (the
+    "attention.decode" step of that layer; prefill keeps the reference). A decode-only
+    fault: ``LLM.score(ids, mode="prefill")`` is unchanged, ``mode="decode"`` drifts, and
+    ``layer_diff`` between the two modes names the layer (chapter 6)."""
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32, "
+                         f"got {dtype}")
+    _check_llm(llm, layer)
+
+    def decode(q, k, v, seq_lens, scale):
+        return decode_attention_softmax_dtype(q, k, v, seq_lens, scale, softmax_dtype=dtype)
+
+    with llm.swap_step("attention.decode", decode, where=layer):
+        yield
