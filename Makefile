@@ -4,7 +4,10 @@
 #   make test   the test suite (what CI runs; includes the chapter notebooks and the
 #               nbgrader labs graded both ways)
 #   make lab    JupyterLab on the course, with nbgrader's extensions
-#   make grade  generate, validate and autograde every lab against its fixtures
+#   make grade  autograde every lab against CI's fixtures (solution, released copy, the
+#               lab's own wrong answers; the generic ones for ch01/ch02), exact scores
+#   make grade-all  every lab against EVERY fixture, the generic ones too (exception,
+#               infinite loop, NaN, patched checks): run it before calling a lab done
 #   make lint-docker  hadolint on the images in docker/
 #   make site   the course website into build/site (mkdocs build --strict)
 # Each creates .venv and installs on first use.
@@ -20,10 +23,11 @@ PYTEST_ARGS ?=
 
 LAB_PORT ?= 8888
 
-.PHONY: install demo test test-fast lab grade lint-docker site clean help
+.PHONY: install demo test test-fast lab grade grade-all lint-docker site clean help
 
 help:
-	@echo "make demo | make test | make lab | make grade | make install | make test-fast | make lint-docker | make site | make clean"
+	@echo "make demo | make test | make lab | make grade | make grade-all | make install | make test-fast | make lint-docker | make site | make clean"
+	@echo "  grade: every lab against CI's fixtures; grade-all: every fixture of every lab (before a lab is done)"
 
 # scripts/install.sh is the one install procedure (CI and the Docker images run it too);
 # it creates the venv, installs torch and `pip install -e ".[$(EXTRAS)]"`, and touches the stamp.
@@ -49,8 +53,14 @@ lab: install
 	$(PY) -m grading.grade --prepare-only
 	$(VENV)/bin/jupyter lab --port $(LAB_PORT) --notebook-dir . $(ALLOW_ROOT)
 
+# GRADE_ARGS: e.g. GRADE_ARGS="ch03" (one lab) or GRADE_ARGS="--load 2 ch01" (under load).
+GRADE_ARGS ?=
+
 grade: install
-	$(PY) -m grading.grade
+	$(PY) -m grading.grade $(GRADE_ARGS)
+
+grade-all: install
+	$(PY) -m grading.grade --all $(GRADE_ARGS)
 
 # hadolint (from the dev extra) on every image; must pass clean.
 lint-docker: install

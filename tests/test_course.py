@@ -1,19 +1,21 @@
 """Every chapter notebook executes (jupytext source -> nbclient) on the embedded model.
 
-Times are printed and written to reports/course_times.json (the 60 s budget per chapter
-is tracked there, not asserted: tests do not time things). Each executed notebook is also
-stored where the course website takes its chapters from (docs/notebooks.py), so that
-tests/test_site.py, later in the same run, does not execute them again.
+Times are printed and recorded (grading/course_times.py: build/course_times.json, or
+reports/course_times.json under `python scripts/course_times.py --measure`); the 60 s
+budget per chapter is reported there, not asserted: tests do not time things. Each
+executed notebook is also stored where the course website takes its chapters from
+(docs/notebooks.py), so that tests/test_site.py, later in the same run, does not execute
+them again.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
-import time
 from pathlib import Path
 
 import pytest
+
+from grading import course_times
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = sorted((ROOT / "course").glob("ch*/ch*.py"))
@@ -38,10 +40,10 @@ def test_chapter_executes(path, embedded_model_dir):
     site = _site_notebooks()
     key = site.notebook_key(path)  # the sources this run executes (before they can change)
     nb = jupytext.read(path)
-    t0 = time.perf_counter()
-    nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
-                            resources={"metadata": {"path": str(path.parent)}}).execute()
-    elapsed = time.perf_counter() - t0
+    with course_times.measure() as m:
+        nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+                                resources={"metadata": {"path": str(path.parent)}}).execute()
+    elapsed = m["seconds"]
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
     out = ROOT / "reports" / "course"
     out.mkdir(parents=True, exist_ok=True)
@@ -50,8 +52,5 @@ def test_chapter_executes(path, embedded_model_dir):
     pngs = [o for o in outputs if "image/png" in o.get("data", {})]
     assert pngs, "a chapter shows at least one plot"
     site.store(path, nb, elapsed, key)  # the site (tests/test_site.py) renders this copy
-    report = ROOT / "reports" / "course_times.json"
-    times = json.loads(report.read_text()) if report.exists() else {}
-    times[path.parent.name] = round(elapsed, 1)
-    report.write_text(json.dumps(times, indent=2) + "\n")
-    print(f"{path.parent.name}: executed in {elapsed:.1f} s")
+    course_times.record_chapter(path.parent.name, m)
+    print(f"{path.parent.name}: executed in {elapsed:.1f} s ({m})")

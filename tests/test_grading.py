@@ -1,6 +1,13 @@
-"""Every lab graded both ways with nbgrader: each fixture submission gets exactly its
-expected score, read back from the gradebook (solution full marks, released copy zero,
-wrong / exception / infinite loop / NaN / check-patching at their fixed scores)."""
+"""Every lab graded with nbgrader against its fixtures (grading/fixtures/), as CI grades it:
+the reference solution gets full points on every graded cell and raises nowhere, the
+released copy zero on every graded cell, each lab-specific wrong answer exactly its
+expected score; the generic fixtures (exception, infinite loop, NaN, patched checks) for
+the labs in grading.fixtures.CI_GENERIC_LABS (every lab's: `make grade-all`).
+
+Each lab's grading report goes to reports/grading_<lab>.json (per fixture its score per
+cell and run time, per solution cell its time, cells slower than a quarter of the timeout
+flagged); its times are recorded (grading/course_times.py), not asserted on.
+"""
 
 from __future__ import annotations
 
@@ -11,33 +18,97 @@ from pathlib import Path
 
 import pytest
 
+from grading import course_times, fixtures
+
 ROOT = Path(__file__).resolve().parents[1]
 LABS = sorted(p.stem for p in (ROOT / "grading" / "fixtures").glob("ch*.py"))
 
-pytestmark = pytest.mark.embedded
+
+def test_every_lab_has_fixtures():
+    """CI grades every lab: a lab in labs/source needs grading/fixtures/<lab>.py."""
+    sources = sorted(p.name for p in (ROOT / "labs" / "source").glob("ch*") if p.is_dir())
+    assert sources == LABS, f"labs without fixtures: {sorted(set(sources) - set(LABS))}"
+
+
+def _source_cells(lab: str):
+    import jupytext
+
+    from grading.grade import lab_cells
+
+    (src,) = sorted((ROOT / "labs" / "source" / lab).glob("*.py"))
+    return lab_cells(jupytext.read(src))
 
 
 @pytest.mark.parametrize("lab", LABS)
+def test_fixture_file_matches_the_lab(lab):
+    """Cheap, before any grading: the fixture file follows grading/fixtures/__init__.py's
+    format, edits only solution cells of the lab, states every generic fixture, and its
+    MAX_SCORE is the lab's points."""
+    pytest.importorskip("jupytext")
+    fx = fixtures.load(lab)
+    solutions, points = _source_cells(lab)
+    fixtures.check_lab(fx, solutions, points)
+    kinds = [f.kind for f in fx.FIXTURES.values()]
+    assert kinds.count("specific") >= 1, "a lab needs at least one lab-specific fixture"
+    assert sorted(n for n, f in fx.FIXTURES.items() if f.kind == "generic") == \
+        sorted(fixtures.GENERIC_FIXTURES)
+    assert fx.FIXTURES["solution"].score == fx.MAX_SCORE and fx.FIXTURES["release"].score == 0
+
+
+def test_generic_fixtures_build_from_a_solution_cell():
+    code = "def f(x: int) -> float:\n    y = x + 1\n    return y / 2\n"
+    made = {n: g.make(code) for n, g in fixtures.GENERIC_FIXTURES.items()}
+    ns: dict = {}
+    exec(made["nan"], ns)
+    assert ns["f"](3) != ns["f"](3)  # NaN
+    ns = {}
+    exec(made["exception"], ns)
+    with pytest.raises(RuntimeError):
+        ns["f"](3)
+    assert made["infinite_loop"].startswith("while True:")
+    assert "_torch.allclose = " in made["patch_checks"] and "return float('nan')" in \
+        made["patch_checks"]
+    ns = {}
+    exec(fixtures.GENERIC_FIXTURES["nan"].make("answer = 42\n"), ns)  # a cell with no def
+    assert ns["answer"] != ns["answer"]
+
+
+@pytest.mark.embedded
+@pytest.mark.parametrize("lab", LABS)
 def test_lab_fixtures_get_exact_scores(lab, tmp_path, embedded_model_dir):
     pytest.importorskip("nbgrader")
-    proc = subprocess.run([sys.executable, "-m", "grading.grade", lab, "--course-root",
-                           str(tmp_path / "course")], cwd=ROOT, capture_output=True, text=True,
-                          timeout=1500)
-    print(proc.stdout[-4000:])
+    fx = fixtures.load(lab)
+    with course_times.measure() as m:
+        proc = subprocess.run([sys.executable, "-m", "grading.grade", lab, "--course-root",
+                               str(tmp_path / "course")], cwd=ROOT, capture_output=True,
+                              text=True, timeout=1500)
+    print(proc.stdout[-6000:])
     assert proc.stdout.strip(), proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     (lab_result,) = result["labs"]
     report = ROOT / "reports" / f"grading_{lab}.json"
     report.parent.mkdir(exist_ok=True)
     report.write_text(json.dumps(lab_result, indent=2) + "\n")
-    wrong = {f["fixture"]: (f["expected"], f["score"]) for f in lab_result["fixtures"] if not f["ok"]}
-    assert not wrong, f"fixture (expected, got): {wrong}\n{proc.stderr[-3000:]}"
+    course_times.record_lab(lab_result, m)
     by = {f["fixture"]: f for f in lab_result["fixtures"]}
-    assert by["solution"]["score"] == by["solution"]["max_score"]
-    assert all(v == 0 for v in by["release"]["cells"].values())
+    # what CI grades: solution, released copy, every lab-specific fixture; the generic
+    # ones where CI_GENERIC_LABS says so
+    assert list(by) == fixtures.select(lab, fx.FIXTURES)
+    assert any(f["kind"] == "specific" for f in by.values())
+    if lab in fixtures.CI_GENERIC_LABS:
+        assert set(fixtures.GENERIC_FIXTURES) <= set(by)
+    wrong = {n: (f["expected"], f["score"]) for n, f in by.items()
+             if f["score"] != f["expected"]}
+    assert not wrong, f"fixture (expected, got): {wrong}\n{proc.stderr[-3000:]}"
+    sol, rel = by["solution"], by["release"]
+    assert sol["score"] == sol["max_score"] == fx.MAX_SCORE
+    assert sol["cells"] and sol["cells"] == sol["cell_max"], sol["cells"]  # per graded cell
+    assert rel["cells"] and all(v == 0 for v in rel["cells"].values()), rel["cells"]
+    assert lab_result["ok"], lab_result["problems"]
     assert proc.returncode == 0
 
 
+@pytest.mark.embedded
 def test_prepare_only_releases_labs_to_a_local_exchange(tmp_path):
     """What `make lab` runs: every lab is generated and released to the exchange, so the
     Assignment List can fetch it (student copy: no solutions, no hidden tests) on one

@@ -1,0 +1,216 @@
+"""Measured run times of the course: each chapter notebook, each lab (its solution, and
+what grading it costs CI), and the rest of the test suite; budgets and the CI projection.
+
+Recorded by the tests that run them (``tests/test_course.py`` for chapters,
+``tests/test_grading.py`` for labs) into the JSON file named by ``$MINIVLLM_COURSE_TIMES``
+(default ``build/course_times.json``, scratch), one entry per item with the date and the
+machine's load average; ``scripts/course_times.py --measure`` runs the whole suite with it
+set to ``reports/course_times.json`` (committed: measured on an idle machine) and records the
+suite's wall time. ``scripts/course_times.py`` prints the budgets against the numbers.
+No test asserts on time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMITTED = ROOT / "reports" / "course_times.json"
+SCRATCH = ROOT / "build" / "course_times.json"
+ENV = "MINIVLLM_COURSE_TIMES"
+
+# Budgets on an idle 2-core machine.
+CHAPTER_BUDGET_S = 60.0
+LAB_SOLUTION_BUDGET_S = 30.0
+CI_BUDGET_S = 60 * 60.0
+TARGET_CHAPTERS = TARGET_LABS = 30
+BUSY_SHARE = 0.10  # others' share of the CPU above which a measurement is not "idle"
+# CI outside pytest (fresh install with scripts/install.sh, Chromium, hadolint): README's
+# fresh-clone run took 15 min in all, of which the tests 13 min 32 s.
+CI_OVERHEAD_S = 15 * 60.0 - (13 * 60 + 32)
+
+
+def path() -> Path:
+    return Path(os.environ.get(ENV) or SCRATCH)
+
+
+def load(p: Path | None = None) -> dict:
+    p = p or path()
+    try:
+        data = json.loads(p.read_text())
+    except (FileNotFoundError, ValueError):
+        return {}
+    # entries of the older flat format ({chapter: seconds}) are dropped
+    return {k: v for k, v in data.items() if isinstance(v, dict)}
+
+
+def machine() -> dict:
+    return {"cpus": os.cpu_count(), "machine": platform.machine(),
+            "python": platform.python_version()}
+
+
+def _busy_jiffies() -> float | None:
+    """CPU time all processes used since boot, in seconds (Linux /proc/stat)."""
+    try:
+        fields = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+@contextlib.contextmanager
+def measure():
+    """Times the block: fills the dict it yields with ``seconds``, ``load_1m_before`` and
+    ``others_cpu_share``, the share of the machine's CPU time that processes other than
+    this one and its (waited-for) children used meanwhile: about 0 on an idle machine.
+    The load average, by contrast, also counts the measured run and the one before it."""
+    out: dict = {}
+    load0, busy0, own0, t0 = os.getloadavg()[0], _busy_jiffies(), _own_cpu(), time.perf_counter()
+    try:
+        yield out
+    finally:
+        wall = time.perf_counter() - t0
+        busy1 = _busy_jiffies()
+        out.update(seconds=round(wall, 1), load_1m_before=round(load0, 2))
+        if busy0 is not None and busy1 is not None and wall > 0:
+            others = (busy1 - busy0) - (_own_cpu() - own0)
+            out["others_cpu_share"] = round(max(0.0, others) / (wall * (os.cpu_count() or 1)), 2)
+
+
+def stamp() -> dict:
+    """Date, load average (1, 5, 15 min) now, the machine."""
+    return {"measured": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "load_avg": [round(x, 2) for x in os.getloadavg()], **machine()}
+
+
+@contextlib.contextmanager
+def _locked(p: Path):
+    p.parent.mkdir(parents=True, exist_ok=True)
+    with open(p.with_name(p.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def record(key: str, entry: dict, p: Path | None = None) -> Path:
+    """Replace ``key``'s entry (adds the date and load average), keeping the others."""
+    p = p or path()
+    with _locked(p):
+        data = load(p)
+        data[key] = {**entry, **stamp()}
+        tmp = p.with_name(p.name + ".tmp")
+        tmp.write_text(json.dumps(dict(sorted(data.items())), indent=2) + "\n")
+        tmp.replace(p)
+    return p
+
+
+def record_chapter(name: str, m: dict) -> Path:
+    """A chapter: ``m`` from :func:`measure` around its notebook's execution."""
+    return record(f"chapters/{name}", {"kind": "chapter", **m})
+
+
+def record_lab(result: dict, m: dict) -> Path:
+    """A lab, from ``grading.grade``'s result and :func:`measure` around grading it as CI
+    does: ``seconds`` is its solution's run time (first cell to last, in the grading
+    kernel), ``ci_s`` what grading it took CI, ``generic_s`` of which the generic
+    fixtures ran (only some labs run them in CI)."""
+    fx = {f["fixture"]: f for f in result["fixtures"]}
+    sol = fx.get("solution") or {}
+    generic = sum(f["run_s"] or 0 for f in result["fixtures"] if f["kind"] == "generic")
+    return record(f"labs/{result['lab']}", {
+        "kind": "lab", "seconds": result.get("solution_run_s"),
+        "solution_cells": sol.get("cell_s", {}),
+        "ci_s": m["seconds"], "generic_s": round(generic, 1),
+        "fixture_run_s": {n: f["run_s"] for n, f in fx.items()},
+        "timeout_s": result.get("timeout_s"), "slow_cells": result.get("slow_cells", {}),
+        **{k: v for k, v in m.items() if k != "seconds"}})
+
+
+def record_suite(m: dict, args: list[str], p: Path) -> Path:
+    """The whole test suite's wall time (``m`` from :func:`measure`)."""
+    return record("suite", {"kind": "suite", "pytest_args": args, **m}, p)
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def report(data: dict) -> tuple[str, dict]:
+    """The budgets against the numbers, as text, and a summary dict."""
+    chapters = {k.split("/", 1)[1]: v for k, v in data.items() if v.get("kind") == "chapter"}
+    labs = {k.split("/", 1)[1]: v for k, v in data.items() if v.get("kind") == "lab"}
+    suite = data.get("suite")
+    lines = ["| item | measured s | budget s | over | others' CPU share | load avg 1 min "
+             "(before; after) | date |", "|---|---|---|---|---|---|---|"]
+    over = []
+
+    def row(name, e, budget):
+        s = e.get("seconds")
+        is_over = s is not None and s > budget
+        if is_over:
+            over.append(name)
+        lines.append(f"| {name} | {s} | {budget:g} | {'**OVER**' if is_over else ''} | "
+                     f"{e.get('others_cpu_share', '?')} | {e.get('load_1m_before')}; "
+                     f"{(e.get('load_avg') or ['?'])[0]} | {e.get('measured', '?')} |")
+
+    for n, e in sorted(chapters.items()):
+        row(f"chapter {n}", e, CHAPTER_BUDGET_S)
+    for n, e in sorted(labs.items()):
+        row(f"lab {n} (solution)", e, LAB_SOLUTION_BUDGET_S)
+    ch_total = sum(e["seconds"] for e in chapters.values())
+    lab_sol_total = sum(e.get("seconds") or 0 for e in labs.values())
+    lab_ci_total = sum(e.get("ci_s") or 0 for e in labs.values())
+    out = [f"Measured: {len(chapters)} chapters {ch_total:.0f} s, {len(labs)} lab solutions "
+           f"{lab_sol_total:.0f} s (grading them in CI: {lab_ci_total:.0f} s)"
+           + (f", whole test suite {suite['seconds']:.0f} s." if suite else "."), ""]
+    out += lines
+    out += ["", f"Over budget (chapter <= {CHAPTER_BUDGET_S:g} s, lab solution <= "
+                f"{LAB_SOLUTION_BUDGET_S:g} s, idle 2-core machine): "
+                + (", ".join(over) if over else "none")]
+    busy = sorted(k for k, e in data.items() if (e.get("others_cpu_share") or 0) > BUSY_SHARE)
+    if busy:
+        out.append(f"NOT an idle machine's numbers (other processes used over "
+                   f"{BUSY_SHARE:.0%} of the CPU meanwhile): {', '.join(busy)}")
+    summary = {"over": over, "busy": busy}
+    # CI projected to the full course: chapters at their measured mean; labs at their
+    # measured mean CI cost without the generic fixtures (which only ch01/ch02 run in CI),
+    # plus what those cost where measured; the rest of the suite as measured.
+    mean_ch = _mean([e["seconds"] for e in chapters.values()])
+    mean_lab = _mean([(e.get("ci_s") or 0) - (e.get("generic_s") or 0) for e in labs.values()])
+    generic_ci = sum(e.get("generic_s") or 0 for e in labs.values())
+    out.append("")
+    if suite and mean_ch is not None and mean_lab is not None:
+        rest = suite["seconds"] - ch_total - lab_ci_total
+        proj = (CI_OVERHEAD_S + rest + TARGET_CHAPTERS * mean_ch + TARGET_LABS * mean_lab
+                + generic_ci)
+        summary.update(projected_ci_s=round(proj), rest_s=round(rest),
+                       mean_chapter_s=round(mean_ch, 1), mean_lab_ci_s=round(mean_lab, 1))
+        out += [f"CI projected to {TARGET_CHAPTERS} chapters and {TARGET_LABS} labs: "
+                f"{proj / 60:.1f} min against the {CI_BUDGET_S / 60:.0f}-minute budget "
+                f"({'OVER' if proj > CI_BUDGET_S else 'within'})",
+                f"  = {CI_OVERHEAD_S:.0f} s outside pytest (install, hadolint; README's "
+                f"fresh-clone run)",
+                f"  + {rest:.0f} s the rest of the test suite (suite {suite['seconds']:.0f} s "
+                f"minus the chapters and the lab grading, measured {suite.get('measured')})",
+                f"  + {TARGET_CHAPTERS} x {mean_ch:.1f} s per chapter (mean of "
+                f"{len(chapters)})",
+                f"  + {TARGET_LABS} x {mean_lab:.1f} s per lab graded in CI (mean of "
+                f"{len(labs)}: solution, released copy, lab-specific fixtures)",
+                f"  + {generic_ci:.0f} s the generic fixtures of "
+                f"{', '.join(sorted(n for n, e in labs.items() if e.get('generic_s')))}"]
+    else:
+        out.append("CI projection: needs chapters, labs and the suite's total "
+                   "(python scripts/course_times.py --measure)")
+    return "\n".join(out), summary
