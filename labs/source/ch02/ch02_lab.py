@@ -14,14 +14,25 @@
 # # Lab 2: size the engine so a workload never preempts
 #
 # In chapter 2 a KV pool that was too small for the running requests forced preemptions
-# (evict, then recompute). Here you size the engine from first principles: how many bytes
-# a block costs, how many blocks a workload needs at worst, and the most concurrency a
-# memory budget allows with **zero** preemptions.
+# (evict, then recompute). In float32 the recomputed requests came back with the same
+# tokens; that is not something to rely on. The engine build in this lab carries a
+# **preemption bug** of a kind vLLM has had (#16832: outputs wrong after a RECOMPUTE
+# preemption; PR #5349, vllm-gaudi PR #524): a preempted request forgets the tokens it
+# had generated, starts its answer again, and its output holds the first part twice. It
+# is planted through the step registry (`faults.drop_outputs_on_resume`, the
+# "scheduler.preempt" step); chapter 8 fixes it. Until then, the way to keep every answer
+# right is a sizing that never preempts.
+#
+# You size the engine from first principles: how many bytes a block costs, how many
+# blocks a workload needs at worst, and the most concurrency a memory budget allows with
+# **zero** preemptions.
 #
 # 1. `kv_bytes_per_block(...)`: 3 points;
 # 2. `blocks_needed(prompt_lens, max_tokens, block_size, max_num_seqs)`: 3 points;
 # 3. `size_engine(prompt_lens, max_tokens, block_size, budget_bytes)`: 4 points, checked
-#    by running the engine on a workload you have not seen.
+#    by running the buggy engine with your sizing on a workload you have not seen: every
+#    answer must equal the answer of an engine with ample memory, and an undersized
+#    engine must fail that same check.
 #
 # Run the cells in order. Do not edit the setup and test cells.
 
@@ -33,8 +44,10 @@ import grading.checks as checks  # first import: records the original functions
 import torch
 
 from minivllm import LLM, SamplingParams
+from minivllm.precision import faults
 
 MODEL = "smollm2-135m-instruct"
+PREEMPTION_BUG = faults.drop_outputs_on_resume  # planted in every engine the grader sizes
 _ref_engine = LLM(MODEL, dtype="float32", num_gpu_blocks_override=512, max_model_len=1024)
 CFG = _ref_engine.llm_engine.model_config  # num_layers, num_kv_heads, head_dim
 tok = _ref_engine.get_tokenizer()
@@ -136,8 +149,10 @@ for _case in range(5):
 # Given a workload and a KV memory budget in bytes (float32 KV cache), return
 # `{"num_gpu_blocks_override": B, "max_num_seqs": S}` with the **largest** `S` (at most
 # the number of prompts) for which `B = blocks_needed(...)` blocks fit in the budget.
-# The grader runs the engine with your numbers: it must not preempt, must stay within
-# the budget, and must give the same greedy tokens as an engine with ample memory.
+# The grader runs the engine with your numbers and the preemption bug planted: it must
+# not preempt, must stay within the budget, and must give the same greedy tokens as an
+# engine with ample memory. It then runs an engine two blocks smaller the same way and
+# checks that it fails (so the check can tell a right sizing from a wrong one).
 # Raise `ValueError` if not even one request fits.
 
 # %% nbgrader={"grade": false, "grade_id": "size_engine", "locked": false, "schema_version": 3, "solution": true, "task": false}
@@ -176,13 +191,28 @@ _budget = (sum(_needs[:4]) + 1) * _per  # room for exactly 4 at once
 _cfg = size_engine(_lens, _mt, _bs, _budget)
 checks.equal("max_num_seqs for the unseen workload", _cfg.get("max_num_seqs"), 4)
 checks.at_most("KV bytes of your engine", _cfg["num_gpu_blocks_override"] * _per, _budget)
-_e = LLM(MODEL, dtype="float32", block_size=_bs, max_model_len=128, **_cfg)
 _p = SamplingParams(temperature=0.0, max_tokens=_mt, ignore_eos=True)
-_got = [o.outputs[0].token_ids for o in _e.generate(_prompts, _p)]
-checks.equal("preemptions with your sizing", _e.stats.num_preemptions, 0)
 _want = [o.outputs[0].token_ids for o in _ref_engine.generate(_prompts, _p)]
-checks.equal("requests whose greedy tokens differ from the ample-memory engine",
-             sum(a != b for a, b in zip(_got, _want)), 0)
+
+
+def _run_with_bug(cfg):
+    """(preemptions, requests whose greedy tokens differ from the ample engine)"""
+    e = LLM(MODEL, dtype="float32", block_size=_bs, max_model_len=128, **cfg)
+    with PREEMPTION_BUG(e):
+        got = [o.outputs[0].token_ids for o in e.generate(_prompts, _p)]
+    return e.stats.num_preemptions, sum(a != b for a, b in zip(got, _want))
+
+
+_pre, _bad = _run_with_bug(_cfg)
+_small = dict(_cfg, num_gpu_blocks_override=_cfg["num_gpu_blocks_override"] - 2)
+_pre_small, _bad_small = _run_with_bug(_small)
+print(f"your sizing {_cfg}: {_pre} preemptions, {_bad} of {len(_prompts)} answers wrong; "
+      f"two blocks fewer: {_pre_small} preemptions, {_bad_small} wrong")
+if _bad_small == 0:
+    raise checks.CheckFailed("the check does not discriminate: the undersized engine gave "
+                             "every answer right")
+checks.equal("preemptions with your sizing", _pre, 0)
+checks.equal("requests whose greedy tokens differ from the ample-memory engine", _bad, 0)
 try:
     size_engine(_lens, _mt, _bs, _per)  # one block cannot hold any request
 except ValueError:
