@@ -211,20 +211,40 @@ for kv, e in engines.items():
           f"{cfg.num_blocks * cfg.block_size:6d} tokens fit in the same 192 MiB")
 
 # %% [markdown]
-# ## 6. Claim vs measurement
+# ## 6. The seed's own setting: an fp16 model with an "FP32 KV cache"
 #
-# | the seed says | what we measured here |
-# |---|---|
-# | FP16 KV cache degrades answers after ~10 turns | float16 KV: KL tiny and not growing with the turn (plot above); greedy answers as in the table in section 3 |
-# | the error accumulates turn by turn | rounding happens once per stored entry; KL per turn stays flat for every dtype |
-# | an FP32 KV cache fixes it | true by construction (KL 0), at 2x the memory of fp16 |
-# | (implied) low-precision KV is harmless | not for fp8 without scales: clearly above the noise floor and greedy answers diverge within a few tokens |
+# Everything above kept float32 weights and changed only the cache. The seed's service
+# ran an **fp16 model**. There, K and V are *computed* in float16 (the K/V projections
+# output float16), so storing them in a float32 cache keeps exactly the same numbers: a
+# float16 value converts to float32 exactly, and the engine converts it back to float16
+# before attention reads it. Measure it: the same tokens scored by an fp16 model with a
+# float16 cache and with a float32 cache.
+
+# %%
+m16 = {kv: LLM(MODEL, dtype="float16", kv_cache_dtype=kv, max_model_len=256,
+               kv_cache_memory_bytes=16 << 20) for kv in ("float16", "float32")}
+ids16 = seqs[0][:128]
+logits16 = {kv: e.score(ids16, output="logits") for kv, e in m16.items()}
+same16 = torch.equal(logits16["float16"], logits16["float32"])
+print(f"fp16 model, {len(ids16)} tokens: logits with a float32 KV cache bit-identical to a "
+      f"float16 KV cache: {same16} (max |diff| "
+      f"{(logits16['float16'] - logits16['float32']).abs().max().item():.1e})")
+kl16 = metrics.mean_kl(base_rows[0][:len(ids16)], torch.log_softmax(logits16["float16"], -1))
+print(f"the fp16 model itself vs the float32 engine: mean KL {kl16:.2e} nats "
+      f"(the float16 *KV cache* alone: {summary['float16'][0].mean_kl:.2e})")
+del m16
+
+# %% [markdown]
+# So in the seed's setting the fix changed nothing that attention reads. It could not
+# even be configured as told: vLLM 0.4.2, the seed's version, accepted only
+# `--kv-cache-dtype {auto,fp8}` (docs.vllm.ai/en/v0.4.2/models/engine_args.html), and
+# later releases `{auto,fp8,fp8_e5m2,fp8_e4m3}`; `auto` means "the model's dtype". No
+# version checked accepts `float32` (minivllm does, for teaching). An fp32 KV cache in
+# vLLM means serving the model with `--dtype float32`: the weights change too, and that,
+# not the cache, is what moves the numbers (the second line above).
 #
-# Two honest caveats. First, the seed's model was an **fp16 model**, and in transformers
-# an fp16 model keeps an fp16 KV cache: there is no hidden fp32 cache to "switch back
-# to", as the next cell shows. Second, real degradation after many turns is more often
-# a context-length or prompt-template problem (truncation, a lost system prompt) than
-# KV rounding; chapter 26 measures those.
+# transformers behaves the same way: an fp16 model keeps an fp16 KV cache, there is no
+# hidden fp32 cache to "switch back to":
 
 # %%
 hf16 = ref.model.to(torch.float16)
@@ -234,6 +254,26 @@ cache = out.past_key_values
 layer0 = cache.layers[0].keys if hasattr(cache, "layers") else cache[0][0]
 print("transformers fp16 model: KV cache dtype =", layer0.dtype)
 ref.model.to(torch.float32)
+
+# %% [markdown]
+# ## 7. Claim vs measurement
+#
+# | the seed says | what we measured here |
+# |---|---|
+# | FP16 KV cache degrades answers after ~10 turns | float16 KV: KL tiny and not growing with the turn (plot above); greedy answers as in the table in section 3 |
+# | the error accumulates turn by turn | rounding happens once per stored entry; KL per turn stays flat for every dtype |
+# | switching the KV cache to FP32 fixed it | with the seed's fp16 model the logits are **bit-identical** with a float32 cache (section 6): the switch changed nothing; `float32` is not a vLLM `--kv-cache-dtype` value (0.4.2: `auto`, `fp8`) |
+# | an FP32 KV cache removes KV rounding | true for float32 weights, by construction (KL 0 against the float32 engine) |
+# | the cost: "memory +30 %, concurrency 32 -> 24" | vLLM preallocates the KV pool (`gpu_memory_utilization`), so memory use does not grow; a float32 cache holds half the tokens of float16 in the same pool (section 5), so at a fixed `max_model_len` concurrency halves: 32 -> 16, not 24 |
+# | degradation starts after ~2000 tokens | not tested here: the conversation above has 795 tokens; its per-turn KL shows no trend to extrapolate |
+# | (implied) low-precision KV is harmless | not for fp8 without scales: clearly above the noise floor and greedy answers diverge within a few tokens |
+#
+# The "PPL ratio" column above is the candidate's perplexity over the float32 engine's on
+# the conversation's own tokens; 0.9999 for float16 is noise around 1, not an
+# improvement. How much KL is too much in practice, and how to tell noise from an
+# anomaly, is chapter 4's subject. And real degradation after many turns is more often a
+# context-length or prompt-template problem (truncation, a lost system prompt) than KV
+# rounding; chapter 26 measures those.
 
 # %% [markdown]
 # ## Common misconceptions
@@ -247,9 +287,10 @@ ref.model.to(torch.float32)
 #
 # ## Lab
 #
-# `labs/source/ch01/` asks you to build this comparison yourself and choose the cheapest
-# KV-cache configuration that keeps the mean KL under a threshold on conversations you
-# have not seen.
+# `labs/source/ch01/` starts from the broken configuration (fp8 e4m3 without scales) and
+# asks you to build this comparison yourself and restore accuracy at the lowest cost: the
+# cheapest KV cache whose mean KL stays under a budget on conversations you have not seen
+# (float16 and bfloat16 cost the same; the measurement decides).
 
 # %%
 print(f"chapter 1 ran in {time.perf_counter() - T0:.0f} s")
