@@ -93,6 +93,7 @@ def mean_kl(ref: torch.Tensor, cand: torch.Tensor) -> float:
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_mean_kl_visible", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
 # KL([.5, .5] || [.25, .75]) = .5 ln 2 + .5 ln(2/3), by hand
@@ -103,6 +104,7 @@ checks.close("mean_kl on the worked example", mean_kl(_ref, _cand), 0.1438410362
 print("visible test passed")
 
 # %% nbgrader={"grade": true, "grade_id": "test_mean_kl_hidden", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
 ### BEGIN HIDDEN TESTS
@@ -139,6 +141,7 @@ def kv_drift(kv_cache_dtype: str, seqs: list) -> float:
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_kv_drift_visible", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
 from minivllm.precision import metrics as _m
@@ -151,6 +154,7 @@ checks.close("kv_drift('float32', example_seqs)", kv_drift("float32", example_se
 print("visible test passed")
 
 # %% nbgrader={"grade": true, "grade_id": "test_kv_drift_hidden", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
 ### BEGIN HIDDEN TESTS
@@ -184,6 +188,7 @@ def choose_kv_cache_dtype(seqs: list, max_kl: float) -> str:
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_choose_visible", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
 # fp8 without scales moves distributions a lot; 16-bit formats far less
@@ -194,6 +199,7 @@ checks.equal("choose_kv_cache_dtype(example_seqs, max_kl=0.0)",
 print("visible test passed")
 
 # %% nbgrader={"grade": true, "grade_id": "test_choose_hidden", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
 ### BEGIN HIDDEN TESTS
@@ -233,6 +239,7 @@ for _budget, _want in ((_d["fp8_e4m3"] * 1.01, "fp8_e4m3"), (_d[_hi16] * 1.01, _
 # check and must fail it, which shows the check can tell them apart.
 
 # %% nbgrader={"grade": true, "grade_id": "test_restore", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
 ### BEGIN HIDDEN TESTS

@@ -84,6 +84,7 @@ def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_kv_bytes_visible", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
 # SmolLM2-135M, 16-token blocks, float32: 2 * 30 * 16 * 3 * 64 * 4
@@ -91,6 +92,7 @@ checks.equal("kv_bytes_per_block(30, 3, 64, 16, 4)", kv_bytes_per_block(30, 3, 6
 print("visible test passed")
 
 # %% nbgrader={"grade": true, "grade_id": "test_kv_bytes_hidden", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
 ### BEGIN HIDDEN TESTS
@@ -123,6 +125,7 @@ def blocks_needed(prompt_lens: list, max_tokens: int, block_size: int, max_num_s
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_blocks_visible", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
 # needs: ceil(26/16)=2, ceil(40/16)=3, ceil(17/16)=2; two at once: 3 + 2
@@ -131,6 +134,7 @@ checks.equal("blocks_needed([10, 24, 1], 16, 16, 8)", blocks_needed([10, 24, 1],
 print("visible test passed")
 
 # %% nbgrader={"grade": true, "grade_id": "test_blocks_hidden", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
 ### BEGIN HIDDEN TESTS
@@ -171,6 +175,7 @@ def size_engine(prompt_lens: list, max_tokens: int, block_size: int, budget_byte
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_size_visible", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
 _cfg = size_engine([10, 24, 1], 16, 16, 5 * 737280)
@@ -179,6 +184,7 @@ checks.equal("size_engine([10, 24, 1], 16, 16, 5 blocks of memory)", _cfg,
 print("visible test passed")
 
 # %% nbgrader={"grade": true, "grade_id": "test_size_hidden", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
 ### BEGIN HIDDEN TESTS

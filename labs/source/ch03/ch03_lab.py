@@ -125,6 +125,7 @@ def decode_bits(bits: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_decode_visible", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
 # e4m3 by hand: 0x38 = 0.0111.000 -> 2^(7-7) = 1; 0x01 = the smallest subnormal 2^-9;
@@ -146,6 +147,7 @@ checks.equal("decode_bits(0x0001, float16)", decode_bits(torch.tensor([0x0001]),
 print("visible test passed")
 
 # %% nbgrader={"grade": true, "grade_id": "test_decode_hidden", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
 ### BEGIN HIDDEN TESTS
@@ -262,6 +264,7 @@ def round_to(x: torch.Tensor, fmt: FloatFormat, saturate: bool = False) -> torch
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_round_visible", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
 # e4m3 near 1 has spacing 1/8: 1.1 -> 1.125 (nearest, not 1.0); 1.0625 is a tie between
@@ -292,6 +295,7 @@ for _f in (E4M3, E5M2, FP16, BF16):
 print("visible test passed")
 
 # %% nbgrader={"grade": true, "grade_id": "test_round_hidden", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
 ### BEGIN HIDDEN TESTS
@@ -377,6 +381,7 @@ def kv_quantize_e4m3(x: torch.Tensor, cache_dtype: torch.dtype, scale=1.0) -> to
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_kv_quantize_visible", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
 from minivllm.quantization.kv_cache import quantize_kv as _ref_q
@@ -398,6 +403,7 @@ for _s in (1.0, 0.05):
 print("visible test passed")
 
 # %% nbgrader={"grade": true, "grade_id": "test_kv_quantize_engine", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
 ### BEGIN HIDDEN TESTS

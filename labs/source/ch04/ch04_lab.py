@@ -80,6 +80,7 @@ def topk_overlap(ref: torch.Tensor, cand: torch.Tensor, k: int = 5) -> float:
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_topk_visible", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
 _r = torch.tensor([[4.0, 3.0, 2.0, 1.0], [1.0, 2.0, 3.0, 4.0]])
@@ -90,6 +91,7 @@ checks.close("topk_overlap(x, x, k=4)", topk_overlap(_r, _r, 4), 1.0, rtol=1e-12
 print("visible test passed")
 
 # %% nbgrader={"grade": true, "grade_id": "test_topk_hidden", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
 ### BEGIN HIDDEN TESTS
@@ -150,6 +152,7 @@ def is_anomaly(base_rows, cand_rows, noise_rows, groups) -> str:
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_is_anomaly_visible", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
 from minivllm.precision.noise import permuted_mlp_reduction
@@ -166,6 +169,7 @@ checks.equal("is_anomaly(base, the noise floor itself, noise floor, groups)",
 print("visible test passed")
 
 # %% nbgrader={"grade": true, "grade_id": "test_is_anomaly_hidden", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
 ### BEGIN HIDDEN TESTS
@@ -244,6 +248,7 @@ def fp32_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_fp32_logits_visible", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
 # 1 + 2^-8 is exact in float32 but not in bf16 (8 significant bits): it rounds to 1.0
@@ -256,6 +261,7 @@ checks.close("logit 0 of the worked example (1 + 2^-8)", _out[0, 0].item(), 1.00
 print("visible test passed")
 
 # %% nbgrader={"grade": true, "grade_id": "test_fp32_logits_hidden", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
 ### BEGIN HIDDEN TESTS
@@ -294,6 +300,7 @@ checks.close("fp32_logits on the model's tied weight vs the engine's fp32 head",
 # removes the head's share only, as the chapter showed (errors add in quadrature).
 
 # %% nbgrader={"grade": true, "grade_id": "test_restore", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
 ### BEGIN HIDDEN TESTS

@@ -88,6 +88,7 @@ def position_kl(llm: LLM, ids: list) -> torch.Tensor:
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_position_kl_visible", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
 with broken():
@@ -100,6 +101,7 @@ for _t in (1, len(example_ids) // 2, len(example_ids) - 1):
 print(f"visible test passed: mean KL {float(_kl.mean()):.2e} nats")
 
 # %% nbgrader={"grade": true, "grade_id": "test_position_kl_hidden", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
 ### BEGIN HIDDEN TESTS
@@ -151,6 +153,7 @@ def locate_decode_fault(llm: LLM, ids: list):
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_locate_visible", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
 with broken():
@@ -159,6 +162,7 @@ checks.equal(f"locate_decode_fault with the fault in layer {FAULT_LAYER}", _foun
 print("visible test passed")
 
 # %% nbgrader={"grade": true, "grade_id": "test_locate_hidden", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
 ### BEGIN HIDDEN TESTS
@@ -211,6 +215,7 @@ def decode_attention_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_decode_step_visible", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
 _g = torch.Generator().manual_seed(6)
@@ -227,6 +232,7 @@ checks.at_most("max |decode_attention_fp32 - decode_attention_ref| (B=2, H=9, Hk
 print("visible test passed")
 
 # %% nbgrader={"grade": true, "grade_id": "test_decode_step_hidden", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
 ### BEGIN HIDDEN TESTS
@@ -276,6 +282,7 @@ checks.at_most("max |result - float64 attention| on bfloat16 inputs (one bf16 ro
 # check and must fail it, which shows the check can tell them apart.
 
 # %% nbgrader={"grade": true, "grade_id": "test_restore", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
 ### BEGIN HIDDEN TESTS

@@ -167,6 +167,7 @@ def round_tf32(x: torch.Tensor, mode: str = "rne") -> torch.Tensor:
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_round_visible", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
 _x = torch.tensor([1024.5, 1025.5, 1024.25, 1024.75, -1024.5, float("inf")])
@@ -181,6 +182,7 @@ checks.equal("round_tf32 returns float32", round_tf32(torch.ones(3)).dtype, torc
 print("visible test passed")
 
 # %% nbgrader={"grade": true, "grade_id": "test_round_hidden", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
 ### BEGIN HIDDEN TESTS
@@ -259,6 +261,7 @@ MODE_53635 = "rna"
 ### END SOLUTION
 
 # %% nbgrader={"grade": true, "grade_id": "test_mode_53635", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
 checks.one_of("MODE_53635", MODE_53635, ["rne", "rna", "truncate"])
@@ -294,6 +297,7 @@ def split_tf32_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_split_visible", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
 _g = torch.Generator().manual_seed(5)
@@ -317,6 +321,7 @@ checks.at_most("split_tf32_matmul error / float32 error", _err(_y) / _e32, 4.0)
 print("visible test passed")
 
 # %% nbgrader={"grade": true, "grade_id": "test_split_hidden", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
 ### BEGIN HIDDEN TESTS
@@ -385,6 +390,7 @@ def tf32x3_steps() -> dict:
 
 
 # %% nbgrader={"grade": true, "grade_id": "test_steps_visible", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
 from minivllm.steps import STEPS as _STEPS
@@ -409,6 +415,7 @@ checks.at_most("linear step error / float32 linear's", _e / _e32, 4.0)
 print("visible test passed; steps:", list(_steps))
 
 # %% nbgrader={"grade": true, "grade_id": "test_steps_engine", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
 ### BEGIN HIDDEN TESTS
