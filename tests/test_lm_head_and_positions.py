@@ -85,6 +85,20 @@ def test_fp32_head_keeps_one_fp32_copy_and_the_lookup_in_bf16(llm_bf16_fp32_head
     assert not hasattr(w32, "_packed_cache")  # no second (packed) copy
 
 
+def test_clear_weight_caches_drops_the_fp32_head_copy(tiny_model_dir):
+    """An edit through .data is invisible to the copy's key; clear_weight_caches must
+    make the next call copy the edited weight."""
+    from minivllm.layers.linear import clear_weight_caches
+
+    e = LLM(str(tiny_model_dir), dtype="bfloat16", max_model_len=64, lm_head_dtype="float32")
+    model = e.llm_engine.model_runner.model
+    before = model._fp32_head_weight()
+    model.embed_tokens.weight.data.mul_(2)
+    assert model._fp32_head_weight() is before  # stale until cleared
+    clear_weight_caches(model)
+    assert torch.equal(model._fp32_head_weight(), model.embed_tokens.weight.float())
+
+
 def test_swap_step_still_wins_over_the_fp32_head(llm_bf16, llm_bf16_fp32_head):
     ids = _ids(30, seed=5)
     want = llm_bf16.score(ids, output="logits")  # the bf16 head

@@ -50,12 +50,12 @@ def _version(t: torch.Tensor) -> int:
 
 
 def clear_weight_caches(model: nn.Module) -> None:
-    """Forget the TF32-rounded, oneDNN-packed and dequantized weights every layer keeps,
+    """Forget the TF32-rounded, oneDNN-packed, fp32 LM-head and dequantized weights kept,
     so the next forward recomputes them (needed after editing weights or scales in place
     through ``.data`` or under inference mode, which the caches cannot see)."""
     for module in model.modules():
         for holder in (module, *module.parameters(recurse=False)):
-            for attr in ("_tf32_cache", "_packed_cache"):
+            for attr in ("_tf32_cache", "_packed_cache", "_lm_head_fp32"):
                 if hasattr(holder, attr):
                     delattr(holder, attr)
         if isinstance(module, QuantLinear):
