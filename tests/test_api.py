@@ -496,3 +496,42 @@ def test_unknown_llm_kwarg(tiny_model_dir):
     with pytest.raises(TypeError) as exc:
         LLM(model=str(tiny_model_dir), max_model_length=64)
     assert "max_model_length" in str(exc.value) and "max_model_len" in str(exc.value)
+
+
+# --- tokenizer loading --------------------------------------------------------------
+
+TOKENIZER_TEXTS = ["Hello world", "  spaces\tand\nnewlines ", "émoji 🙂 and 日本語",
+                   "<|im_start|>user\nhi<|im_end|>", ""]
+
+
+@pytest.mark.parametrize("which", ["tiny", pytest.param("embedded", marks=pytest.mark.embedded)])
+def test_direct_tokenizer_load_equals_autotokenizer(which, request):
+    """minivllm.tokenizer loads PreTrainedTokenizerFast directly when tokenizer_config.json
+    names it (skipping AutoTokenizer's config registry, ~5 s per process): it must give
+    the same ids, decoded text, special tokens and chat prompt as AutoTokenizer."""
+    from transformers import AutoTokenizer
+
+    from minivllm.tokenizer import _FAST_CLASSES, _tokenizer_class, get_tokenizer
+
+    path = str(request.getfixturevalue(
+        "tiny_model_dir" if which == "tiny" else "embedded_model_dir"))
+    assert _tokenizer_class(path) in _FAST_CLASSES  # the direct path is the one under test
+    ours, auto = get_tokenizer(path), AutoTokenizer.from_pretrained(path)
+    assert type(ours) is type(auto)
+    for text in TOKENIZER_TEXTS:
+        ids = ours(text).input_ids
+        assert ids == auto(text).input_ids, text
+        assert ours.decode(ids) == auto.decode(ids)
+    assert (ours.bos_token, ours.eos_token, ours.all_special_ids) == \
+        (auto.bos_token, auto.eos_token, auto.all_special_ids)
+    if auto.chat_template:
+        msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+        assert ours.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == \
+            auto.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+
+def test_tokenizer_load_error_names_the_folder(tmp_path):
+    from minivllm.tokenizer import get_tokenizer
+
+    with pytest.raises(ValueError, match=str(tmp_path)):
+        get_tokenizer(str(tmp_path))

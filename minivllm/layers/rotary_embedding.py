@@ -35,8 +35,12 @@ def rope_table_ref(head_dim: int, max_position: int, base: float) -> tuple[torch
     Returns:
         (cos, sin): float32 [max_position, head_dim] each.
     """
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    t = torch.arange(max_position, dtype=torch.int64).float()
+    # On the CPU even inside a `torch.device("meta")` block (the loader builds the model
+    # there): meta arithmetic runs through torch._refs, whose first use imports
+    # torch._dynamo (about 2 s per process). The loader moves the tables to the device.
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64,
+                                            device="cpu").float() / head_dim))
+    t = torch.arange(max_position, dtype=torch.int64, device="cpu").float()
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()

@@ -160,7 +160,11 @@ class LlamaForCausalLM(nn.Module):
             raise NotImplementedError(f"hidden_act {act!r} is not supported (supported: silu)")
         self.cfg = cfg
         self.vocab_size = cfg["vocab_size"]
-        self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        # _weight: no random init (the loader fills it; on the meta device normal_ would
+        # import torch._dynamo, about 2 s, once per process)
+        self.embed_tokens = nn.Embedding(
+            cfg["vocab_size"], cfg["hidden_size"],
+            _weight=torch.empty(cfg["vocab_size"], cfg["hidden_size"]))
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, i, max_position, backend)
             for i in range(cfg["num_hidden_layers"]))
