@@ -1,8 +1,9 @@
 """Every lab graded with nbgrader against its fixtures (grading/fixtures/), as CI grades it:
 the reference solution gets full points on every graded cell and raises nowhere, the
-released copy zero on every graded cell, each lab-specific wrong answer exactly its
-expected score; the generic fixtures (exception, infinite loop, NaN, patched checks) for
-the labs in grading.fixtures.CI_GENERIC_LABS (every lab's: `make grade-all`).
+released copy zero on every graded cell, the lab's first lab-specific wrong answer
+exactly its expected score; the generic fixtures (exception, infinite loop, NaN, patched
+checks) once, on grading.fixtures.CI_GENERIC_LAB (every lab's, and every lab-specific
+fixture: `make grade-all`).
 
 Each lab's grading report goes to reports/grading_<lab>.json (per fixture its score per
 cell and run time, per solution cell its time, cells slower than a quarter of the timeout
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from grading import course_times, fixtures
+from grading import course_times, fixtures, grade
 
 ROOT = Path(__file__).resolve().parents[1]
 LABS = sorted(p.stem for p in (ROOT / "grading" / "fixtures").glob("ch*.py"))
@@ -73,30 +74,50 @@ def test_generic_fixtures_build_from_a_solution_cell():
     assert ns["answer"] != ns["answer"]
 
 
-@pytest.mark.embedded
-@pytest.mark.parametrize("lab", LABS)
-def test_lab_fixtures_get_exact_scores(lab, tmp_path, embedded_model_dir):
-    pytest.importorskip("nbgrader")
-    fx = fixtures.load(lab)
+def _grade(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict, dict]:
+    """`python -m grading.grade ARGS` in a scratch course root, as CI runs it, timed; its
+    one lab's result and the time (course_times.measure)."""
     with course_times.measure() as m:
-        proc = subprocess.run([sys.executable, "-m", "grading.grade", lab, "--course-root",
+        proc = subprocess.run([sys.executable, "-m", "grading.grade", *args, "--course-root",
                                str(tmp_path / "course")], cwd=ROOT, capture_output=True,
                               text=True, timeout=1500)
     print(proc.stdout[-6000:])
     assert proc.stdout.strip(), proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     (lab_result,) = result["labs"]
-    report = ROOT / "reports" / f"grading_{lab}.json"
+    return proc, lab_result, m
+
+
+def _report(name: str, lab_result: dict) -> None:
+    report = ROOT / "reports" / f"grading_{name}.json"
     report.parent.mkdir(exist_ok=True)
     report.write_text(json.dumps(lab_result, indent=2) + "\n")
+
+
+def test_ci_grades_solution_release_and_the_first_specific_fixture():
+    """CI's share (fixtures.select) for every lab; --all gives every fixture."""
+    for lab in LABS:
+        fx = fixtures.load(lab)
+        specific = [n for n, f in fx.FIXTURES.items() if f.kind == "specific"]
+        assert fixtures.select(lab, fx.FIXTURES) == ["solution", "release", specific[0]]
+        assert fixtures.select(lab, fx.FIXTURES, everything=True) == list(fx.FIXTURES)
+    lab, names, timeout = fixtures.ci_generic()
+    assert lab in LABS and names == list(fixtures.GENERIC_FIXTURES) and timeout > 0
+
+
+@pytest.mark.embedded
+@pytest.mark.parametrize("lab", LABS)
+def test_lab_fixtures_get_exact_scores(lab, tmp_path, embedded_model_dir):
+    pytest.importorskip("nbgrader")
+    fx = fixtures.load(lab)
+    proc, lab_result, m = _grade(tmp_path, lab)
+    _report(lab, lab_result)
     course_times.record_lab(lab_result, m)
     by = {f["fixture"]: f for f in lab_result["fixtures"]}
-    # what CI grades: solution, released copy, every lab-specific fixture; the generic
-    # ones where CI_GENERIC_LABS says so
+    # what CI grades: solution, released copy, the first lab-specific fixture
     assert list(by) == fixtures.select(lab, fx.FIXTURES)
     assert any(f["kind"] == "specific" for f in by.values())
-    if lab in fixtures.CI_GENERIC_LABS:
-        assert set(fixtures.GENERIC_FIXTURES) <= set(by)
+    assert lab_result["timeout_s"] == grade.execute_timeout()  # the course's own timeout
     wrong = {n: (f["expected"], f["score"]) for n, f in by.items()
              if f["score"] != f["expected"]}
     assert not wrong, f"fixture (expected, got): {wrong}\n{proc.stderr[-3000:]}"
@@ -104,6 +125,30 @@ def test_lab_fixtures_get_exact_scores(lab, tmp_path, embedded_model_dir):
     assert sol["score"] == sol["max_score"] == fx.MAX_SCORE
     assert sol["cells"] and sol["cells"] == sol["cell_max"], sol["cells"]  # per graded cell
     assert rel["cells"] and all(v == 0 for v in rel["cells"].values()), rel["cells"]
+    assert lab_result["ok"], lab_result["problems"]
+    assert proc.returncode == 0
+
+
+@pytest.mark.embedded
+def test_generic_fixtures_get_exact_scores(tmp_path, embedded_model_dir):
+    """The grader itself, once (fixtures.ci_generic()): a function that raises, a cell that
+    never ends (interrupted at the timeout, scored zero, grading goes on), NaN, and code
+    that patches the comparisons each get exactly the score the lab's fixture file says."""
+    pytest.importorskip("nbgrader")
+    lab, names, timeout = fixtures.ci_generic()
+    fx = fixtures.load(lab)
+    proc, lab_result, m = _grade(tmp_path, lab, "--fixtures", ",".join(names),
+                                 "--timeout", str(timeout))
+    _report(f"{lab}_generic", lab_result)
+    course_times.record_generic(lab_result, m)
+    assert lab_result["timeout_s"] == timeout
+    by = {f["fixture"]: f for f in lab_result["fixtures"]}
+    assert sorted(by) == sorted(fixtures.GENERIC_FIXTURES)
+    got = {n: (f["score"], fx.FIXTURES[n].score) for n, f in by.items()}
+    assert all(a == b for a, b in got.values()), f"fixture (got, expected): {got}"
+    # the infinite loop really ran into the timeout (its cell took at least that long)
+    loop = by["infinite_loop"]
+    assert max(loop["cell_s"].values()) >= timeout, loop["cell_s"]
     assert lab_result["ok"], lab_result["problems"]
     assert proc.returncode == 0
 
