@@ -20,6 +20,9 @@ PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev,course,serve,docs
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test` (auto: one per core, at most 4; tests/conftest.py
+# says how the work is split). PYTEST_WORKERS=0 runs everything in one process.
+PYTEST_WORKERS ?= auto
 
 LAB_PORT ?= 8888
 
@@ -40,10 +43,10 @@ demo: install
 	$(PY) -m minivllm.entrypoints.cli demo
 
 test: install
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 test-fast: install
-	$(PY) -m pytest -q -m "not embedded" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) -m "not embedded" $(PYTEST_ARGS)
 
 # JupyterLab refuses to run as root unless told (containers run as root).
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)

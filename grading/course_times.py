@@ -90,9 +90,10 @@ def measure():
 
 
 def stamp() -> dict:
-    """Date, load average (1, 5, 15 min) now, the machine."""
+    """Date, load average (1, 5, 15 min) now, the machine, the number of pytest workers."""
     return {"measured": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "load_avg": [round(x, 2) for x in os.getloadavg()], **machine()}
+            "load_avg": [round(x, 2) for x in os.getloadavg()], **machine(),
+            "workers": int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))}
 
 
 @contextlib.contextmanager
@@ -137,9 +138,27 @@ def record_lab(result: dict, m: dict) -> Path:
         **{k: v for k, v in m.items() if k != "seconds"}})
 
 
-def record_suite(m: dict, args: list[str], p: Path) -> Path:
-    """The whole test suite's wall time (``m`` from :func:`measure`)."""
-    return record("suite", {"kind": "suite", "pytest_args": args, **m}, p)
+def record_generic(result: dict, m: dict) -> Path:
+    """CI's one grading run of the generic fixtures (grading.fixtures.ci_generic()):
+    ``ci_s`` what it took CI."""
+    return record(f"generic/{result['lab']}", {
+        "kind": "generic", "seconds": m["seconds"], "ci_s": m["seconds"],
+        "fixture_run_s": {f["fixture"]: f["run_s"] for f in result["fixtures"]},
+        "timeout_s": result.get("timeout_s"),
+        **{k: v for k, v in m.items() if k != "seconds"}})
+
+
+def record_suite(m: dict, args: list[str], p: Path, inside: dict | None = None) -> Path:
+    """The whole test suite's wall time (``m`` from :func:`measure`), and from ``inside``
+    (what its tests recorded) each chapter's and lab's time within that run and the number
+    of pytest workers."""
+    inside = inside or {}
+    items = {kind: {k.split("/", 1)[1]: e.get("ci_s", e.get("seconds"))
+                    for k, e in inside.items() if e.get("kind") == kind}
+             for kind in ("chapter", "lab", "generic")}
+    workers = max([e.get("workers") or 1 for e in inside.values()] or [1])
+    return record("suite", {"kind": "suite", "pytest_args": args, "workers": workers,
+                            "inside": items, **m}, p)
 
 
 def _mean(xs):
@@ -171,7 +190,9 @@ def report(data: dict) -> tuple[str, dict]:
         row(f"lab {n} (solution)", e, LAB_SOLUTION_BUDGET_S)
     ch_total = sum(e["seconds"] for e in chapters.values())
     lab_sol_total = sum(e.get("seconds") or 0 for e in labs.values())
+    generic = {k.split("/", 1)[1]: v for k, v in data.items() if v.get("kind") == "generic"}
     lab_ci_total = sum(e.get("ci_s") or 0 for e in labs.values())
+    generic_ci = sum(e.get("ci_s") or 0 for e in generic.values())
     out = [f"Measured: {len(chapters)} chapters {ch_total:.0f} s, {len(labs)} lab solutions "
            f"{lab_sol_total:.0f} s (grading them in CI: {lab_ci_total:.0f} s)"
            + (f", whole test suite {suite['seconds']:.0f} s." if suite else "."), ""]
@@ -184,32 +205,42 @@ def report(data: dict) -> tuple[str, dict]:
         out.append(f"NOT an idle machine's numbers (other processes used over "
                    f"{BUSY_SHARE:.0%} of the CPU meanwhile): {', '.join(busy)}")
     summary = {"over": over, "busy": busy}
-    # CI projected to the full course: chapters at their measured mean; labs at their
-    # measured mean CI cost without the generic fixtures (which only ch01/ch02 run in CI),
-    # plus what those cost where measured; the rest of the suite as measured.
-    mean_ch = _mean([e["seconds"] for e in chapters.values()])
-    mean_lab = _mean([(e.get("ci_s") or 0) - (e.get("generic_s") or 0) for e in labs.values()])
-    generic_ci = sum(e.get("generic_s") or 0 for e in labs.values())
+    # CI projected to the full course. The suite ran on `workers` pytest workers in W s;
+    # inside that run each chapter took c_i s and each lab's CI grading l_j s (slower than
+    # alone: the workers share the cores). Each further chapter or lab adds its mean time
+    # divided by the workers (the work is spread over them):
+    #   CI = outside pytest + W + (30 - chapters) * mean(c) / workers
+    #                           + (30 - labs) * mean(l) / workers
+    # For a serial run (1 worker) this is the suite minus its chapters and labs plus 30 of
+    # each. The generic fixtures are graded once, so they are in W already.
+    inside = (suite or {}).get("inside") or {}
+    if suite and not inside.get("chapter"):  # a serial suite: the budget entries are its items
+        inside = {"chapter": {n: e["seconds"] for n, e in chapters.items()},
+                  "lab": {n: e.get("ci_s") for n, e in labs.items()}}
+    workers = (suite or {}).get("workers") or 1
+    in_ch, in_lab = inside.get("chapter") or {}, inside.get("lab") or {}
+    mean_ch, mean_lab = _mean(list(in_ch.values())), _mean(list(in_lab.values()))
     out.append("")
     if suite and mean_ch is not None and mean_lab is not None:
-        rest = suite["seconds"] - ch_total - lab_ci_total
-        proj = (CI_OVERHEAD_S + rest + TARGET_CHAPTERS * mean_ch + TARGET_LABS * mean_lab
-                + generic_ci)
-        summary.update(projected_ci_s=round(proj), rest_s=round(rest),
+        more_ch, more_lab = TARGET_CHAPTERS - len(in_ch), TARGET_LABS - len(in_lab)
+        proj = (CI_OVERHEAD_S + suite["seconds"] + more_ch * mean_ch / workers
+                + more_lab * mean_lab / workers)
+        summary.update(projected_ci_s=round(proj), workers=workers,
                        mean_chapter_s=round(mean_ch, 1), mean_lab_ci_s=round(mean_lab, 1))
         out += [f"CI projected to {TARGET_CHAPTERS} chapters and {TARGET_LABS} labs: "
                 f"{proj / 60:.1f} min against the {CI_BUDGET_S / 60:.0f}-minute budget "
                 f"({'OVER' if proj > CI_BUDGET_S else 'within'})",
                 f"  = {CI_OVERHEAD_S:.0f} s outside pytest (install, hadolint; README's "
                 f"fresh-clone run)",
-                f"  + {rest:.0f} s the rest of the test suite (suite {suite['seconds']:.0f} s "
-                f"minus the chapters and the lab grading, measured {suite.get('measured')})",
-                f"  + {TARGET_CHAPTERS} x {mean_ch:.1f} s per chapter (mean of "
-                f"{len(chapters)})",
-                f"  + {TARGET_LABS} x {mean_lab:.1f} s per lab graded in CI (mean of "
-                f"{len(labs)}: solution, released copy, lab-specific fixtures)",
-                f"  + {generic_ci:.0f} s the generic fixtures of "
-                f"{', '.join(sorted(n for n, e in labs.items() if e.get('generic_s')))}"]
+                f"  + {suite['seconds']:.0f} s the test suite as `make test` runs it "
+                f"({workers} worker{'s' if workers > 1 else ''}; {len(in_ch)} chapters, "
+                f"{len(in_lab)} labs, the generic fixtures once; measured "
+                f"{suite.get('measured')})",
+                f"  + {more_ch} more chapters x {mean_ch:.1f} s / {workers} (a chapter's mean "
+                f"time inside that run)",
+                f"  + {more_lab} more labs x {mean_lab:.1f} s / {workers} (a lab's mean CI "
+                f"grading inside that run: solution, released copy, first lab-specific "
+                f"fixture)"]
     else:
         out.append("CI projection: needs chapters, labs and the suite's total "
                    "(python scripts/course_times.py --measure)")

@@ -4,9 +4,17 @@
     python scripts/course_times.py              # the report: totals, budgets, items over
                                                 # them, CI projected to 30 chapters + 30 labs
     python scripts/course_times.py --file build/course_times.json   # the last `make test`'s
-    python scripts/course_times.py --measure    # on an IDLE machine: the whole test suite
-                                                # (as `make test` runs it), recording into
-                                                # reports/course_times.json, then the report
+    python scripts/course_times.py --measure    # on an IDLE machine: both phases below,
+                                                # recording into reports/course_times.json
+    python scripts/course_times.py --measure --phase budgets   # or one of them
+
+Phases of --measure:
+  budgets  every chapter notebook and every lab's CI grading, one at a time (pytest
+           without workers): each chapter's and each lab solution's time against its
+           budget, on an otherwise idle machine;
+  suite    the whole test suite exactly as `make test` runs it (pytest -n auto: two
+           workers on 2 cores), its wall time, and each chapter's and lab's time inside
+           that run (slower than alone: two workers share the cores) for the projection.
 
 Budgets (idle 2-core machine): a chapter notebook <= 60 s, a lab's solution <= 30 s, CI
 <= 60 min. The numbers come from the tests that run the items (tests/test_course.py,
@@ -28,19 +36,32 @@ sys.path.insert(0, str(ROOT))
 from grading import course_times as ct  # noqa: E402
 
 
+# the tests that run chapters and grade labs (what the budget phase runs, one at a time)
+BUDGET_TESTS = ("test_chapter_executes or test_lab_fixtures_get_exact_scores or "
+                "test_generic_fixtures_get_exact_scores")
+# `make test`'s pytest arguments (Makefile: PYTEST_WORKERS ?= auto)
+SUITE_ARGS = ["-n", "auto"]
+
+
+def _run(pytest_args: list[str], record_into: Path) -> int:
+    env = dict(os.environ, **{ct.ENV: str(record_into)})
+    cmd = [sys.executable, "-m", "pytest", "-q", *pytest_args]
+    print(f"$ {ct.ENV}={record_into} {' '.join(cmd)}", flush=True)
+    return subprocess.call(cmd, cwd=ROOT, env=env)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--file", default=str(ct.COMMITTED),
                     help=f"the JSON to read (default {ct.COMMITTED.relative_to(ROOT)})")
     ap.add_argument("--measure", action="store_true",
-                    help="run the test suite first, recording into --file")
+                    help="run the tests first (--phase), recording into --file")
+    ap.add_argument("--phase", choices=["budgets", "suite", "both"], default="both",
+                    help="with --measure: which phase (default both; see above)")
     ap.add_argument("--max-load", type=float, default=0.5,
                     help="--measure refuses to start above this 1-min load average "
                          "(default 0.5): the numbers are an idle machine's")
     ap.add_argument("--json", action="store_true", help="print the summary as JSON too")
-    ap.add_argument("pytest_args", nargs="*",
-                    help="with --measure: pytest arguments instead of the whole suite (then "
-                         "the suite's total is not recorded)")
     args = ap.parse_args(argv)
     p = Path(args.file).resolve()
     if args.measure:
@@ -49,17 +70,23 @@ def main(argv=None) -> int:
             print(f"error: 1-min load average {load1:.2f} > {args.max_load}: the machine is "
                   "not idle (wait, or pass --max-load)", file=sys.stderr)
             return 2
-        env = dict(os.environ, **{ct.ENV: str(p)})
-        cmd = [sys.executable, "-m", "pytest", "-q", *args.pytest_args]
-        print(f"$ {ct.ENV}={p} {' '.join(cmd)}", flush=True)
-        with ct.measure() as m:
-            rc = subprocess.call(cmd, cwd=ROOT, env=env)
-        if rc != 0:
-            print(f"error: the test suite failed (exit {rc}); the suite's total is not "
-                  "recorded", file=sys.stderr)
-            return rc
-        if not args.pytest_args:
-            ct.record_suite(m, [], p)
+        if args.phase in ("budgets", "both"):
+            rc = _run(["-p", "no:xdist", "tests/test_course.py", "tests/test_grading.py",
+                       "-k", BUDGET_TESTS], p)
+            if rc:
+                print(f"error: the budget phase failed (exit {rc})", file=sys.stderr)
+                return rc
+        if args.phase in ("suite", "both"):
+            inside = p.with_name(p.stem + "_suite.json.tmp")
+            inside.unlink(missing_ok=True)
+            with ct.measure() as m:
+                rc = _run(SUITE_ARGS, inside)
+            if rc:
+                print(f"error: the test suite failed (exit {rc}); its time is not recorded",
+                      file=sys.stderr)
+                return rc
+            ct.record_suite(m, SUITE_ARGS, p, inside=ct.load(inside))
+            inside.unlink(missing_ok=True)
     data = ct.load(p)
     if not data:
         print(f"no measurements in {p}: run python scripts/course_times.py --measure "
