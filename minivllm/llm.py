@@ -82,8 +82,8 @@ class LLM:
         Args:
             name: a step of :mod:`minivllm.steps` ("rms_norm", "rotary.table", "linear",
                 "lm_head", "attention.decode", "attention.prefill", "kv.quantize",
-                "kv.dequantize", "slot_mapping", "block_hash", "scheduler.preempt",
-                "sampler.penalties", "sampler.top_k_top_p").
+                "kv.dequantize", "slot_mapping", "slot_mapping.read", "block_hash",
+                "scheduler.preempt", "sampler.penalties", "sampler.top_k_top_p").
             fn: a function with the signature of the step's reference
                 (``minivllm.steps.reference(name)``).
             where: for per-layer steps, a layer index, a list of them, or a module-name

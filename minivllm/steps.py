@@ -31,7 +31,10 @@ attention.decode       attention/backends/torch_ref.py            TORCH backend
 attention.prefill      attention/backends/torch_ref.py            TORCH backend
 kv.quantize            quantization/kv_cache.py:quantize_kv       LayerKVCache.write
 kv.dequantize          quantization/kv_cache.py:dequantize_kv     LayerKVCache.read
-slot_mapping           attention/metadata.py:slot_mapping_ref     ModelRunner
+slot_mapping           attention/metadata.py:slot_mapping_ref     ModelRunner (writes
+                                                                  and TORCH reads)
+slot_mapping.read      attention/metadata.py:slot_mapping_ref     ModelRunner (TORCH
+                                                                  reads only)
 block_hash             core/kv_cache_manager.py:hash_block_tokens KVCacheManager
 scheduler.preempt      core/scheduler.py:preempt_request_ref      Scheduler._preempt
 sampler.penalties      layers/sampler.py:penalties_ref            Sampler
@@ -208,9 +211,19 @@ STEPS: dict[str, Step] = {s.name: s for s in [
          True, _kv_sites("quantize")),
     Step("kv.dequantize", dequantize_kv, "dequantize(stored, dtype, scale) -> x", True, True,
          True, _kv_sites("dequantize")),
+    # "slot_mapping" swaps the writer's and the reader's mapping together;
+    # "slot_mapping.read" the TORCH backend's reads alone (the K/V a step attends to; later
+    # layers' K/V depend on it, so it changes K/V too). A "slot_mapping.read" swap inside a
+    # "slot_mapping" swap wins for the reads; the other way round the outer one is hidden.
     Step("slot_mapping", slot_mapping_ref,
          "slot_mapping(block_table, positions, block_size) -> slots", True, False, False,
-         _engine_site("model_runner", lambda e: e.model_runner, "slot_mapping")),
+         lambda e: [_attr_site("model_runner.slot_mapping", e.model_runner, "slot_mapping"),
+                    _attr_site("model_runner.read_slot_mapping", e.model_runner,
+                               "read_slot_mapping")]),
+    Step("slot_mapping.read", slot_mapping_ref,
+         "slot_mapping(block_table, positions, block_size) -> slots", True, False, True,
+         _engine_site("model_runner.read_slot_mapping", lambda e: e.model_runner,
+                      "read_slot_mapping")),
     Step("block_hash", hash_block_tokens,
          "block_hash(parent_hash, token_ids, extra_keys) -> bytes", True, False, False,
          _engine_site("kv_cache_manager", lambda e: e.kv_cache_manager, "hash_block_tokens")),

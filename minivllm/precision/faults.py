@@ -129,3 +129,91 @@ def decode_softmax_low_precision(llm, layer: int, dtype: torch.dtype = torch.bfl
 
     with llm.swap_step("attention.decode", decode, where=layer):
         yield
+
+
+# --- paged-attention mapping faults (chapter 7) -------------------------------------------
+
+def slot_mapping_off_by_one(block_table: torch.Tensor, positions: torch.Tensor,
+                            block_size: int) -> torch.Tensor:
+    """The "slot_mapping" step with an off-by-one at block boundaries: the block index is
+    taken from ``pos - 1`` (clamped at 0) while the offset is ``pos % block_size``, a
+    1-based/0-based mix-up. Every position is mapped right except the first token of each
+    block after the first: position ``k * block_size`` (k >= 1) lands in the slot of
+    position ``(k - 1) * block_size``, overwriting that token's K/V. Same signature and
+    shapes as ``slot_mapping_ref`` (int64 in, int64 out)."""
+    block = torch.clamp(positions - 1, min=0) // block_size
+    return block_table.gather(-1, block) * block_size + positions % block_size
+
+
+@contextlib.contextmanager
+def off_by_one_slots(llm):
+    """Plant :func:`slot_mapping_off_by_one` for writer and reader (the "slot_mapping"
+    step). A sequence of at most ``block_size`` tokens is untouched; from the first block
+    boundary on, the first token of each later block overwrites the first token of the
+    block before it. Token by token (decode) the damage starts at position
+    ``block_size``; a prefill that crosses a boundary writes both tokens in one call, so
+    its earlier positions read the later token's K/V as well."""
+    if not hasattr(llm, "swap_step"):
+        raise TypeError(f"faults are planted into an LLM, got {type(llm).__name__}")
+    with llm.swap_step("slot_mapping", slot_mapping_off_by_one):
+        yield
+
+
+@contextlib.contextmanager
+def reader_block_size(llm, block_size: int):
+    """The reader computes its slots with ``block_size`` while the writer (and the block
+    manager) use the engine's: a writer/reader block-size mismatch (the
+    "slot_mapping.read" step; TORCH backend). The reader's slot
+    ``table[pos // block_size] * block_size + pos % block_size`` points elsewhere in the
+    pool, or past its end: then the read raises an index error on CPU (on a GPU an
+    out-of-bounds read is an illegal memory access, or garbage)."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    from minivllm.attention.metadata import slot_mapping_ref
+
+    def read(block_table, positions, _engine_block_size):
+        return slot_mapping_ref(block_table, positions, block_size)
+
+    with llm.swap_step("slot_mapping.read", read):
+        yield
+
+
+@contextlib.contextmanager
+def zeroed_block_tables(llm):
+    """vllm #5543, fixed by vllm PR #7018 ("Fix block table for seqs that have prefix
+    cache hits"): in a step whose batch mixes prefills **with** computed context (a
+    prefix-cache hit, or a later chunk) and prefills **without** it, the attention reader
+    gets an all-zero block table for the rows without context, so they attend to the K/V
+    in block 0 (someone else's, or stale) instead of their own. Writes stay right, steps
+    without such a mix and decode steps stay right.
+
+    Planted on two steps: "slot_mapping" (the reference, which also notes per step which
+    prefills start at position 0 and whether any starts later) and "slot_mapping.read"
+    (which zeroes the table of a prefill without context when the step has one with
+    context). The model runner computes every write slot of a step before any read slot,
+    which is how the two functions tell steps apart."""
+    if not hasattr(llm, "swap_step"):
+        raise TypeError(f"faults are planted into an LLM, got {type(llm).__name__}")
+    from minivllm.attention.metadata import slot_mapping_ref
+
+    state = {"reading": True, "fresh": set(), "with_context": False}
+
+    def write(block_table, positions, block_size):
+        if state["reading"]:  # the first write of a new step
+            state.update(reading=False, fresh=set(), with_context=False)
+        if block_table.dim() == 1 and positions.shape[-1] > 1:  # a prefill (or a chunk)
+            if int(positions[0]) == 0:
+                state["fresh"].add(tuple(block_table.tolist()))
+            else:
+                state["with_context"] = True
+        return slot_mapping_ref(block_table, positions, block_size)
+
+    def read(block_table, positions, block_size):
+        state["reading"] = True
+        if (block_table.dim() == 1 and state["with_context"]
+                and tuple(block_table.tolist()) in state["fresh"]):
+            block_table = torch.zeros_like(block_table)  # the bug: an empty row, padded
+        return slot_mapping_ref(block_table, positions, block_size)
+
+    with llm.swap_step("slot_mapping", write), llm.swap_step("slot_mapping.read", read):
+        yield

@@ -112,9 +112,13 @@ class ModelRunner:
         gen = torch.Generator(device=self.device)
         gen.manual_seed(seed)
         self.sampler = Sampler(gen)
-        # The "slot_mapping" step (minivllm.steps): write slots, and the TORCH backend's
-        # read slots (the TRITON kernels walk the block tables themselves).
+        # The "slot_mapping" step (minivllm.steps) sets both: the slots a step writes
+        # (slot_mapping) and the TORCH backend's read slots (read_slot_mapping; the
+        # "slot_mapping.read" step alone; the TRITON kernels walk the block tables
+        # themselves). Two attributes so that a writer and a reader can disagree, which is
+        # how chapter 7 plants a reader-only bug (vllm #5543).
         self.slot_mapping = slot_mapping_ref
+        self.read_slot_mapping = slot_mapping_ref
         self.backend = model.layers[0].self_attn.backend
         self.paged = self.backend.needs_paged_metadata
         self.cuda_graphs = None
@@ -226,8 +230,8 @@ class ModelRunner:
     def _prefill_seq(self, row: int, table: list[int], n: int, seq_len: int) -> PrefillSeq:
         """TORCH form of a sequence with n new tokens: read slots of all its seq_len
         tokens (the attention step masks what precedes each query)."""
-        kv_slots = self.slot_mapping(torch.tensor(table, dtype=torch.int64),
-                                     torch.arange(seq_len), self.block_size)
+        kv_slots = self.read_slot_mapping(torch.tensor(table, dtype=torch.int64),
+                                          torch.arange(seq_len), self.block_size)
         return PrefillSeq(row, row + n, kv_slots.to(self.device))
 
     def _paged_metadata(self, num_rows, decode_rows, decode_tables, decode_lens,
@@ -286,7 +290,8 @@ class ModelRunner:
             seq_lens = torch.tensor([lens[i] for i in members])
             out.append(DecodeGroup(
                 rows=torch.tensor([rows[i] for i in members], dtype=torch.int64, device=dev),
-                kv_slots=self.slot_mapping(table, j.expand(len(members), max_len), bs).to(dev),
+                kv_slots=self.read_slot_mapping(table, j.expand(len(members), max_len),
+                                                bs).to(dev),
                 seq_lens=seq_lens.to(dev),
                 mask=(j[None, :] < seq_lens[:, None])[:, None, None, :].to(dev)))
         return out
