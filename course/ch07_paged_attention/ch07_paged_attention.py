@@ -233,9 +233,9 @@ print(f"  correct M': {tok.decode(gen_ref[1])!r}\n  faulty M':  {tok.decode(gen_
 # The request with the hit is untouched; the request without one is garbage from its very
 # first token, and its generation inherits that (its prompt's K/V in layers 1-29 were
 # computed from the wrong attention). With a cold cache the same batch under the same
-# fault gives bit-identical logits (second line): the bug needs the *mix*. That is why the reporter saw the cached
-# server disagree with the uncached one and with itself: which requests share a step
-# changes from run to run.
+# fault gives bit-identical logits (second line): the bug needs the *mix*. That fits what
+# the reporter saw, a cached server that disagreed with the uncached one and with itself:
+# which requests share a step, and which have a hit, changes from run to run.
 #
 # ## 4. Fault (b): an off-by-one at block boundaries
 #

@@ -232,10 +232,10 @@ for _bs in (1, 5, 16, 32):
 #
 # The grader fragments the pool, plugs your `slot_mapping` into the engine
 # (`llm.swap_step("slot_mapping", slot_mapping)`: writer and reader), scores three fresh
-# token sequences (33-60 tokens, so they cross block boundaries) in one batch and
-# generates 16 greedy tokens for two fresh prompts. The logits must equal the correct
-# engine's (`torch.equal`: a mapping is integer arithmetic, so the right one reads exactly
-# the same K/V) and the greedy tokens too. The broken engine (the off-by-one) is measured
+# token sequences (37, 52 and 45 tokens, so they cross block boundaries) in one batch and
+# generates 12 greedy tokens for two fresh prompts (14 and 27 tokens long). The logits
+# must equal the correct engine's (`torch.equal`: a mapping is integer arithmetic, so the
+# right one reads exactly the same K/V) and the greedy tokens too. The broken engine (the off-by-one) is measured
 # by the same check and must fail it, which shows the check can tell them apart.
 
 # %% nbgrader={"grade": true, "grade_id": "test_restore", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
@@ -255,7 +255,7 @@ def _fresh(n):
 
 _seqs = [_fresh(n) for n in (37, 52, 45)]
 _prompts = [_fresh(n) for n in (14, 27)]
-_greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+_greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
 def _run():
@@ -285,6 +285,6 @@ if _same(_bad, _ref):
 for _i, (_x, _y) in enumerate(zip(_mine[0], _ref[0])):
     checks.equal(f"torch.equal(logits, correct engine's) for fresh sequence {_i} "
                  f"({len(_seqs[_i])} tokens)", torch.equal(_x, _y), True)
-checks.equal("greedy tokens (2 fresh prompts x 16) equal to the correct engine's", _mine[1],
+checks.equal("greedy tokens (2 fresh prompts x 12) equal to the correct engine's", _mine[1],
              _ref[1])
 ### END HIDDEN TESTS
