@@ -1,5 +1,8 @@
 """The step registry: every numerically relevant step of the engine, by name.
 
+No single vLLM file corresponds; the nearest is ``CustomOp``
+(``vllm/model_executor/custom_op.py``), compared at the end of this docstring.
+
 Each step is a small function with a reference implementation beside the code that
 calls it, and every engine lets a caller swap it for the length of a ``with`` block
 (DESIGN principle 2). That is how a chapter plants a fault, how a lab hands one step to

@@ -103,6 +103,31 @@ class Scheduler:
 
     # --- the schedule -------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """Decide what runs in the next step (vLLM: ``Scheduler.schedule``).
+
+        Reads the queues and the config; takes no arguments. Returns a
+        ``SchedulerOutput`` whose ``scheduled`` lists ``(request, num_new_tokens)`` in
+        batch order, running requests first, then newly admitted ones:
+
+        1. Running requests, oldest first, each get ``num_tokens - num_computed_tokens``
+           new tokens (1 for a decode, the rest of the prompt for an unfinished chunked
+           prefill), capped by what is left of ``max_num_batched_tokens``.
+           ``KVCacheManager.allocate_slots`` gives them the blocks they need; when the
+           pool is empty the newest running request is preempted (``_preempt``), maybe
+           the current one, which ends this loop.
+        2. Waiting requests, in order, only if nothing was preempted in this step and
+           fewer than ``max_num_seqs`` are running: ``get_computed_blocks`` finds the
+           prefix-cache hit, the rest of the sequence is the new tokens (cut to the
+           budget with chunked prefill). Admission stops, the request staying first in
+           the queue, when it does not fit the budget without chunked prefill or when
+           its blocks cannot be allocated.
+
+        Side effects: blocks are allocated (the caller reads them with
+        ``KVCacheManager.get_block_ids``), requests move between ``waiting`` and
+        ``running``, and an admitted request's ``num_computed_tokens`` is set to its
+        prefix-cache hit. The scheduled tokens themselves are counted as computed only
+        by ``update_after_step``, after the model ran.
+        """
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         kv = self.kv_cache_manager

@@ -343,6 +343,34 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, scheduled: list[tuple[Request, int]],
                       block_tables: dict[str, list[int]]) -> ModelRunnerOutput:
+        """Run the model and the sampler on one scheduled step (vLLM:
+        ``GPUModelRunner.execute_model``).
+
+        Args:
+            scheduled: ``SchedulerOutput.scheduled``, ``(request, n)`` in batch order; the
+                new tokens of a request are positions ``[num_computed_tokens,
+                num_computed_tokens + n)`` of ``request.all_token_ids``.
+            block_tables: request id -> its block ids (``KVCacheManager.get_block_ids``),
+                already long enough for the new tokens.
+
+        Steps, with T = sum of n: ``_prepare`` builds ``input_ids`` and ``positions``
+        [T] int64, ``slot_mapping`` [T] (the ``"slot_mapping"`` step) and the attention
+        metadata of the backend (TORCH: read slots per prefill and per decode group;
+        TRITON: padded int32 block tables and lengths); the model's forward writes this
+        step's K/V into the cache at ``slot_mapping`` and returns hidden states
+        [T, hidden]; the LM head runs on one row per request whose whole sequence is
+        now computed (its last new token; a partial prefill chunk gets no token):
+        logits [R, vocab] float32; the sampler draws one token per row, -1 where the
+        row holds NaN/inf. Prompt log-probs and ``LLM.score`` rows are computed for the
+        requests that ask for them. With CUDA graphs on, a pure decode batch that fits
+        a captured graph replays it instead (``_execute_graph_decode``).
+
+        Returns a ``ModelRunnerOutput`` (tokens already on the host; requests whose
+        logits, int8 K/V, prompt log-probs or score rows held NaN/inf are listed in
+        ``nonfinite_request_ids``). The requests' token counts are not advanced here:
+        the scheduler counts the new tokens as computed (``update_after_step``) and the
+        engine appends the sampled ones.
+        """
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(scheduled):
             return self._execute_graph_decode([req for req, _ in scheduled], block_tables)
         ids, pos, meta, logits_rows, sample_reqs, prompt_rows, score_rows = \

@@ -1,4 +1,5 @@
-"""Attention backends, by the name ``EngineArgs.attention_backend`` takes.
+"""Attention backends, by the name ``EngineArgs.attention_backend`` takes (vLLM:
+``vllm/attention/selector.py`` picks one, ``VLLM_ATTENTION_BACKEND`` overrides it).
 
 * ``TORCH``: the readable reference (``scaled_dot_product_attention`` on gathered K/V);
   the default on CPU.

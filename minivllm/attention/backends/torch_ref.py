@@ -1,5 +1,9 @@
 """Reference paged attention with ``torch.nn.functional.scaled_dot_product_attention``.
 
+The TORCH backend: one of vLLM's ``vllm/v1/attention/backends/*`` in role (store, then
+attend over the paged cache), written for reading rather than speed; vLLM has no
+pure-PyTorch counterpart.
+
 K/V are always read back from the paged cache (also in prefill, as vLLM v1's
 FlashAttention backend does), so the cache's storage dtype affects every token.
 Decodes are batched: their keys are gathered into a padded ``[B, heads, max_len, D]``
