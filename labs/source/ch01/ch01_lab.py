@@ -146,10 +146,11 @@ checks = importlib.reload(checks)
 checks.guard()
 from minivllm.precision import metrics as _m
 
+_got = kv_drift("float16", example_seqs)  # the learner's function first: a stub fails at once
 _b = get_engine("float32").score(example_seqs)
 _c = get_engine("float16").score(example_seqs)
 _want = float(sum(_m.kl_divergence(x, y).sum() for x, y in zip(_b, _c)) / sum(len(s) for s in example_seqs))
-checks.close("kv_drift('float16', example_seqs)", kv_drift("float16", example_seqs), _want, rtol=1e-6)
+checks.close("kv_drift('float16', example_seqs)", _got, _want, rtol=1e-6)
 checks.close("kv_drift('float32', example_seqs)", kv_drift("float32", example_seqs), 0.0, atol=1e-15)
 print("visible test passed")
 

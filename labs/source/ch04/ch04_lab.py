@@ -177,6 +177,27 @@ from minivllm.precision import faults as _faults
 from minivllm.precision.noise import permuted_mlp_reduction
 from minivllm.quantization.kv_cache import quantize_kv as _quantize_kv
 
+# synthetic candidates that need the clusters and both conditions
+_g = torch.Generator().manual_seed(77)
+_sb = torch.randn(8 * 24, 64, generator=_g, dtype=torch.float64) * 3
+_sg = [i // 24 for i in range(8 * 24)]
+_sn = _sb + 1e-6 * torch.randn(_sb.shape, generator=_g, dtype=torch.float64)
+_one = _sb.clone()
+_one[3 * 24:4 * 24] += 0.6 * torch.randn(24, 64, generator=_g, dtype=torch.float64)
+_bign = _sb + 0.05 * torch.randn(_sb.shape, generator=_g, dtype=torch.float64)
+_bigc = _sb + 0.052 * torch.randn(_sb.shape, generator=_g, dtype=torch.float64)
+_synth = {
+    "large drift in one sequence of 8 only (resample whole sequences!)": (
+        "noise", _sb, _one, _sn, _sg),
+    "the same drift with the groups listed in another order": (
+        "noise", _sb, _one, _sn, [(i * 5) % 8 for i in _sg]),
+    "drift in every sequence": ("anomaly", _sb, _sb + 0.3 * torch.randn(
+        _sb.shape, generator=_g, dtype=torch.float64), _sn, _sg),
+    "above the threshold but inside a large noise floor": ("noise", _sb, _bigc, _bign, _sg),
+}
+for _name, (_want, _b, _c, _n, _gr) in _synth.items():  # cheap, and the learner's first
+    checks.equal(f"is_anomaly: {_name}", is_anomaly(_b, _c, _n, _gr), _want)
+
 # fresh windows, engine candidates: their expected verdicts were measured in chapter 4
 _seqs = windows[30:34]
 _groups = [i for i, s in enumerate(_seqs) for _ in s]
@@ -203,30 +224,10 @@ with fp32.swap_step("lm_head", _head16):
 with _faults.wrong_rope_theta(fp32, layer=20, theta=10_000.0):
     _cands["planted fault: rope theta 1e4 in layer 20"] = ("anomaly", torch.cat(fp32.score(_seqs)))
 
-# synthetic candidates that need the clusters and both conditions
-_g = torch.Generator().manual_seed(77)
-_sb = torch.randn(8 * 24, 64, generator=_g, dtype=torch.float64) * 3
-_sg = [i // 24 for i in range(8 * 24)]
-_sn = _sb + 1e-6 * torch.randn(_sb.shape, generator=_g, dtype=torch.float64)
-_one = _sb.clone()
-_one[3 * 24:4 * 24] += 0.6 * torch.randn(24, 64, generator=_g, dtype=torch.float64)
-_bign = _sb + 0.05 * torch.randn(_sb.shape, generator=_g, dtype=torch.float64)
-_bigc = _sb + 0.052 * torch.randn(_sb.shape, generator=_g, dtype=torch.float64)
-_synth = {
-    "large drift in one sequence of 8 only (resample whole sequences!)": (
-        "noise", _sb, _one, _sn, _sg),
-    "the same drift with the groups listed in another order": (
-        "noise", _sb, _one, _sn, [(i * 5) % 8 for i in _sg]),
-    "drift in every sequence": ("anomaly", _sb, _sb + 0.3 * torch.randn(
-        _sb.shape, generator=_g, dtype=torch.float64), _sn, _sg),
-    "above the threshold but inside a large noise floor": ("noise", _sb, _bigc, _bign, _sg),
-}
 for _name, (_want, _c) in _cands.items():
     checks.equal(f"is_anomaly on fresh windows: {_name} (mean KL "
                  f"{metrics.mean_kl(_base, _c):.2e} nats)",
                  is_anomaly(_base, _c, _noise, _groups), _want)
-for _name, (_want, _b, _c, _n, _gr) in _synth.items():
-    checks.equal(f"is_anomaly: {_name}", is_anomaly(_b, _c, _n, _gr), _want)
 ### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "task3", "locked": true, "schema_version": 3, "solution": false, "task": false}
@@ -321,11 +322,11 @@ def _rms(a, b):
     return float((_tgt_lp(a) - _tgt_lp(b)).pow(2).mean().sqrt())
 
 
+with broken.swap_step("lm_head", fp32_logits):
+    _restored = broken.score(_seqs)  # the learner's step first: a stub fails at once
 with broken.swap_step("lm_head", _exact_head):
     _exact = broken.score(_seqs, output="logits")
 _exact = [torch.log_softmax(r.double(), -1) for r in _exact]
-with broken.swap_step("lm_head", fp32_logits):
-    _restored = broken.score(_seqs)
 _broken = broken.score(_seqs)  # the bf16 head, as configured
 _ref32 = fp32.score(_seqs)
 _rms_broken, _rms_restored = _rms(_broken, _exact), _rms(_restored, _exact)

@@ -298,9 +298,9 @@ def _mode_kl():
 
 
 with broken(_layer):
-    _kl_broken = _mode_kl()
     with llm.swap_step("attention.decode", decode_attention_fp32, where=_layer):
-        _kl_fixed = _mode_kl()
+        _kl_fixed = _mode_kl()  # the learner's step first: a stub fails at once
+    _kl_broken = _mode_kl()
 print(f"prefill vs decode on fresh text, fault in layer {_layer}: broken {_kl_broken:.3g} nats, "
       f"with your decode step {_kl_fixed:.3g} nats (budget {_budget:g})")
 if _kl_broken <= _budget:
