@@ -421,6 +421,7 @@ checks.guard()
 ### BEGIN HIDDEN TESTS
 import contextlib as _contextlib
 
+_watch, _steps = [], tf32x3_steps()  # the learner's function first: a stub fails at once
 _seqs = [evalsets.conversation_sequences(tok, max_conversations=12)[11][:96]]
 
 
@@ -434,7 +435,6 @@ with permuted_mlp_reduction(fp32, seed=13):
 _limit = 10 * _noise
 _broken = _kl(_base, tf32.score(_seqs, output="logits"))   # the TF32 engine as configured
 
-_watch, _steps = [], tf32x3_steps()
 
 
 def _watched(fn):
