@@ -109,7 +109,7 @@ def record(key: str, entry: dict, p: Path | None = None) -> Path:
     p = p or path()
     with _locked(p):
         data = load(p)
-        data[key] = {**entry, **stamp()}
+        data[key] = {**stamp(), **entry}  # the entry's own fields win (a suite's workers)
         tmp = p.with_name(p.name + ".tmp")
         tmp.write_text(json.dumps(dict(sorted(data.items())), indent=2) + "\n")
         tmp.replace(p)
