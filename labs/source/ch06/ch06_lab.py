@@ -53,7 +53,7 @@ llm = LLM(MODEL, dtype="float32", max_model_len=512, kv_cache_memory_bytes=32 <<
 tok = llm.get_tokenizer()
 NUM_LAYERS = len(llm.llm_engine.model_runner.model.layers)
 _text = evalsets.load_corpus()
-example_ids = tok.encode(_text[:2000])[:24]
+example_ids = tok.encode(_text[:2000])[:16]
 print(f"example: {len(example_ids)} tokens; the model has {NUM_LAYERS} layers")
 
 
@@ -290,7 +290,7 @@ import random as _random
 
 _budget = 1e-9
 _layer = _random.randrange(NUM_LAYERS)
-_ids = tok.encode(_text[9000:12000])[:24]
+_ids = tok.encode(_text[9000:12000])[:16]
 
 
 def _mode_kl():
