@@ -205,6 +205,14 @@ def report(data: dict) -> tuple[str, dict]:
         out.append(f"NOT an idle machine's numbers (other processes used over "
                    f"{BUSY_SHARE:.0%} of the CPU meanwhile): {', '.join(busy)}")
     summary = {"over": over, "busy": busy}
+    ci_run = data.get("ci_run")
+    if ci_run:  # scripts/course_times.py --ci-run: a fresh clone's .ci/run, end to end
+        out += ["", f"Fresh-clone `.ci/run` (install, Chromium, hadolint, make test): "
+                    f"{ci_run['seconds'] / 60:.1f} min, of which pytest "
+                    f"{(ci_run.get('pytest_s') or 0) / 60:.1f} min ({ci_run.get('result', '?')}; "
+                    f"commit {ci_run.get('commit', '?')}, measured {ci_run.get('measured')}, "
+                    f"others' CPU share {ci_run.get('others_cpu_share', '?')})"]
+        summary["ci_run_s"] = ci_run["seconds"]
     # CI projected to the full course. The suite ran on `workers` pytest workers in W s;
     # inside that run each chapter took c_i s and each lab's CI grading l_j s (slower than
     # alone: the workers share the cores). Each further chapter or lab adds its mean time

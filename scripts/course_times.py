@@ -7,6 +7,7 @@
     python scripts/course_times.py --measure    # on an IDLE machine: both phases below,
                                                 # recording into reports/course_times.json
     python scripts/course_times.py --measure --phase budgets   # or one of them
+    python scripts/course_times.py --ci-run     # a fresh clone's .ci/run, end to end
 
 Phases of --measure:
   budgets  every chapter notebook and every lab's CI grading, one at a time (pytest
@@ -50,6 +51,32 @@ def _run(pytest_args: list[str], record_into: Path) -> int:
     return subprocess.call(cmd, cwd=ROOT, env=env)
 
 
+def _ci_run(p: Path) -> int:
+    """A fresh clone of HEAD, its .ci/run timed, recorded as 'ci_run'."""
+    import re
+    import tempfile
+
+    commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                     text=True).strip()
+    with tempfile.TemporaryDirectory(prefix="minivllm-ci-") as tmp:
+        clone = Path(tmp) / "clone"
+        subprocess.check_call(["git", "clone", "-q", str(ROOT), str(clone)])
+        log = Path(tmp) / "ci.log"
+        print(f"$ .ci/run in a fresh clone of {commit} ({clone}); log: {log}", flush=True)
+        with ct.measure() as m, open(log, "w") as out:
+            rc = subprocess.call([str(clone / ".ci" / "run")], cwd=clone, stdout=out,
+                                 stderr=subprocess.STDOUT)
+        text = log.read_text()
+        print(text[-3000:])
+    found = re.findall(r"^=*\s*(.*(?:passed|failed).*) in ([0-9.]+)s", text, re.M)
+    result, pytest_s = (found[-1][0].strip(), float(found[-1][1])) if found else ("?", None)
+    ct.record("ci_run", {"kind": "ci_run", "commit": commit, "returncode": rc,
+                         "result": result, "pytest_s": pytest_s, **m}, p)
+    if rc:
+        print(f"error: .ci/run failed (exit {rc})", file=sys.stderr)
+    return rc
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--file", default=str(ct.COMMITTED),
@@ -61,6 +88,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-load", type=float, default=0.5,
                     help="--measure refuses to start above this 1-min load average "
                          "(default 0.5): the numbers are an idle machine's")
+    ap.add_argument("--ci-run", action="store_true",
+                    help="clone HEAD into a scratch folder, run its .ci/run end to end (fresh "
+                         "install included) and record the time as 'ci_run' in --file")
     ap.add_argument("--json", action="store_true", help="print the summary as JSON too")
     args = ap.parse_args(argv)
     p = Path(args.file).resolve()
@@ -87,6 +117,10 @@ def main(argv=None) -> int:
                 return rc
             ct.record_suite(m, SUITE_ARGS, p, inside=ct.load(inside))
             inside.unlink(missing_ok=True)
+    if args.ci_run:
+        rc = _ci_run(p)
+        if rc:
+            return rc
     data = ct.load(p)
     if not data:
         print(f"no measurements in {p}: run python scripts/course_times.py --measure "
