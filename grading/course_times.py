@@ -124,15 +124,14 @@ def record_chapter(name: str, m: dict) -> Path:
 def record_lab(result: dict, m: dict) -> Path:
     """A lab, from ``grading.grade``'s result and :func:`measure` around grading it as CI
     does: ``seconds`` is its solution's run time (first cell to last, in the grading
-    kernel), ``ci_s`` what grading it took CI, ``generic_s`` of which the generic
-    fixtures ran (only some labs run them in CI)."""
+    kernel), ``ci_s`` what grading its CI share took (the generic fixtures are recorded
+    apart, :func:`record_generic`)."""
     fx = {f["fixture"]: f for f in result["fixtures"]}
     sol = fx.get("solution") or {}
-    generic = sum(f["run_s"] or 0 for f in result["fixtures"] if f["kind"] == "generic")
     return record(f"labs/{result['lab']}", {
         "kind": "lab", "seconds": result.get("solution_run_s"),
         "solution_cells": sol.get("cell_s", {}),
-        "ci_s": m["seconds"], "generic_s": round(generic, 1),
+        "ci_s": m["seconds"],
         "fixture_run_s": {n: f["run_s"] for n, f in fx.items()},
         "timeout_s": result.get("timeout_s"), "slow_cells": result.get("slow_cells", {}),
         **{k: v for k, v in m.items() if k != "seconds"}})
@@ -190,9 +189,7 @@ def report(data: dict) -> tuple[str, dict]:
         row(f"lab {n} (solution)", e, LAB_SOLUTION_BUDGET_S)
     ch_total = sum(e["seconds"] for e in chapters.values())
     lab_sol_total = sum(e.get("seconds") or 0 for e in labs.values())
-    generic = {k.split("/", 1)[1]: v for k, v in data.items() if v.get("kind") == "generic"}
     lab_ci_total = sum(e.get("ci_s") or 0 for e in labs.values())
-    generic_ci = sum(e.get("ci_s") or 0 for e in generic.values())
     out = [f"Measured: {len(chapters)} chapters {ch_total:.0f} s, {len(labs)} lab solutions "
            f"{lab_sol_total:.0f} s (grading them in CI: {lab_ci_total:.0f} s)"
            + (f", whole test suite {suite['seconds']:.0f} s." if suite else "."), ""]
