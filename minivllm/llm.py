@@ -83,7 +83,8 @@ class LLM:
             name: a step of :mod:`minivllm.steps` ("rms_norm", "rotary.table", "linear",
                 "lm_head", "attention.decode", "attention.prefill", "kv.quantize",
                 "kv.dequantize", "slot_mapping", "slot_mapping.read", "block_hash",
-                "scheduler.preempt", "sampler.penalties", "sampler.top_k_top_p").
+                "scheduler.preempt", "sampler.penalties", "sampler.top_k_top_p",
+                "prompt.chat_template", "prompt.truncate").
             fn: a function with the signature of the step's reference
                 (``minivllm.steps.reference(name)``).
             where: for per-layer steps, a layer index, a list of them, or a module-name
@@ -153,7 +154,15 @@ class LLM:
              use_tqdm: bool = False, add_generation_prompt: bool = True,
              chat_template: Optional[str] = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then
-        generate. Messages are dicts with "role" and "content"."""
+        generate. Messages are dicts with "role" and "content".
+
+        The template is rendered to text and tokenized with ``add_special_tokens=False``
+        (the "prompt.chat_template" step, ``tokenizer.py:render_chat_ref``), so a
+        tokenizer that adds a BOS cannot put a second one in front of the template's
+        (vLLM PR #16976). ``SamplingParams.truncate_prompt_tokens`` keeps the last k
+        tokens of the rendered conversation; without it a conversation longer than
+        max_model_len raises ValueError.
+        """
         if not isinstance(messages, (list, tuple)):
             raise TypeError("messages must be a list of {'role': ..., 'content': ...} dicts, "
                             f"or a list of such lists, got {type(messages).__name__}")
@@ -182,16 +191,18 @@ class LLM:
                         raise ValueError(f"message {i} needs a string {key!r}, got "
                                          f"{value!r:.80} (message: {msg!r:.120})")
                     check_valid_unicode(value, f"message {i} {key!r}")
-            try:
-                text = tok.apply_chat_template(conv, tokenize=False,
-                                               add_generation_prompt=add_generation_prompt,
-                                               chat_template=chat_template)
+            try:  # the "prompt.chat_template" step: render, then add_special_tokens=False
+                ids = self.llm_engine.render_chat(tok, list(conv), add_generation_prompt,
+                                                  chat_template)
             except (ValueError, TypeError):
                 raise
             except Exception as e:  # jinja2 TemplateError: syntax, undefined, raise_exception
                 raise ValueError(f"the chat template failed on this conversation: "
                                  f"{type(e).__name__}: {e}") from e
-            prompts.append(tok.encode(text, add_special_tokens=False))
+            if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
+                raise ValueError(f"the prompt.chat_template step must return a list of token "
+                                 f"ids, got {type(ids).__name__}")
+            prompts.append(list(ids))
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def score(self, token_ids: Union[Sequence[int], Sequence[Sequence[int]]],

@@ -37,6 +37,15 @@ class SamplingParams:
         prompt_logprobs: the same for every prompt token (the first has none).
         skip_special_tokens: drop special tokens when detokenizing.
         include_stop_str_in_output: keep the matched stop string in the text.
+        truncate_prompt_tokens: None (default): no truncation, and a prompt that does
+            not fit max_model_len is refused. An integer k >= 1: keep only the **last**
+            k prompt tokens (left truncation, vLLM's semantics: the end of the prompt,
+            where the question and the chat template's generation prompt sit, is what
+            the model answers). -1: the longest prompt the engine accepts,
+            max_model_len - 1 tokens (vLLM resolves -1 to max_model_len; this engine
+            needs room for one generated token in the cache, so a prompt of
+            max_model_len tokens is refused). k > max_model_len is an error when the
+            request is added (vLLM: ``_validate_truncation_size``).
     """
 
     n: int = 1
@@ -57,6 +66,7 @@ class SamplingParams:
     prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: Optional[int] = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -136,6 +146,11 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if _not_int(t) or t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
+        k = self.truncate_prompt_tokens
+        if k is not None and (_not_int(k) or not (k >= 1 or k == -1)):
+            raise ValueError(f"truncate_prompt_tokens must be an integer >= 1 or -1 (keep "
+                             f"the last k prompt tokens; -1: as many as max_model_len "
+                             f"allows) or None (no truncation), got {k!r}")
 
     @property
     def is_greedy(self) -> bool:

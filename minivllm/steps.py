@@ -42,6 +42,9 @@ block_hash             core/kv_cache_manager.py:hash_block_tokens KVCacheManager
 scheduler.preempt      core/scheduler.py:preempt_request_ref      Scheduler._preempt
 sampler.penalties      layers/sampler.py:penalties_ref            Sampler
 sampler.top_k_top_p    layers/sampler.py:apply_top_k_top_p        Sampler
+prompt.chat_template   tokenizer.py:render_chat_ref               LLM.chat
+prompt.truncate        tokenizer.py:truncate_prompt_ref           LLMEngine.add_request
+                                                                  (truncate_prompt_tokens)
 =====================  =========================================  ==================
 
 While nothing is swapped the engine runs its own path, which is the reference in the
@@ -80,6 +83,7 @@ from minivllm.layers.rotary_embedding import RotaryEmbedding, rope_table_ref
 from minivllm.layers.sampler import apply_top_k_top_p, penalties_ref
 from minivllm.models.llama import lm_head_ref
 from minivllm.quantization.kv_cache import dequantize_kv, quantize_kv
+from minivllm.tokenizer import render_chat_ref, truncate_prompt_ref
 
 logger = logging.getLogger("minivllm")
 
@@ -239,6 +243,13 @@ STEPS: dict[str, Step] = {s.name: s for s in [
     Step("sampler.top_k_top_p", apply_top_k_top_p,
          "top_k_top_p(logits, top_k, top_p) -> logits", False, False, False,
          _engine_site("sampler", lambda e: e.model_runner.sampler, "top_k_top_p")),
+    # prompt processing (chapter 26): what token ids a request starts from
+    Step("prompt.chat_template", render_chat_ref,
+         "render_chat(tokenizer, conversation, add_generation_prompt, chat_template) -> ids",
+         False, False, False, _engine_site("engine", lambda e: e, "render_chat")),
+    Step("prompt.truncate", truncate_prompt_ref,
+         "truncate(token_ids, truncate_prompt_tokens) -> ids", False, False, False,
+         _engine_site("engine", lambda e: e, "truncate_prompt")),
 ]}
 
 

@@ -19,6 +19,7 @@ from minivllm.steps import STEPS, reference, site_names
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 PROMPTS = [[5 + i % 50 for i in range(k, k + n)] for k, n in ((0, 13), (7, 11), (3, 17))]
+CHAT = [{"role": "user", "content": "a chat longer than sixteen tokens"}]
 
 
 def _params() -> list[SamplingParams]:
@@ -40,6 +41,9 @@ def workload(llm: LLM) -> dict:
     gen = [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in
                                      zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
            for o in outs]
+    # a chat cut to its last 16 tokens reaches "prompt.chat_template" and "prompt.truncate"
+    chat = llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=4, truncate_prompt_tokens=16))
+    gen.append((chat[0].prompt_token_ids, chat[0].outputs[0].token_ids))
     rows = llm.score(PROMPTS[:2], mode="decode") + llm.score(PROMPTS[2:], mode="prefill")
     return {"gen": gen, "rows": rows, "preempted": llm.stats.num_preemptions - before}
 

@@ -162,6 +162,12 @@ class LLMEngine:
             else min(self.scheduler_config.max_num_seqs, 256))
         if args.calculate_kv_scales:
             self.calibrate_kv_scales()
+        # The prompt-processing steps ("prompt.chat_template", "prompt.truncate" in
+        # minivllm/steps.py): swappable like the numeric ones.
+        from minivllm.tokenizer import render_chat_ref, truncate_prompt_ref
+
+        self.render_chat = render_chat_ref
+        self.truncate_prompt = truncate_prompt_ref
         self._counter = itertools.count()
         self._stats = EngineStats()
         self._history: deque = deque(maxlen=100_000)
@@ -330,7 +336,9 @@ class LLMEngine:
         Raises:
             ValueError: empty prompt, token ids outside the vocabulary, text that is not
                 valid Unicode, a prompt longer than max_model_len (both lengths are
-                named), invalid sampling params (checked again here, in case they were
+                named; only ``params.truncate_prompt_tokens`` truncates, keeping the last
+                k tokens), truncate_prompt_tokens > max_model_len, invalid sampling params
+                (checked again here, in case they were
                 changed after construction), logprobs/prompt_logprobs above the vocabulary
                 size, stop_token_ids outside the vocabulary, or a duplicate request id.
             TypeError: prompt, params or request_id of the wrong type.
@@ -367,6 +375,8 @@ class LLMEngine:
             raise TypeError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not token_ids:
             raise ValueError("prompt is empty (0 tokens); give at least one token")
+        if params.truncate_prompt_tokens is not None:
+            token_ids = self.truncate_prompt_tokens(token_ids, params.truncate_prompt_tokens)
         max_len = self.model_config.max_model_len
         if len(token_ids) >= max_len:
             raise ValueError(
@@ -379,6 +389,33 @@ class LLMEngine:
         self.scheduler.add_request(req)
         self._stats.num_prompt_tokens += len(token_ids)
         return rid
+
+    def truncate_prompt_tokens(self, token_ids: list[int],
+                               truncate_prompt_tokens: Optional[int]) -> list[int]:
+        """Apply ``SamplingParams.truncate_prompt_tokens`` to a tokenized prompt: keep the
+        last k ids (the "prompt.truncate" step); -1 keeps max_model_len - 1. None returns
+        the ids unchanged. ``add_request`` calls this; the server calls it before its
+        context-length check, so usage.prompt_tokens is the truncated length.
+
+        Raises:
+            ValueError: k > max_model_len (vLLM's message), an invalid k, or a swapped
+                step that returned more than k ids, no ids, or ids outside the vocabulary.
+        """
+        from minivllm.tokenizer import resolve_truncate_prompt_tokens
+
+        k = resolve_truncate_prompt_tokens(truncate_prompt_tokens,
+                                           self.model_config.max_model_len)
+        if k is None:
+            return token_ids
+        out = self.truncate_prompt(list(token_ids), k)
+        if isinstance(out, (str, bytes)) or not isinstance(out, (list, tuple)):
+            raise ValueError(f"the prompt.truncate step must return a list of token ids, "
+                             f"got {type(out).__name__}")
+        out = self._check_token_ids(out, "truncated prompt token ids")
+        if not 0 < len(out) <= k:
+            raise ValueError(f"the prompt.truncate step returned {len(out)} tokens for "
+                             f"truncate_prompt_tokens={k}; expected 1..{k}")
+        return out
 
     def add_score_request(self, token_ids: list[int], mode: str = "prefill",
                           logits: bool = False, request_id: Optional[str] = None,

@@ -10,7 +10,8 @@ vLLM: ``vllm/entrypoints/openai/api_server.py``. Routes:
 
 Errors use OpenAI's JSON shape ``{"error": {"message", "type", "param", "code"}}``:
 400 for a malformed body or an invalid parameter (including a prompt longer than
-max_model_len: nothing is truncated), 401 for a missing or wrong key when ``--api-key``
+max_model_len: nothing is truncated unless the request asks for it with vLLM's
+``truncate_prompt_tokens``, which keeps the last k tokens), 401 for a missing or wrong key when ``--api-key``
 is set (it guards the ``/v1/*`` routes, as in vLLM; health, metrics, version and
 tokenization stay open), 404 for an unknown model name, 503 while more than
 ``--max-waiting-requests`` requests wait. A client that disconnects (streaming or not)
@@ -127,6 +128,11 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: Optional[st
     async def run(request: Request, body, token_ids: list[int], params, prefix: str, streamer):
         """Check the context, add the request; then a StreamingResponse (``body.stream``)
         or the final RequestOutput. Returns (request id, created, that)."""
+        try:  # truncate_prompt_tokens: keep the last k tokens before the length check
+            token_ids = llm.engine.truncate_prompt_tokens(token_ids,
+                                                          params.truncate_prompt_tokens)
+        except ValueError as e:
+            raise APIError(400, str(e), "truncate_prompt_tokens") from None
         check_context(len(token_ids), body.max_tokens)
         rid = f"{prefix}-{uuid.uuid4().hex}"
         outputs, gen = await start(token_ids, params, rid)

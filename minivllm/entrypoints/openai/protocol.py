@@ -3,7 +3,7 @@
 Field names follow the OpenAI API (``max_tokens``, ``stop``, ``logprobs``...) plus vLLM's
 sampling extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
 ``min_tokens``, ``stop_token_ids``, ``skip_special_tokens``,
-``include_stop_str_in_output``). Unknown fields are refused (400), so a misspelled
+``include_stop_str_in_output``, ``truncate_prompt_tokens``). Unknown fields are refused (400), so a misspelled
 parameter is never silently ignored. Values are range-checked by
 :class:`~minivllm.sampling_params.SamplingParams`; its ValueError becomes a 400.
 """
@@ -46,6 +46,9 @@ class _SamplingFields(_Base):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
+    # vLLM's extension: keep the last k prompt tokens (-1: as many as fit); None: refuse
+    # a prompt that does not fit (see SamplingParams.truncate_prompt_tokens)
+    truncate_prompt_tokens: Optional[int] = None
 
     def sampling_params(self, default_max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
         """Raises ValueError for values SamplingParams does not allow, or n != 1."""
@@ -60,7 +63,8 @@ class _SamplingFields(_Base):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs)
+            include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
+            truncate_prompt_tokens=self.truncate_prompt_tokens)
 
 
 class CompletionRequest(_SamplingFields):
