@@ -214,3 +214,14 @@ def test_http_too_long_without_the_option_is_400(client):
     with pytest.raises(openai_mod.BadRequestError) as exc:
         client.completions.create(model="tiny", prompt=_ids(700), max_tokens=2)
     assert "700 tokens" in str(exc.value) and "512" in str(exc.value)
+
+
+def test_right_truncation_fault_keeps_the_first_k(llm):
+    from minivllm.precision import faults
+
+    ids = _ids(30, seed=5)
+    sp = SamplingParams(truncate_prompt_tokens=9, **GREEDY)
+    with faults.right_truncation(llm):
+        assert llm.generate([ids], sp)[0].prompt_token_ids == ids[:9]
+        assert llm.generate([ids[:5]], sp)[0].prompt_token_ids == ids[:5]
+    assert llm.generate([ids], sp)[0].prompt_token_ids == ids[-9:]

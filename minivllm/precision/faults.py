@@ -217,3 +217,84 @@ def zeroed_block_tables(llm):
 
     with llm.swap_step("slot_mapping", write), llm.swap_step("slot_mapping.read", read):
         yield
+
+
+# --- prompt-processing faults (chapter 26) ------------------------------------------------
+
+_BOS_ADDING: dict = {}
+
+
+def bos_adding_tokenizer(tokenizer):
+    """A copy of ``tokenizer`` that puts its ``bos_token`` in front of every text encoded
+    with ``add_special_tokens=True`` (the default), as Llama-3's tokenizer does with
+    ``<|begin_of_text|>``. SmolLM2's own tokenizer adds **no** BOS (``encode("Hello")`` is
+    ``[19556]`` either way) and its ``bos_token`` is ``<|im_start|>`` (id 1), the token its
+    chat template opens every message with; this copy behaves like a tokenizer that adds
+    it. The original is not changed (the copy is cached per tokenizer object).
+
+    Raises:
+        ValueError: a tokenizer without a bos_token, or not backed by ``tokenizers``.
+    """
+    key = id(tokenizer)
+    hit = _BOS_ADDING.get(key)
+    if hit is not None and hit[0] is tokenizer:
+        return hit[1]
+    import copy
+
+    from tokenizers.processors import TemplateProcessing
+
+    bos, bos_id = tokenizer.bos_token, tokenizer.bos_token_id
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if bos is None or bos_id is None or backend is None:
+        raise ValueError("bos_adding_tokenizer needs a fast (tokenizers-backed) tokenizer "
+                         f"with a bos_token; got {type(tokenizer).__name__} with bos_token="
+                         f"{bos!r}")
+    out = copy.deepcopy(tokenizer)
+    out._tokenizer.post_processor = TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, bos_id)])
+    _BOS_ADDING[key] = (tokenizer, out)
+    return out
+
+
+def render_chat_doubled_bos(tokenizer, conversation, add_generation_prompt: bool = True,
+                            chat_template=None) -> list[int]:
+    """The "prompt.chat_template" step with vLLM's pre-#16976 bug: render the template
+    (which already opens with the BOS/start token), then tokenize the text with
+    ``add_special_tokens=True`` through a tokenizer that adds a BOS
+    (:func:`bos_adding_tokenizer`): the ids start with the token twice. Same signature
+    as ``tokenizer.py:render_chat_ref``; the result is ``[bos_id] + render_chat_ref(...)``.
+    vllm PR #16976; trl #3853; tpu-inference PR #1380 (GSM8K 0.90 -> 0.76 on
+    Llama-3.3-70B); retaining-by-doing #5."""
+    text = tokenizer.apply_chat_template(conversation, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt,
+                                         chat_template=chat_template)
+    return list(bos_adding_tokenizer(tokenizer).encode(text))  # the bug: special tokens on
+
+
+@contextlib.contextmanager
+def doubled_bos(llm):
+    """Plant :func:`render_chat_doubled_bos` on the "prompt.chat_template" step: every
+    ``LLM.chat`` prompt starts with ``<|im_start|><|im_start|>system`` (two id-1 tokens)
+    on the embedded model. The unmodified engine renders then tokenizes with
+    ``add_special_tokens=False``, so it cannot double the token with any tokenizer."""
+    if not hasattr(llm, "swap_step"):
+        raise TypeError(f"faults are planted into an LLM, got {type(llm).__name__}")
+    with llm.swap_step("prompt.chat_template", render_chat_doubled_bos):
+        yield
+
+
+def truncate_prompt_right(token_ids: list[int], truncate_prompt_tokens: int) -> list[int]:
+    """The "prompt.truncate" step cut on the wrong side: keep the **first** k ids
+    (transformers' default ``truncation_side="right"``). A chat prompt loses its end:
+    the question and the generation prompt. Same signature as ``truncate_prompt_ref``."""
+    return list(token_ids[:truncate_prompt_tokens])
+
+
+@contextlib.contextmanager
+def right_truncation(llm):
+    """Plant :func:`truncate_prompt_right` on the "prompt.truncate" step (only requests
+    with ``SamplingParams.truncate_prompt_tokens`` are affected)."""
+    if not hasattr(llm, "swap_step"):
+        raise TypeError(f"faults are planted into an LLM, got {type(llm).__name__}")
+    with llm.swap_step("prompt.truncate", truncate_prompt_right):
+        yield
