@@ -23,7 +23,7 @@ from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.utils import check_valid_unicode
 
-Prompt = Union[str, list[int]]
+Prompt = Union[str, list[int], dict]  # dict: vLLM's TextPrompt / TokensPrompt
 Conversation = list[dict[str, str]]
 
 
@@ -83,6 +83,7 @@ class LLM:
             name: a step of :mod:`minivllm.steps` ("rms_norm", "rotary.table", "linear",
                 "lm_head", "attention.decode", "attention.prefill", "kv.quantize",
                 "kv.dequantize", "slot_mapping", "slot_mapping.read", "block_hash",
+                "block_hash.extra_keys", "prefix_cache.lookup",
                 "scheduler.preempt", "sampler.penalties", "sampler.top_k_top_p",
                 "prompt.chat_template", "prompt.truncate").
             fn: a function with the signature of the step's reference
@@ -98,6 +99,11 @@ class LLM:
         """
         return self.llm_engine.swap_step(name, fn, where)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (vLLM's ``LLM.reset_prefix_cache``). Returns
+        False, changing nothing, while requests hold blocks."""
+        return self.llm_engine.reset_prefix_cache()
+
     @property
     def stats(self) -> EngineStats:
         """Preemptions, KV usage, prefix-cache queries/hits, free blocks, per-step history."""
@@ -109,20 +115,23 @@ class LLM:
         """Generate for every prompt; outputs come back in input order.
 
         Args:
-            prompts: a string, a list of token ids, or a list of either.
+            prompts: a string, a list of token ids, a prompt dict, or a list of those.
+                A prompt dict is vLLM's ``{"prompt": text}`` or ``{"prompt_token_ids":
+                [...]}``, optionally with ``"cache_salt": str`` (non-empty): requests
+                with different salts never share prefix-cache blocks.
             sampling_params: one for all prompts, or one per prompt (default: SamplingParams()).
             use_tqdm: show a progress bar over finished requests.
         Raises:
             ValueError: bad prompts or a sampling_params list of the wrong length. When one
                 prompt is invalid, no request is run and no blocks are held.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                        and isinstance(prompts[0], numbers.Integral)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                                and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]
-        if isinstance(prompts, (bytes, bytearray, dict, set, frozenset)) \
+        if isinstance(prompts, (bytes, bytearray, set, frozenset)) \
                 or not isinstance(prompts, Iterable):
-            raise TypeError(f"prompts must be a string, a list of token ids, or a list of "
-                            f"those, got {type(prompts).__name__}")
+            raise TypeError(f"prompts must be a string, a list of token ids, a prompt dict, or "
+                            f"a list of those, got {type(prompts).__name__}")
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -209,6 +218,7 @@ class LLM:
               mode: str = "prefill", output: str = "logprobs",
               use_tqdm: bool = False,
               positions: Union[Sequence[int], Sequence[Optional[Sequence[int]]], None] = None,
+              use_prefix_cache: bool = False,
               ) -> Union["torch.Tensor", list["torch.Tensor"]]:
         """Teacher-forced full-vocabulary scores of fixed token sequences.
 
@@ -235,6 +245,15 @@ class LLM:
                 given and equal the same rows of a full score bit for bit (see
                 ``ModelRunner._score_rows`` for how the CPU GEMM is kept to the same
                 rounding).
+            use_prefix_cache: read prefix-cache hits (default False: every position is
+                computed). A position served from the cache never runs through the
+                model, so its row cannot be computed: the hit stops at the first wanted
+                row (with ``positions=None`` that is row 0, so nothing hits; ask for the
+                rows after a cached prefix with ``positions``), at a block boundary, and
+                leaves at least the last token to compute. The tokens after a hit run as
+                a prefill that attends to the cached K/V (an explicit mask, not
+                ``is_causal``), which is what makes hit-versus-miss numerics measurable.
+                Every score request writes its full blocks into the cache either way.
         Returns:
             float32 CPU tensor ``[T, vocab]`` (``[len(positions), vocab]`` with
             positions) for one sequence, or a list of them.
@@ -247,12 +266,16 @@ class LLM:
 
         Not vLLM's ``LLM.score`` (that one is a cross-encoder similarity API); this is the
         precision toolkit's teacher-forced scorer (llama.cpp ``perplexity`` computes the
-        same rows). Scoring requests skip the prefix cache, as prompt_logprobs do.
+        same rows). Without ``use_prefix_cache`` scoring requests skip the prefix-cache
+        lookup, as requests with prompt_logprobs always do (vLLM v1 skips reading the
+        cache for them: ``skip_reading_prefix_cache``).
         """
         if output not in ("logprobs", "logits"):
             raise ValueError(f"output must be 'logprobs' or 'logits', got {output!r}")
         if mode not in ("prefill", "decode"):
             raise ValueError(f"mode must be 'prefill' or 'decode', got {mode!r}")
+        if not isinstance(use_prefix_cache, bool):
+            raise TypeError(f"use_prefix_cache must be True or False, got {use_prefix_cache!r}")
         if isinstance(token_ids, (torch.Tensor, np.ndarray)):
             if token_ids.ndim not in (1, 2):
                 raise ValueError(f"token_ids as an array must be 1-D (one sequence) or 2-D (a "
@@ -274,7 +297,8 @@ class LLM:
         try:
             for s, pos in zip(seqs, per_seq):
                 reqs.append(engine.add_score_request(list(s), mode, logits=output == "logits",
-                                                     positions=pos))
+                                                     positions=pos,
+                                                     use_prefix_cache=use_prefix_cache))
         except BaseException:
             for r in reqs:
                 engine.abort_request(r.request_id)

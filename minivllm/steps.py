@@ -39,6 +39,9 @@ slot_mapping           attention/metadata.py:slot_mapping_ref     ModelRunner (w
 slot_mapping.read      attention/metadata.py:slot_mapping_ref     ModelRunner (TORCH
                                                                   reads only)
 block_hash             core/kv_cache_manager.py:hash_block_tokens KVCacheManager
+block_hash.extra_keys  core/kv_cache_manager.py:block_extra_keys  KVCacheManager
+prefix_cache.lookup    core/kv_cache_manager.py:                  KVCacheManager
+                       find_longest_cache_hit
 scheduler.preempt      core/scheduler.py:preempt_request_ref      Scheduler._preempt
 sampler.penalties      layers/sampler.py:penalties_ref            Sampler
 sampler.top_k_top_p    layers/sampler.py:apply_top_k_top_p        Sampler
@@ -75,7 +78,8 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 from minivllm.attention.backends.torch_ref import decode_attention_ref, prefill_attention_ref
 from minivllm.attention.metadata import slot_mapping_ref
-from minivllm.core.kv_cache_manager import hash_block_tokens
+from minivllm.core.kv_cache_manager import (block_extra_keys, find_longest_cache_hit,
+                                            hash_block_tokens)
 from minivllm.core.scheduler import preempt_request_ref
 from minivllm.layers.linear import Linear, linear_ref
 from minivllm.layers.rms_norm import RMSNorm, rms_norm_ref
@@ -234,6 +238,13 @@ STEPS: dict[str, Step] = {s.name: s for s in [
     Step("block_hash", hash_block_tokens,
          "block_hash(parent_hash, token_ids, extra_keys) -> bytes", True, False, False,
          _engine_site("kv_cache_manager", lambda e: e.kv_cache_manager, "hash_block_tokens")),
+    Step("block_hash.extra_keys", block_extra_keys,
+         "extra_keys(cache_salt, block_index) -> tuple", False, False, False,
+         _engine_site("kv_cache_manager", lambda e: e.kv_cache_manager, "block_extra_keys")),
+    Step("prefix_cache.lookup", find_longest_cache_hit,
+         "lookup(block_hashes, cached, num_tokens, block_size) -> int", False, False, False,
+         _engine_site("kv_cache_manager", lambda e: e.kv_cache_manager,
+                      "find_longest_cache_hit")),
     Step("scheduler.preempt", preempt_request_ref, "preempt(request) -> None", False, False,
          False, _engine_site("scheduler", lambda e: e.scheduler, "preempt_request")),
     Step("sampler.penalties", penalties_ref,

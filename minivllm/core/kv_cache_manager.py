@@ -8,6 +8,23 @@ Prefix caching: a full block is identified by a *chained* hash,
 equal whole prefixes, not just equal blocks. Anything that changes the K/V numbers of
 the block must be part of the key; engine-wide settings (model, dtype, kv_cache_dtype)
 are the same for every request of one engine, so only per-request inputs matter here.
+The one per-request input here is ``cache_salt`` (vLLM's request field): it is an extra
+key of the request's **first** block only (:func:`block_extra_keys`), and the chain
+carries it into every later block, so requests with different salts never share a block.
+
+Three steps of :mod:`minivllm.steps` live here: "block_hash" (:func:`hash_block_tokens`),
+"block_hash.extra_keys" (:func:`block_extra_keys`) and "prefix_cache.lookup"
+(:func:`find_longest_cache_hit`).
+
+Which requests read the cache (``KVCacheManager.cache_hit_limit``): generation requests,
+up to all but their last token (its logits are needed); requests with
+``prompt_logprobs`` never (as vLLM v1, ``skip_reading_prefix_cache``: a position served
+from the cache is never run, so its prompt log-prob could not be computed); ``LLM.score``
+requests only with ``use_prefix_cache=True``, and then only up to their first wanted row.
+Every request *writes* its full blocks into the cache once they are computed
+(``Scheduler.update_after_step``), never before: a block is findable only after the
+model wrote its K/V, so two requests of one step cannot hit each other's unwritten
+blocks (nano-vllm PR #209, vllm PR #7822).
 """
 
 from __future__ import annotations
@@ -37,6 +54,45 @@ def hash_block_tokens(parent_hash: Optional[BlockHash], token_ids: list[int],
     return h.digest()
 
 
+def block_extra_keys(cache_salt: Optional[str], block_index: int) -> tuple:
+    """Extra keys of block ``block_index`` (0-based) of a request: ``(cache_salt,)`` for
+    its first block when it has a salt, else ``()``.
+
+    The "block_hash.extra_keys" step's reference (:mod:`minivllm.steps`). Only the first
+    block needs the salt: every later hash is chained to it. vLLM:
+    ``vllm/v1/core/kv_cache_utils.py:generate_block_hash_extra_keys`` (which also adds
+    LoRA names and multimodal hashes; minivllm has neither)."""
+    return (cache_salt,) if block_index == 0 and cache_salt is not None else ()
+
+
+def find_longest_cache_hit(block_hashes: list, cached, num_tokens: int,
+                           block_size: int) -> int:
+    """How many leading blocks of a request the prefix cache can serve.
+
+    The "prefix_cache.lookup" step's reference (:mod:`minivllm.steps`).
+
+    Args:
+        block_hashes: the request's full-block hashes, first block first.
+        cached: the cache's hashes (supports ``in``; it holds only blocks whose K/V has
+            been written).
+        num_tokens: tokens the lookup may cover plus one: at least the last of them is
+            left to compute (its logits are needed), so at most
+            ``(num_tokens - 1) // block_size`` blocks are served.
+        block_size: tokens per block.
+    Returns:
+        the number of leading hashes that are all in ``cached`` (it stops at the first
+        miss: a block is only valid after all of its prefix), capped as above.
+    vLLM: ``find_longest_cache_hit`` in ``vllm/v1/core/single_type_kv_cache_manager.py``
+    with ``max_cache_hit_length = num_tokens - 1`` (``kv_cache_manager.py``)."""
+    max_blocks = max(num_tokens - 1, 0) // block_size
+    n = 0
+    for block_hash in block_hashes[:max_blocks]:
+        if block_hash not in cached:
+            break
+        n += 1
+    return n
+
+
 class KVCacheManager:
     """Owns the BlockPool and the request -> blocks table.
 
@@ -50,6 +106,8 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.hash_block_tokens = hash_block_tokens  # the "block_hash" step
+        self.block_extra_keys = block_extra_keys  # the "block_hash.extra_keys" step
+        self.find_longest_cache_hit = find_longest_cache_hit  # "prefix_cache.lookup"
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # Prefix-cache statistics in tokens (vLLM's prefix_cache_queries / hits).
@@ -65,32 +123,61 @@ class KVCacheManager:
         while (len(hashes) + 1) * bs <= len(tokens):
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(self.hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs]))
+            extra = self.block_extra_keys(request.cache_salt, i)
+            hashes.append(self.hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs], extra))
 
     # --- lookups ------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of a request that has no blocks yet.
 
-        Returns (blocks, num_computed_tokens). At least the last token is always left
-        to compute, because the engine needs its logits. Requests that ask for
-        prompt_logprobs, and scoring requests, skip the cache (their prompt must be run
-        to get the logits).
+        Returns (blocks, num_computed_tokens). At most :meth:`cache_hit_limit` tokens:
+        at least the last token is always left to compute, because the engine needs its
+        logits; requests with prompt_logprobs, and scoring requests without
+        ``use_prefix_cache``, skip the lookup (see the module docstring).
+
+        Raises:
+            ValueError: a swapped "prefix_cache.lookup" step returned something other
+                than a count in [0, what the limit allows] of cached leading blocks.
         """
         if not self._uses_cache(request):
             return [], 0
         self.update_block_hashes(request)
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[KVCacheBlock] = []
-        for block_hash in request.block_hashes[:max_blocks]:
-            block = self.block_pool.get_cached_block(block_hash)
+        limit = self.cache_hit_limit(request)
+        hashes = request.block_hashes
+        pool = self.block_pool
+        n = self.find_longest_cache_hit(hashes, pool.cached_block_hash_to_block, limit + 1,
+                                        self.block_size)
+        max_blocks = limit // self.block_size
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= max_blocks:
+            raise ValueError(f"the prefix_cache.lookup step returned {n!r}; expected an int in "
+                             f"[0, {max_blocks}] (this request may reuse at most {limit} of "
+                             f"its {request.num_tokens} tokens, block size {self.block_size})")
+        hits = []
+        for i, block_hash in enumerate(hashes[:n]):
+            block = pool.get_cached_block(block_hash)
             if block is None:
-                break
+                raise ValueError(f"the prefix_cache.lookup step counted {n} leading blocks as "
+                                 f"cached, but block {i} of the request is not in the cache")
             hits.append(block)
-        return hits, len(hits) * self.block_size
+        return hits, n * self.block_size
+
+    def cache_hit_limit(self, request: Request) -> int:
+        """The most tokens of ``request`` the prefix cache may serve (0: no lookup).
+
+        ``num_tokens - 1`` for generation; for a score request with
+        ``use_prefix_cache=True`` also at most its first wanted row that it does not
+        hold yet (a row served from the cache is never computed)."""
+        if not self._uses_cache(request):
+            return 0
+        limit = request.num_tokens - 1
+        if request.score is not None:
+            limit = min(limit, request.score.first_needed())
+        return max(limit, 0)
 
     def _uses_cache(self, request: Request) -> bool:
-        return self.enable_caching and request.params.prompt_logprobs is None \
-            and request.score is None
+        if not self.enable_caching or request.params.prompt_logprobs is not None:
+            return False
+        return request.score is None or request.score.use_prefix_cache
 
     def record_prefix_query(self, request: Request, num_hit_tokens: int) -> None:
         """Count one (re)admission's lookup, in tokens (vLLM's prefix_cache_queries /

@@ -329,9 +329,14 @@ class LLMEngine:
                                enable_chunked_prefill=a.enable_chunked_prefill)
 
     # --- requests ---------------------------------------------------------------------
-    def add_request(self, prompt: Union[str, list[int]], params: Optional[SamplingParams] = None,
+    def add_request(self, prompt: Union[str, list[int], dict], params: Optional[SamplingParams] = None,
                     request_id: Optional[str] = None) -> str:
         """Queue a prompt (text or token ids). Returns the request id.
+
+        ``prompt`` may also be a dict as vLLM's ``TextPrompt`` / ``TokensPrompt``:
+        ``{"prompt": text}`` or ``{"prompt_token_ids": [...]}``, with an optional
+        ``"cache_salt"`` (a non-empty string: requests with different salts share no
+        prefix-cache block; see :func:`check_cache_salt`).
 
         Raises:
             ValueError: empty prompt, token ids outside the vocabulary, text that is not
@@ -343,6 +348,9 @@ class LLMEngine:
                 size, stop_token_ids outside the vocabulary, or a duplicate request id.
             TypeError: prompt, params or request_id of the wrong type.
         """
+        cache_salt = None
+        if isinstance(prompt, dict):
+            prompt, cache_salt = parse_prompt_dict(prompt)
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
@@ -385,7 +393,8 @@ class LLMEngine:
                 f"or raise max_model_len.")
         rid = self._new_request_id(request_id)
         req = Request(rid, token_ids, params, prompt=text,
-                      eos_token_ids=self.model_config.eos_token_ids, max_model_len=max_len)
+                      eos_token_ids=self.model_config.eos_token_ids, max_model_len=max_len,
+                      cache_salt=cache_salt)
         self.scheduler.add_request(req)
         self._stats.num_prompt_tokens += len(token_ids)
         return rid
@@ -419,12 +428,14 @@ class LLMEngine:
 
     def add_score_request(self, token_ids: list[int], mode: str = "prefill",
                           logits: bool = False, request_id: Optional[str] = None,
-                          positions: Optional[Sequence[int]] = None) -> Request:
+                          positions: Optional[Sequence[int]] = None,
+                          use_prefix_cache: bool = False) -> Request:
         """Queue teacher-forced scoring of a fixed token sequence (see ``LLM.score``).
 
         Returns the Request; after the engine finishes it, ``request.score.result()`` is
         the ``[T, vocab]`` float32 tensor, or ``[len(positions), vocab]`` (rows in the
-        order of ``positions``) when positions are given.
+        order of ``positions``) when positions are given. ``use_prefix_cache``: see
+        ``LLM.score``.
 
         Raises:
             ValueError: mode not "prefill"/"decode", an empty sequence, token ids outside
@@ -435,6 +446,8 @@ class LLMEngine:
             raise ValueError(f"mode must be 'prefill' or 'decode', got {mode!r}")
         if not isinstance(logits, bool):
             raise TypeError(f"logits must be True or False, got {logits!r}")
+        if not isinstance(use_prefix_cache, bool):
+            raise TypeError(f"use_prefix_cache must be True or False, got {use_prefix_cache!r}")
         if request_id is not None and not isinstance(request_id, str):
             raise TypeError(f"request_id must be a string or None, got {type(request_id).__name__}")
         ids = self._check_token_ids(token_ids, "token ids")
@@ -451,7 +464,8 @@ class LLMEngine:
         wanted = None if positions is None else check_score_positions(positions, len(ids))
         rid = self._new_request_id(request_id, prefix="score-")
         state = ScoreState(num_positions=len(ids), forced_token_ids=forced, logits=logits,
-                           positions=wanted, vocab_size=self.model_config.vocab_size)
+                           positions=wanted, vocab_size=self.model_config.vocab_size,
+                           use_prefix_cache=use_prefix_cache)
         # max_tokens only sizes Request bookkeeping: a score request finishes when it has
         # all T rows (the engine skips stop checks for it), never by length.
         params = SamplingParams(temperature=0.0, max_tokens=len(ids))
@@ -694,6 +708,59 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
+
+
+PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+
+
+def check_cache_salt(cache_salt) -> Optional[str]:
+    """A request's ``cache_salt``: None, or a non-empty string (vLLM's rule, "Parameter
+    'cache_salt' must be a non-empty string if provided").
+
+    Raises:
+        TypeError: not a string.
+        ValueError: the empty string.
+    """
+    if cache_salt is None:
+        return None
+    if not isinstance(cache_salt, str):
+        raise TypeError(f"cache_salt must be a non-empty string if provided, got "
+                        f"{type(cache_salt).__name__}: {cache_salt!r:.40}")
+    if not cache_salt:
+        raise ValueError("cache_salt must be a non-empty string if provided, got ''")
+    check_valid_unicode(cache_salt, "cache_salt")
+    return cache_salt
+
+
+def parse_prompt_dict(prompt: dict) -> tuple[Union[str, list[int]], Optional[str]]:
+    """vLLM's ``TextPrompt`` ``{"prompt": str}`` or ``TokensPrompt`` ``{"prompt_token_ids":
+    [int, ...]}``, each with an optional ``"cache_salt"``. Returns (prompt, cache_salt).
+
+    Raises:
+        ValueError: an unknown key (nothing is silently ignored), neither or both of
+            "prompt" and "prompt_token_ids", or an empty cache_salt.
+        TypeError: "prompt" not a string, "prompt_token_ids" not a list, or a salt that
+            is not a string.
+    """
+    unknown = sorted(str(k) for k in prompt if k not in PROMPT_DICT_KEYS)
+    if unknown:
+        raise ValueError(f"unknown prompt key(s) {unknown}; a prompt dict takes 'prompt' (text) "
+                         "or 'prompt_token_ids' (a list of ints), and optionally 'cache_salt'")
+    if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise ValueError("a prompt dict needs exactly one of 'prompt' (text) and "
+                         f"'prompt_token_ids' (a list of ints); got keys {sorted(prompt)}")
+    if "prompt" in prompt:
+        inner = prompt["prompt"]
+        if not isinstance(inner, str):
+            raise TypeError(f"'prompt' must be a string, got {type(inner).__name__}; give "
+                            "token ids as 'prompt_token_ids'")
+    else:
+        inner = prompt["prompt_token_ids"]
+        if not isinstance(inner, (list, tuple)):
+            raise TypeError(f"'prompt_token_ids' must be a list of ints, got "
+                            f"{type(inner).__name__}")
+        inner = list(inner)
+    return inner, check_cache_salt(prompt.get("cache_salt"))
 
 
 def check_score_positions(positions, num_tokens: int) -> list[int]:

@@ -48,6 +48,9 @@ class ScoreState:
         vocab_size: columns of a row (for an empty ``positions``).
         rows: ``[n_i, vocab]`` float32 chunks in position order; ``num_rows`` in total.
         covered: positions [0, covered) are done (their rows held, or not wanted).
+        use_prefix_cache: look up prefix-cache hits for the positions before the first
+            wanted row (``LLM.score(use_prefix_cache=True)``); the rows of positions
+            served from the cache are never computed, so they cannot be wanted.
     """
 
     num_positions: int
@@ -58,6 +61,7 @@ class ScoreState:
     rows: list[torch.Tensor] = field(default_factory=list)
     num_rows: int = 0
     covered: int = 0
+    use_prefix_cache: bool = False
 
     def __post_init__(self) -> None:
         self._wanted = None if self.positions is None else sorted(self.positions)
@@ -66,6 +70,14 @@ class ScoreState:
     @property
     def done(self) -> bool:
         return self.covered >= self.num_positions
+
+    def first_needed(self) -> int:
+        """The first position whose row is still wanted (not held yet); T when none is.
+        A prefix-cache hit must stop at or before it."""
+        if self._wanted is None:
+            return self.covered
+        i = bisect.bisect_left(self._wanted, self.covered)
+        return self._wanted[i] if i < len(self._wanted) else self.num_positions
 
     def chosen_in(self, start: int, n: int) -> Optional[list[int]]:
         """The wanted positions among [start, start + n) that are not held yet, ascending;
@@ -127,7 +139,7 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  prompt: Optional[str] = None, eos_token_ids: tuple[int, ...] = (),
                  max_model_len: int = 0, arrival_time: Optional[float] = None,
-                 score: Optional[ScoreState] = None):
+                 score: Optional[ScoreState] = None, cache_salt: Optional[str] = None):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -160,6 +172,9 @@ class Request:
         self.first_token_time: Optional[float] = None
         self.finish_time: Optional[float] = None
         self.score = score  # set for LLM.score requests only
+        # vLLM's per-request prefix-cache salt: an extra key of the first block's hash
+        # (KVCacheManager), so requests with different salts share no cached block.
+        self.cache_salt = cache_salt
 
     @property
     def num_tokens(self) -> int:

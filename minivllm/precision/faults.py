@@ -298,3 +298,38 @@ def right_truncation(llm):
         raise TypeError(f"faults are planted into an LLM, got {type(llm).__name__}")
     with llm.swap_step("prompt.truncate", truncate_prompt_right):
         yield
+# --- prefix-cache key faults (chapter 22) ---------------------------------------------------
+
+def hash_block_unchained(parent_hash, token_ids: list[int], extra_keys: tuple = ()) -> bytes:
+    """The "block_hash" step without its chain: each block hashed on its own tokens (and
+    extra keys) only, as if every block were a first block. Same signature and output
+    (32 bytes) as ``hash_block_tokens``. Equal hashes no longer mean equal prefixes: a
+    block whose 16 tokens were cached anywhere (at another position, after another
+    prefix) is found again."""
+    from minivllm.core.kv_cache_manager import hash_block_tokens
+
+    return hash_block_tokens(None, token_ids, extra_keys)
+
+
+@contextlib.contextmanager
+def unchained_block_hash(llm):
+    """Plant :func:`hash_block_unchained` as the engine's "block_hash" step. The lookup
+    still walks a request's blocks from the first and stops at the first miss, so a
+    false hit needs the request's earlier blocks to hit too, but any cached block with
+    the same tokens will do, wherever it was computed: the same retrieved passages in
+    another order, or a block repeated inside a prompt, reuse K/V computed at other
+    positions after other text. Generations change and the scheduler skips computing
+    those tokens (the prefix-cache hit count rises). The prefix cache is reset on entry
+    and exit, so no block cached under one key function is found under the other; use it
+    with no requests in flight."""
+    if not hasattr(llm, "swap_step"):
+        raise TypeError(f"faults are planted into an LLM, got {type(llm).__name__}")
+    engine = llm.llm_engine
+    if engine.has_unfinished_requests():
+        raise ValueError("unchained_block_hash: plant it with no requests in flight")
+    engine.reset_prefix_cache()
+    try:
+        with llm.swap_step("block_hash", hash_block_unchained):
+            yield
+    finally:
+        engine.reset_prefix_cache()

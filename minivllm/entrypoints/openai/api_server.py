@@ -135,7 +135,7 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: Optional[st
             raise APIError(400, str(e), "truncate_prompt_tokens") from None
         check_context(len(token_ids), body.max_tokens)
         rid = f"{prefix}-{uuid.uuid4().hex}"
-        outputs, gen = await start(token_ids, params, rid)
+        outputs, gen = await start(body.engine_prompt(token_ids), params, rid)
         created = int(time.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from minivllm.sampling_params import SamplingParams
 
@@ -49,6 +49,24 @@ class _SamplingFields(_Base):
     # vLLM's extension: keep the last k prompt tokens (-1: as many as fit); None: refuse
     # a prompt that does not fit (see SamplingParams.truncate_prompt_tokens)
     truncate_prompt_tokens: Optional[int] = None
+    # vLLM's prefix-cache salt: requests with different salts share no cached block.
+    cache_salt: Optional[str] = None
+
+    @field_validator("cache_salt", mode="before")
+    @classmethod
+    def _check_cache_salt(cls, v):
+        if v is not None and (not isinstance(v, str) or not v):
+            raise ValueError(f"Parameter 'cache_salt' must be a non-empty string if provided, "
+                             f"got {v!r:.40}")
+        return v
+
+    def engine_prompt(self, token_ids: list[int]):
+        """The prompt the engine gets: the token ids, or vLLM's TokensPrompt dict with the
+        request's ``cache_salt``."""
+        if self.cache_salt is None:
+            return token_ids
+        key = "prompt" if isinstance(token_ids, str) else "prompt_token_ids"
+        return {key: token_ids, "cache_salt": self.cache_salt}
 
     def sampling_params(self, default_max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
         """Raises ValueError for values SamplingParams does not allow, or n != 1."""
