@@ -223,6 +223,21 @@ class EngineArgs:
     # lm_head with its own fp32 weight copy). Costs one fp32 copy of the weight
     # (vocab x hidden x 4 bytes: 113 MB for SmolLM2), kept only when set.
     lm_head_dtype: Optional[str] = None
+    # Batch-invariant mode (course chapter 5): a request's logits do not depend on what
+    # else is in the batch (bitwise), at some speed cost. vLLM has it as the environment
+    # variable ``VLLM_BATCH_INVARIANT=1`` (docs: features/batch_invariance; tracker
+    # vllm #27433, first PR #24583), after Thinking Machines' "Defeating Nondeterminism
+    # in LLM Inference" (2025-09-10): at temperature 0 the same prompt gave 80 distinct
+    # completions out of 1000 because matmul, RMSNorm and attention kernels pick their
+    # reduction order from the batch shape. Here it is an EngineArgs field; the same
+    # environment variable set to 1 also turns it on (see :func:`batch_invariant_enabled`).
+    # What it changes (``ModelRunner(batch_invariant=True)``): CPU: decode attention
+    # runs per sequence over its own keys (no padding to the group's longest sequence),
+    # every linear layer and the LM head run one row at a time; CUDA: linears, LM head
+    # and RMSNorm through ``kernels/batch_invariant.py`` (fixed tiles, no split-K) and
+    # the TRITON paged attention (fixed split size). Unlike vLLM's mode it does not also
+    # make prefill and decode of the same token agree, or change the sampler.
+    batch_invariant: bool = False
 
     def validate(self) -> None:
         """Check arguments that can be checked without the model.
@@ -260,7 +275,7 @@ class EngineArgs:
                 self.device in ("cpu", "cuda") or re.fullmatch(r"cuda:\d+", self.device)):
             raise ValueError(f"Unknown device {self.device!r}; allowed: cpu, cuda, cuda:N")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "calculate_kv_scales",
-                     "enforce_eager", "skip_tokenizer_init"):
+                     "enforce_eager", "skip_tokenizer_init", "batch_invariant"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be True or False, got {value!r}")
@@ -339,6 +354,24 @@ class EngineArgs:
 
     def replace(self, **changes) -> "EngineArgs":
         return dataclasses.replace(self, **changes)
+
+
+BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
+
+
+def batch_invariant_enabled(args: "EngineArgs") -> bool:
+    """``args.batch_invariant``, or the environment variable ``VLLM_BATCH_INVARIANT``
+    set to ``1`` (vLLM's switch for the same mode; ``0`` or unset: off).
+
+    Raises:
+        ValueError: the variable set to anything but ``0`` or ``1``.
+    """
+    import os
+
+    env = os.environ.get(BATCH_INVARIANT_ENV)
+    if env is not None and env.strip() not in ("", "0", "1"):
+        raise ValueError(f"{BATCH_INVARIANT_ENV}={env!r}: allowed values are 0 and 1")
+    return bool(args.batch_invariant) or (env is not None and env.strip() == "1")
 
 
 def _is_real(value) -> bool:

@@ -20,6 +20,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import torch
 
+from minivllm.config import batch_invariant_enabled
 from minivllm.config import (DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig, EngineArgs, ModelConfig,
                              SchedulerConfig, parse_dtype, parse_kv_cache_dtype)
 from minivllm.core.kv_cache_manager import KVCacheManager
@@ -159,7 +160,8 @@ class LLMEngine:
         self.model_runner = ModelRunner(
             model, self.model_config, self.cache_config, device, args.seed,
             cuda_graph_max_batch_size=None if args.enforce_eager
-            else min(self.scheduler_config.max_num_seqs, 256))
+            else min(self.scheduler_config.max_num_seqs, 256),
+            batch_invariant=batch_invariant_enabled(args))
         if args.calculate_kv_scales:
             self.calibrate_kv_scales()
         # The prompt-processing steps ("prompt.chat_template", "prompt.truncate" in

@@ -129,6 +129,33 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     return float_linear(x, weight, bias, False, owner=weight)
 
 
+def rowwise(fn, x: torch.Tensor, *args) -> torch.Tensor:
+    """``fn(x, *args)`` computed one row of x at a time: batch-invariant by construction.
+
+    Args:
+        fn: ``fn(x [1, ..., K], *args) -> [1, ..., N]`` (a linear, an LM head).
+        x: [..., K]; its leading dimensions are flattened to rows.
+    Returns:
+        [..., N]: row i is ``fn`` of a freshly allocated (so equally aligned) copy of
+        row i alone, the same call whatever the other rows are.
+
+    Why (course chapter 5): a CPU GEMM's per-row result can depend on the number of
+    rows M. Measured here (AMD EPYC, torch's oneDNN-packed float32 GEMM of
+    :func:`packed_cpu_linear`): for every model shape, rows of an M >= 2 product differ
+    from the same row computed alone; bfloat16 ``F.linear`` agreed at every M tried
+    (1..19, 33, 64, 100, 256, 1024), but nothing in its contract says so. One call per
+    row removes the question: the row count is always 1. Cost: the weight is read once
+    per row (bfloat16 on this CPU already costs about the same per row; float32 decode
+    at 8 rows about 2-3x; see ``benchmarks/batch_invariance.py``).
+    """
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] <= 1:
+        return fn(x, *args)
+    out = [fn(rows[i:i + 1].clone(), *args) for i in range(rows.shape[0])]
+    y = torch.cat(out)
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` with the engine's matmul precision (``tf32``: emulate TF32 on CPU).
 
@@ -140,10 +167,22 @@ class Linear(nn.Linear):
 
     tf32 = False
     impl = None
+    # Batch-invariant mode (``EngineArgs.batch_invariant``; set per layer by the model
+    # runner): None off; "rows": :func:`rowwise` around the engine's own path (CPU);
+    # a function with linear_ref's signature: that function (CUDA:
+    # ``kernels.batch_invariant.linear_batch_invariant``). A swapped "linear" step wins.
+    batch_invariant = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.impl is not None:
             return self.impl(x, self.weight, self.bias)
+        if self.batch_invariant is not None:
+            if self.batch_invariant == "rows":
+                return rowwise(self._own_path, x)
+            return self.batch_invariant(x, self.weight, self.bias)
+        return float_linear(x, self.weight, self.bias, self.tf32, owner=self.weight)
+
+    def _own_path(self, x: torch.Tensor) -> torch.Tensor:
         return float_linear(x, self.weight, self.bias, self.tf32, owner=self.weight)
 
 
@@ -337,7 +376,11 @@ class QuantLinear(nn.Module):
                 device=self.qweight.device, dtype=dtype)
         return self._dequant
 
+    batch_invariant = None  # None or "rows" (see Linear.batch_invariant)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant == "rows":
+            return rowwise(lambda r: self.method.apply(self, r), x)
         return self.method.apply(self, x)
 
     def extra_repr(self) -> str:

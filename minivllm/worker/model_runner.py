@@ -81,12 +81,16 @@ class ModelRunner:
             sequences in CUDA graphs (None: run eagerly). Needs the TRITON backend and a
             cache that is not int8 (whose NaN check syncs); otherwise a warning says why
             it runs eagerly.
+        batch_invariant: the batch-invariant mode (``EngineArgs.batch_invariant``; see
+            :meth:`_use_batch_invariant`): a request's logits do not depend on the batch.
     """
 
     def __init__(self, model, model_config: ModelConfig, cache_config: CacheConfig,
                  device: str = "cpu", seed: int = 0,
-                 cuda_graph_max_batch_size: Optional[int] = None):
+                 cuda_graph_max_batch_size: Optional[int] = None,
+                 batch_invariant: bool = False):
         self.model = model
+        self.batch_invariant = bool(batch_invariant)
         self.model_config = model_config
         self.cache_config = cache_config
         self.device = torch.device(device)
@@ -122,9 +126,13 @@ class ModelRunner:
         self.backend = model.layers[0].self_attn.backend
         self.paged = self.backend.needs_paged_metadata
         self.cuda_graphs = None
+        if self.batch_invariant:
+            self._use_batch_invariant()
         if cuda_graph_max_batch_size and self.device.type == "cuda":
             why = None
-            if not self.paged:
+            if self.batch_invariant:
+                why = "batch_invariant=True computes the LM head one row at a time"
+            elif not self.paged:
                 why = f"the {self.backend.name} attention backend builds shapes per step"
             elif cache_config.cache_dtype == torch.int8:
                 why = "an int8 KV cache checks every step for NaN/inf K/V (a device sync)"
@@ -138,6 +146,62 @@ class ModelRunner:
                 self.cuda_graphs = CUDAGraphRunner(
                     model, cuda_graph_max_batch_size, model_config.max_model_len,
                     self.block_size, self.device)
+
+    def _use_batch_invariant(self) -> None:
+        """Make every step's per-request result independent of the batch (chapter 5;
+        vLLM ``VLLM_BATCH_INVARIANT=1``, Thinking Machines 2025).
+
+        * Decode attention (TORCH backend): one sequence at a time over its own keys
+          (:func:`~minivllm.attention.backends.torch_ref.decode_attention_batch_invariant`)
+          instead of one masked SDPA over keys padded to the decode group's longest
+          sequence, whose bits depend on the padded length. The TRITON backend's paged
+          kernel is already invariant (fixed split size, splits merged in order).
+        * Linear layers: CPU, one row at a time (:func:`~minivllm.layers.linear.rowwise`:
+          oneDNN's float32 GEMM gives a row different bits at M >= 2 than alone); CUDA,
+          ``kernels.batch_invariant.linear_batch_invariant`` (fixed tiles, no split-K).
+          Quantized layers: one row at a time on both.
+        * LM head: one row at a time (:meth:`_compute_logits`).
+        * RMSNorm: CPU, unchanged: ``rms_norm_ref`` reduces each row on its own (torch's
+          CPU reduction over the contiguous last dimension; checked bitwise in
+          ``tests/test_batch_invariant.py``); CUDA, the one-row-per-program Triton kernel
+          (``kernels.batch_invariant.rms_norm_batch_invariant``).
+        * Prefill attention already runs one sequence at a time.
+        Swapped steps (``LLM.swap_step``) still replace these inside their ``with`` block.
+        """
+        from minivllm.layers.linear import Linear, QuantLinear
+        from minivllm.layers.rms_norm import RMSNorm
+
+        cuda = self.device.type == "cuda"
+        linear = "rows"
+        if cuda:
+            from kernels.batch_invariant import linear_batch_invariant, rms_norm_batch_invariant
+
+            linear = linear_batch_invariant
+        for layer in self.model.layers:
+            backend = layer.self_attn.backend
+            if hasattr(backend, "set_batch_invariant"):
+                backend.set_batch_invariant(True)
+        for name, m in self.model.named_modules():
+            if isinstance(m, Linear) and name != "lm_head":
+                m.batch_invariant = linear
+            elif isinstance(m, QuantLinear):
+                m.batch_invariant = "rows"
+            elif cuda and isinstance(m, RMSNorm):
+                if m.fused_add_impl is not None:
+                    from kernels.rms_norm import fused_add_rms_norm
+
+                    m.use_kernels(rms_norm_batch_invariant, fused_add_rms_norm)
+                else:
+                    m.impl = rms_norm_batch_invariant
+
+    def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``model.compute_logits``; in batch-invariant mode one row at a time (the LM
+        head's GEMM, like every other, can give a row different bits at another M)."""
+        if self.batch_invariant:
+            from minivllm.layers.linear import rowwise
+
+            return rowwise(self.model.compute_logits, hidden)
+        return self.model.compute_logits(hidden)
 
     # --- KV-cache scales ---------------------------------------------------------------
     def calibrate_kv_scales(self, token_id_lists: list[list[int]]) -> None:
@@ -379,7 +443,7 @@ class ModelRunner:
         out = ModelRunnerOutput()
         bad_ids = self._nonfinite_kv_requests(scheduled)
         if sample_reqs:
-            logits = self.model.compute_logits(hidden[logits_rows])
+            logits = self._compute_logits(hidden[logits_rows])
             # A row holds NaN/inf iff its sum does (finite logits cannot overflow a sum
             # of 1e5 float32 terms); cheaper than isfinite over [rows, vocab].
             self._sample(out, logits, torch.isfinite(logits.sum(dim=-1)), sample_reqs, bad_ids)
@@ -420,6 +484,9 @@ class ModelRunner:
         ``SCORE_HEAD_MIN_ROWS`` runs the head on all its rows (as the full score does)
         and keeps the chosen ones; a longer chunk runs it on the chosen rows, padded
         with neighbouring rows of the chunk to at least ``SCORE_HEAD_MIN_ROWS``."""
+        if self.batch_invariant:  # one row at a time: any subset gives the same rows
+            return self._compute_logits(hidden if chosen is None
+                                        else hidden[[p - pos0 for p in chosen]])
         if chosen is None:
             return self.model.compute_logits(hidden)
         n = hidden.shape[0]
@@ -480,7 +547,7 @@ class ModelRunner:
         return bad
 
     def _prompt_logprobs(self, req: Request, hidden: torch.Tensor, pos0: int) -> PromptLogprobsChunk:
-        logprobs = torch.log_softmax(self.model.compute_logits(hidden), dim=-1)
+        logprobs = torch.log_softmax(self._compute_logits(hidden), dim=-1)
         targets = torch.tensor(req.prompt_token_ids[pos0 + 1:pos0 + 1 + hidden.shape[0]],
                                dtype=torch.int64, device=logprobs.device)
         tok_lp = logprobs.gather(1, targets[:, None]).squeeze(1)

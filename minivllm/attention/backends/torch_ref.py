@@ -52,6 +52,34 @@ def decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return o.squeeze(2)
 
 
+def decode_attention_batch_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                     seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decode attention whose result for a sequence depends on that sequence alone (the
+    "attention.decode" step of the batch-invariant mode, ``EngineArgs.batch_invariant``).
+
+    Same arguments and result as :func:`decode_attention_ref`, computed one sequence at a
+    time: sequence b attends over a fresh contiguous copy of its own ``seq_lens[b]`` keys
+    and values (no padding, no other sequence), through :func:`decode_attention_ref`
+    with B = 1. That is the very call the default engine makes when the sequence decodes
+    alone, so this mode reproduces the default engine's solo results, whatever the batch.
+
+    Why not the padded batch: ``scaled_dot_product_attention``'s result depends on the
+    padded length L even though the padded keys are masked (course chapter 5; measured
+    in ``tests/test_batch_invariant.py``), and L is the longest sequence of the decode
+    group, i.e. it depends on the other requests. vLLM's batch-invariant mode and
+    ``kernels/paged_attention.py`` get the same property differently: split-KV with a
+    fixed split size (not a fixed number of splits), merged in split order.
+    Cost: one SDPA call per sequence instead of one per decode group.
+    """
+    out = torch.empty_like(q)
+    lens = seq_lens.tolist()
+    for b, n in enumerate(lens):
+        out[b:b + 1] = decode_attention_ref(q[b:b + 1], k[b:b + 1, :n].contiguous(),
+                                            v[b:b + 1, :n].contiguous(),
+                                            seq_lens[b:b + 1], scale)
+    return out
+
+
 def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           scale: float) -> torch.Tensor:
     """Causal attention of one sequence's new tokens (the "attention.prefill" step).
@@ -91,6 +119,12 @@ class TorchAttentionBackend:
     def __init__(self):
         self.decode_attention = decode_attention_ref
         self.prefill_attention = prefill_attention_ref
+
+    def set_batch_invariant(self, on: bool) -> None:
+        """Batch-invariant mode: the decode step becomes
+        :func:`decode_attention_batch_invariant` (a swapped step still wins inside its
+        ``with`` block). Prefills already run one sequence at a time."""
+        self.decode_attention = decode_attention_batch_invariant if on else decode_attention_ref
 
     def store(self, kv: LayerKVCache, slot_mapping: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
