@@ -207,15 +207,15 @@ for _ in range(12):
 # ## Restore checks (2 + 2 points)
 #
 # **Chat step.** The grader plugs your `render_and_tokenize` into the engine
-# (`llm.swap_step("prompt.chat_template", ...)`), sends 8 fresh QA questions through
+# (`llm.swap_step("prompt.chat_template", ...)`), sends 6 fresh QA questions through
 # `llm.chat`, and scores the reference answers after the prompts the engine built
 # (teacher-forced, float32). The KL of the next-token distributions against the correct
 # engine's, over the answer tokens, must be at most 1e-9 nats (identical ids give exactly
 # 0); the broken engine (measured ~7e-3 nats in chapter 26) must fail the same check.
 #
 # **Truncation.** Then it plugs your `truncate_prompt` into the `"prompt.truncate"` step
-# and sends 6 fresh ~900-token chats (a long conversation, then a fresh QA question)
-# with `truncate_prompt_tokens=148` (room for 12 generated tokens): the prompt ids and
+# and sends 4 fresh ~900-token chats (a long conversation, then a fresh QA question)
+# with `truncate_prompt_tokens=150` (room for 10 generated tokens): the prompt ids and
 # the greedy answers must equal the correct engine's, and the broken engine must fail.
 
 # %% nbgrader={"grade": true, "grade_id": "test_restore_chat", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
@@ -226,7 +226,7 @@ checks.guard()
 import random as _random
 
 _rng = _random.Random()
-_items = _rng.sample(evalsets.load_qa()[60:], 8)
+_items = _rng.sample(evalsets.load_qa()[60:], 6)
 _convs = [evalsets.qa_prompt(q.question) for q in _items]
 _answers = [tok.encode(q.reference_output, add_special_tokens=False) for q in _items]
 _one = SamplingParams(temperature=0, max_tokens=1)
@@ -247,11 +247,11 @@ with llm.swap_step("prompt.chat_template", _mine_step):
     _mine_ids = [o.prompt_token_ids for o in llm.chat(_convs, _one)]
 with broken():
     _bad_ids = [o.prompt_token_ids for o in llm.chat(_convs, _one)]
-_ref_ids = [o.prompt_token_ids for o in llm.chat(_convs, _one)]
+_ref_ids = [render_chat_ref(tok, c, True, None) for c in _convs]  # the engine's own step
 _rows = _answer_rows(_mine_ids + _bad_ids + _ref_ids)
-_mine_rows, _bad_rows, _ref_rows = _rows[:8], _rows[8:16], _rows[16:]
-_kl_mine = sum(metrics.mean_kl(r, m) for r, m in zip(_ref_rows, _mine_rows)) / 8
-_kl_bad = sum(metrics.mean_kl(r, b) for r, b in zip(_ref_rows, _bad_rows)) / 8
+_mine_rows, _bad_rows, _ref_rows = _rows[:6], _rows[6:12], _rows[12:]
+_kl_mine = sum(metrics.mean_kl(r, m) for r, m in zip(_ref_rows, _mine_rows)) / 6
+_kl_bad = sum(metrics.mean_kl(r, b) for r, b in zip(_ref_rows, _bad_rows)) / 6
 print(f"mean KL over the answers vs the correct engine: yours {_kl_mine:.3g} nats, the "
       f"broken engine {_kl_bad:.3g} nats (limit 1e-9)")
 if _kl_bad <= 1e-9:
@@ -268,12 +268,12 @@ checks.guard()
 import random as _random
 
 _rng = _random.Random()
-_K = MAX_LEN - 12
-_items = _rng.sample(evalsets.load_qa()[60:], 6)
+_K = MAX_LEN - 10
+_items = _rng.sample(evalsets.load_qa()[60:], 4)
 _hist = evalsets.load_conversations()
 _chats = [_rng.choice(_hist) + evalsets.qa_prompt(q.question) for q in _items]
 _long = [render_chat_ref(tok, c, True, None) for c in _chats]
-_sp = SamplingParams(temperature=0, max_tokens=12, truncate_prompt_tokens=_K)
+_sp = SamplingParams(temperature=0, max_tokens=10, truncate_prompt_tokens=_K)
 
 
 def _mine_trunc(token_ids, k):
@@ -292,9 +292,9 @@ with broken():
     _bad = _run()
 _ref = _run()
 print(f"prompts {min(map(len, _long))}..{max(map(len, _long))} tokens, truncate_prompt_tokens="
-      f"{_K}; QA accuracy: yours {_mine[2]}/6, broken {_bad[2]}/6, correct engine {_ref[2]}/6")
+      f"{_K}; QA accuracy: yours {_mine[2]}/4, broken {_bad[2]}/4, correct engine {_ref[2]}/4")
 if _bad[:2] == _ref[:2]:
     raise checks.CheckFailed("the check does not discriminate: the broken engine passes it")
 checks.equal("prompt ids after your truncation equal the correct engine's", _mine[0], _ref[0])
-checks.equal("greedy answers (6 x 12 tokens) equal the correct engine's", _mine[1], _ref[1])
+checks.equal("greedy answers (4 x 10 tokens) equal the correct engine's", _mine[1], _ref[1])
 ### END HIDDEN TESTS
