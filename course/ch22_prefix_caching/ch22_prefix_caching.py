@@ -1,0 +1,394 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Chapter 22. Prefix caching: hit versus miss numerics; what the cache key must include
+#
+# **Learning goals.** After this chapter you can
+#
+# 1. explain how a paged engine finds a cached prefix: a **chained** hash per full block,
+#    `hash(parent hash, the block's tokens, extra keys)`, looked up block by block from
+#    the first, stopping at the first miss and always leaving the last token to compute;
+# 2. measure whether a prefix-cache hit changes the numbers, in float32 and bfloat16, by
+#    scoring the same rows with and without the hit (`LLM.score(...,
+#    use_prefix_cache=True)`);
+# 3. say what the key must include (the whole prefix, through the chain; per-request
+#    inputs such as `cache_salt`; and, by resetting the cache, every engine-wide setting
+#    that changes K/V) and measure what a key that leaves something out does;
+# 4. tell the two kinds of prefix-cache bug apart: a wrong key (wrong K/V reused, the
+#    numbers change) and a missing isolation (right K/V, shared across tenants: a privacy
+#    problem, not a precision one).
+#
+# **The incidents.**
+#
+# - **vllm #5543** "prefix-caching: inconsistent completions" (2024-06-14; INCIDENTS.md
+#   #4; also InternLM/lmdeploy #1719): a server with `--enable-prefix-caching` disagreed
+#   with one without it. The cause (vllm PR #7018) was a block table, not the cache key:
+#   chapter 7 reproduces it (`faults.zeroed_block_tables`).
+# - **GeeeekExplorer/nano-vllm PR #209** "prevent in-flight prefix cache hits within same
+#   prefill batch" (2026-04-21; INCIDENTS.md #5; the same hazard in vllm PR #7822,
+#   2024-08-23): a block was registered in the cache when it was *allocated*, so a second
+#   request in the same prefill batch counted it as a hit before the first request had
+#   written its K/V.
+# - **What the key must include**: vLLM's design note on automatic prefix caching
+#   (<https://docs.vllm.ai/en/latest/design/prefix_caching/>) hashes the parent block's
+#   hash, the block's tokens and *extra keys* (LoRA id, multimodal input hashes, and the
+#   per-request `cache_salt`, which isolates tenants from each other's cache).
+#
+# Everything below is measured when the notebook runs, on the embedded
+# SmolLM2-135M-Instruct with minivllm on this machine's CPU. The wrong key is a planted
+# fault through the step registry (`faults.unchained_block_hash`, the `"block_hash"`
+# step); next to it, the unmodified engine.
+
+# %%
+# %matplotlib inline
+import time
+
+import numpy as np
+import torch
+from matplotlib.figure import Figure
+
+from minivllm import LLM, SamplingParams
+from minivllm.core.kv_cache_manager import hash_block_tokens
+from minivllm.precision import evalsets, faults, metrics
+
+torch.manual_seed(0)
+T0 = time.perf_counter()
+MODEL = "smollm2-135m-instruct"
+BS = 16  # tokens per block (vLLM's default)
+
+llm = LLM(MODEL, dtype="float32", max_model_len=256, block_size=BS)
+tok = llm.get_tokenizer()
+text = evalsets.load_corpus()
+
+
+def piece(start: int, n: int) -> list[int]:
+    """n token ids of the bundled corpus from character `start` on."""
+    ids = tok.encode(text[start:start + 12 * n])[:n]
+    assert len(ids) == n
+    return ids
+
+
+def hits_of(fn):
+    """Run fn(); return (its result, prefix-cache hit tokens it added: vllm:prefix_cache_hits)."""
+    before = llm.stats.prefix_cache_hits
+    out = fn()
+    return out, llm.stats.prefix_cache_hits - before
+
+
+# %% [markdown]
+# ## 1. The key: a chained hash per full block
+#
+# A request's tokens are cut into blocks of 16. Only **full** blocks are cached. Block
+# `i`'s key is `sha256(key of block i-1, its 16 token ids, extra keys)`: equal keys mean
+# equal *prefixes*, not just equal blocks. Below, one 16-token block `X` placed first, and
+# the same `X` after another block: its tokens are the same, its K/V are not (other
+# positions, other context), and the chained key tells them apart.
+
+# %%
+X, Y = piece(0, BS), piece(2000, BS)
+k_x_first = hash_block_tokens(None, X)
+k_x_after_y = hash_block_tokens(hash_block_tokens(None, Y), X)
+k_x_own = hash_block_tokens(None, X)  # what a key on the block's own tokens would give
+print(f"block X first:          key {k_x_first.hex()[:16]}")
+print(f"block X after block Y:  key {k_x_after_y.hex()[:16]} (chained)")
+print(f"block X on its own tokens only (no parent): {k_x_own.hex()[:16]} "
+      f"= X-first's key: {k_x_own == k_x_first}")
+
+# %% [markdown]
+# ## 2. Hit versus miss: does reusing cached K/V change the numbers?
+#
+# A shared 48-token "system prompt" (3 blocks) and three different 16-token questions.
+# The cache is warmed by a request that is the system prompt plus one token (the K/V of
+# the prefix then come from a 49-token prefill). Each question's rows 48-63 are scored
+# twice: **miss**, all 64 positions computed in one prefill (`is_causal` attention), and
+# **hit**, positions 0-47 read from the cache and only 48-63 computed, attending to the
+# cached K/V through an explicit mask. The same comparison in bfloat16, on a second
+# engine. Then greedy generation, hit vs miss.
+
+# %%
+system = piece(4000, 48)
+questions = [piece(s, 16) for s in (6000, 7000, 8000)]
+seqs = [system + q for q in questions]
+rows = [list(range(48, 64))] * len(seqs)
+one = SamplingParams(temperature=0, max_tokens=1)
+
+
+def hit_vs_miss(engine: LLM, max_tokens: int):
+    """(miss rows, hit rows, hit tokens, miss greedy, hit greedy) on `engine`."""
+    engine.reset_prefix_cache()
+    miss = engine.score(seqs, positions=rows)  # no lookup: every position computed
+    greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    engine.reset_prefix_cache()
+    g_miss = [o.outputs[0].token_ids for o in engine.generate(seqs, greedy)]
+    engine.reset_prefix_cache()
+    engine.generate([system + [13]], one)  # warm: the system prompt plus one token
+    h0 = engine.stats.prefix_cache_hits
+    hit = engine.score(seqs, positions=rows, use_prefix_cache=True)
+    n_hit = engine.stats.prefix_cache_hits - h0
+    g_hit = [o.outputs[0].token_ids for o in engine.generate(seqs, greedy)]
+    return miss, hit, n_hit, g_miss, g_hit
+
+
+t = time.perf_counter()
+res = {"float32": hit_vs_miss(llm, 12)}
+t32 = time.perf_counter() - t
+t = time.perf_counter()
+llm_bf16 = LLM(MODEL, dtype="bfloat16", max_model_len=256, block_size=BS)
+res["bfloat16"] = hit_vs_miss(llm_bf16, 4)  # bfloat16 is ~3x slower on a CPU: 4 tokens
+del llm_bf16
+tbf = time.perf_counter() - t
+print("| dtype | hit tokens (3 questions) | rows bit-identical | max abs logprob diff | "
+      "mean KL (nats) | top-1 agreement | greedy tokens equal |")
+print("|---|---|---|---|---|---|---|")
+hvm = {}
+for dt, (miss, hit, n_hit, g_miss, g_hit) in res.items():
+    same = all(torch.equal(a, b) for a, b in zip(miss, hit))
+    diff = max((a - b).abs().max().item() for a, b in zip(miss, hit))
+    kl = float(np.mean([metrics.mean_kl(a, b) for a, b in zip(miss, hit)]))
+    top1 = float(np.mean([metrics.top1_agreement(a, b) for a, b in zip(miss, hit)]))
+    hvm[dt] = (same, diff, kl, top1, g_miss == g_hit, n_hit)
+    print(f"| {dt} | {n_hit} | {same} | {diff:.3g} | {kl:.3g} | {100 * top1:.0f}% | "
+          f"{g_miss == g_hit} ({len(g_miss)} x {len(g_miss[0])}) |")
+print(f"(float32 {t32:.1f} s, bfloat16 with its engine {tbf:.1f} s)")
+
+# %% [markdown]
+# On this CPU a hit changes nothing at all, in float32 **and** in bfloat16: the rows are
+# bit-identical, so KL is exactly 0 and greedy generation is the same. That is stronger
+# than the syllabus expected ("fp32 at noise level, bf16 may flip"), and it has reasons
+# that are worth knowing, because each one can fail elsewhere:
+#
+# - the cached K/V of the prefix came from a 49-token prefill and the miss computes them
+#   in a 64-token prefill; the linear layers' per-row results did not depend on the
+#   number of rows here (a CPU GEMM can: the note in `ModelRunner._score_rows` records
+#   float32 rows that differ at 1-3, 5-7 and 9-11 rows on this CPU, so a very short warm
+#   request could give other bits);
+# - the explicit-mask attention of the hit and the `is_causal` attention of the miss
+#   gave the same bits for each query row on this backend (the table shows it; nothing
+#   guarantees it in general);
+# - on a GPU the two paths are usually **different kernels** (a prefill kernel versus a
+#   prefill-with-context kernel, with other tilings and split-K reductions), so bitwise
+#   equality is not expected there; this notebook did not measure a GPU.
+#
+# So "prefix caching won't change model outputs" (vLLM's design note) held exactly here;
+# what *can* change outputs is reusing the wrong K/V, which is the key's job.
+#
+# ## 3. In-flight hits: blocks are findable only after they are written
+#
+# nano-vllm PR #209 registered a block when it was allocated. minivllm registers a block
+# in `Scheduler.update_after_step`, after the model wrote its K/V, so two identical
+# prompts submitted together cannot hit each other: the second one computes its prompt
+# too. A third copy, one step later, hits.
+
+# %%
+dup = system + questions[0]
+llm.reset_prefix_cache()
+outs_together, hit_together = hits_of(lambda: llm.generate([dup, dup], one))
+outs_later, hit_later = hits_of(lambda: llm.generate([dup], one))
+print(f"two identical {len(dup)}-token prompts in one step: cached tokens "
+      f"{[o.num_cached_tokens for o in outs_together]} (hits {hit_together})")
+print(f"the same prompt one step later: cached tokens {outs_later[0].num_cached_tokens} "
+      f"(= {(len(dup) - 1) // BS} full blocks before the last token)")
+
+# %% [markdown]
+# ## 4. What the key must include: the whole prefix (the unchained-hash fault)
+#
+# Retrieval-augmented prompts are the natural case: a fixed head, then retrieved
+# passages, then the question. Two requests retrieve the **same three passages in a
+# different order**, each passage a 16-token snippet (one block), so the passages sit on
+# block boundaries. With the chained key, request B can reuse only the head (its first block
+# after the head already differs). With `faults.unchained_block_hash` (each block hashed
+# on its own tokens only), every block of B's passages is "found", computed by A at other
+# positions after other text, and B's question is answered from that K/V.
+
+# %%
+head = piece(9000, 16)
+passages = [piece(s, 16) for s in (10000, 10600, 11200)]
+question = tok.encode(" Question: which of the passages above is about learning? Answer:")
+A = head + passages[0] + passages[1] + passages[2] + question
+B = head + passages[2] + passages[0] + passages[1] + question
+q_rows = list(range(len(B) - len(question), len(B)))
+greedy12 = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+greedy4 = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+llm.reset_prefix_cache()
+ref_rows = llm.score(B, positions=q_rows)  # no lookup: the truth
+ref_gen = llm.generate([B], greedy12)[0]
+llm.reset_prefix_cache()
+llm.score(A)  # request A: its blocks go into the cache
+ok_rows, hit_ok = hits_of(lambda: llm.score(B, positions=q_rows, use_prefix_cache=True))
+ok_gen = llm.generate([B], greedy12)[0]
+with faults.unchained_block_hash(llm):  # resets the cache on entry and exit
+    llm.score(A)
+    bad_rows, hit_bad = hits_of(lambda: llm.score(B, positions=q_rows, use_prefix_cache=True))
+    llm.reset_prefix_cache()
+    llm.score(A)
+    bad_gen = llm.generate([B], greedy12)[0]
+kl_ok = metrics.kl_divergence(ref_rows, ok_rows).numpy()
+kl_bad = metrics.kl_divergence(ref_rows, bad_rows).numpy()
+print(f"B has {len(B)} tokens; {len(B) - len(question)} before the question")
+print(f"chained key:   {hit_ok} hit tokens, question rows mean KL {kl_ok.mean():.3g} nats, "
+      f"greedy equal to no-cache: {ok_gen.outputs[0].token_ids == ref_gen.outputs[0].token_ids}")
+print(f"unchained key: {hit_bad} hit tokens, question rows mean KL {kl_bad.mean():.3g} nats "
+      f"(max {kl_bad.max():.3g}), top-1 agreement "
+      f"{100 * metrics.top1_agreement(ref_rows, bad_rows):.0f}%, greedy agreement "
+      f"{100 * metrics.greedy_agreement(ref_gen.outputs[0].token_ids, bad_gen.outputs[0].token_ids):.0f}%")
+print(f"  no cache:      {ref_gen.outputs[0].text!r}\n  unchained key: {bad_gen.outputs[0].text!r}")
+
+# %% [markdown]
+# The wrong key does not crash, does not log anything, and *looks* like a better cache
+# (more hit tokens). The K/V it reuses are real K/V of the same tokens, only computed at
+# other positions (B's first passage, positions 16-31, gets the K/V that A computed for
+# it at positions 48-63: rotated by RoPE for other positions) and after
+# other text, so the answer drifts instead of turning into noise. The lookup still stops
+# at the first miss: a block that has never been cached anywhere breaks the run of hits,
+# which is why the harm needs repeated content (reordered passages, a paragraph that
+# appears twice, boilerplate at different offsets).
+#
+# ## 5. What the key must include: per-request inputs (`cache_salt`)
+#
+# `cache_salt` is vLLM's per-request field (`{"prompt": ..., "cache_salt": "..."}` offline,
+# `"cache_salt"` in the OpenAI request body). It is an extra key of the **first** block
+# only; the chain carries it to every later block. Two tenants send the same system
+# prompt; then tenant A again; then the engine's `"block_hash.extra_keys"` step is
+# swapped for one that forgets the salt, and tenant B comes back.
+
+# %%
+doc = system + questions[1]
+llm.reset_prefix_cache()
+runs = []
+for who, salt in (("tenant A", "a-3f9c"), ("tenant B", "b-81d2"), ("tenant A again", "a-3f9c"),
+                  ("no salt", None)):
+    prompt = {"prompt_token_ids": doc} if salt is None else {"prompt_token_ids": doc,
+                                                             "cache_salt": salt}
+    out, n = hits_of(lambda: llm.generate([prompt], greedy4)[0])
+    runs.append((who, n, out.outputs[0].token_ids))
+with llm.swap_step("block_hash.extra_keys", lambda cache_salt, block_index: ()):
+    llm.reset_prefix_cache()
+    llm.generate([{"prompt_token_ids": doc, "cache_salt": "a-3f9c"}], one)
+    out, n = hits_of(lambda: llm.generate([{"prompt_token_ids": doc, "cache_salt": "b-81d2"}],
+                                          greedy4)[0])
+    runs.append(("tenant B, salt dropped from the key", n, out.outputs[0].token_ids))
+print("| request | prefix-cache hit tokens | tokens it computed | greedy equal to tenant A's |")
+print("|---|---|---|---|")
+for who, n, ids in runs:
+    print(f"| {who} | {n} | {len(doc) - n} | {ids == runs[0][2]} |")
+
+# %% [markdown]
+# Different salts share nothing; the same salt hits as before. With the salt dropped,
+# tenant B reuses tenant A's blocks and gets *exactly* the same tokens: the K/V are the
+# right ones. The harm is not numerical. A hit is observable (the request computed fewer
+# tokens, so its first token comes sooner), and that timing tells B that someone
+# already sent this prefix: a side channel that leaks other users' prompts. That is why
+# vLLM's salt is a per-request secret, "random, protected from access by 3rd parties",
+# and why the numbers alone would never catch this bug.
+#
+# Engine-wide settings (dtype, `kv_cache_dtype`, K/V scales, a swapped K/V step) are not
+# in the key at all: they are the same for every request of one engine, so the engine
+# **empties the cache** whenever one of them changes (`calibrate_kv_scales` and
+# `swap_step` for steps that change K/V both call `reset_prefix_cache`). The syllabus's
+# second fault, skipping that reset after a recalibration, is not measured in this
+# chapter.
+
+# %%
+fig = Figure(figsize=(9, 3.6), layout="constrained")
+ax, ax2 = fig.subplots(1, 2, width_ratios=[2, 1])
+pos = np.array(q_rows)
+ax.plot(pos, np.maximum(kl_bad, 1e-12), "o-", ms=3, label="unchained key (false hits)")
+ax.plot(pos, np.maximum(kl_ok, 1e-12), "s-", ms=3, label="chained key (true hits)")
+for dt, (_, _, kl, _, _, _) in hvm.items():
+    ax.axhline(max(kl, 1e-12), ls=":", lw=1, color="gray")
+ax.text(pos[0], 2e-12, "hit vs miss, float32 and bfloat16: exactly 0", fontsize=8, color="gray")
+ax.set_yscale("log")
+ax.set_ylim(5e-13, 30)
+ax.set_xlabel("position in request B (the question)")
+ax.set_ylabel("KL(no cache || cached) (nats; 1e-12 = exactly 0)")
+ax.set_title("What a wrong key reuses")
+ax.legend(fontsize=8)
+labels = ["chained", "unchained", "salt A/B", "salt dropped"]
+values = [hit_ok, hit_bad, runs[1][1], runs[-1][1]]
+ax2.bar(labels, values, color=["C1", "C0", "C2", "C3"])
+ax2.set_ylabel("prefix-cache hit tokens")
+ax2.set_title("Hits: more is not better")
+ax2.tick_params(axis="x", labelsize=8, rotation=20)
+fig
+
+# %% [markdown]
+# ## 6. The fix, measured
+#
+# The fix is the engine's reference: the chained hash with the salt as the first block's
+# extra key, and a lookup that stops at the first miss, leaves one token to compute and
+# only sees blocks that have been written. Measured above with it (section 4, "chained
+# key"): B's question rows against the no-cache run, and B's greedy answer; section 5:
+# different salts share nothing. The lab asks you to write those functions and checks them the same way.
+#
+# ## 7. Claim vs measurement
+
+# %%
+h32, hbf = hvm["float32"], hvm["bfloat16"]
+print("| claim | what we measured here |")
+print("|---|---|")
+print(f"| prefix caching \"won't change model outputs\" (vLLM design note) | with the right "
+      f"key, yes, exactly: hit vs miss rows bit-identical in float32 ({h32[0]}) and "
+      f"bfloat16 ({hbf[0]}), greedy equal ({h32[4]}, {hbf[4]}) |")
+print(f"| fp32: KL at noise level, greedy identical [syllabus est.] | KL {h32[2]:.3g} "
+      f"(exactly 0, below the ~1e-11 noise floor), greedy identical |")
+print(f"| bf16: may flip [syllabus est.] | not on this CPU: KL {hbf[2]:.3g}, top-1 "
+      f"{100 * hbf[3]:.0f}%, greedy identical; a GPU's prefill-with-context kernel is a "
+      f"different kernel (not measured here) |")
+print(f"| minivllm is immune to in-flight hits by construction | yes: two identical "
+      f"prompts in one step cached {[o.num_cached_tokens for o in outs_together]} tokens; "
+      f"one step later {outs_later[0].num_cached_tokens} |")
+print(f"| an unchained hash gives false hits at different prefixes, KL >> noise "
+      f"[syllabus est.] | yes, when content repeats: {hit_bad} hit tokens instead of "
+      f"{hit_ok}, question rows mean KL {kl_bad.mean():.3g} nats (max {kl_bad.max():.3g}), "
+      f"greedy agreement "
+      f"{100 * metrics.greedy_agreement(ref_gen.outputs[0].token_ids, bad_gen.outputs[0].token_ids):.0f}% |")
+print(f"| an unchained hash breaks every shared prompt | no: the lookup stops at the first "
+      f"miss, so it needs blocks that recur at other offsets |")
+print(f"| cache_salt isolates tenants | yes: another salt {runs[1][1]} hit tokens, the same "
+      f"salt {runs[2][1]}; without the salt in the key {runs[-1][1]}, with identical "
+      f"outputs (a privacy bug, invisible to precision metrics) |")
+print("| skipping the prefix-cache reset after recalibrating K/V scales reuses stale "
+      "blocks [syllabus (b)] | not measured in this chapter |")
+
+# %% [markdown]
+# ## Common misconceptions
+#
+# - *"A prefix-cache hit is an approximation."* Here it is bit-identical, in float32 and
+#   bfloat16. When hit and miss differ on other hardware it is because two different
+#   attention kernels ran, at rounding level; a large difference means wrong K/V.
+# - *"Equal blocks can share K/V."* A block's K/V depend on its position and on every
+#   token before it. Only equal *prefixes* can share, which is what the chain encodes.
+# - *"More hits means a better cache."* The unchained key had the most hits of all.
+#   Check hits against what the prompts share, and check outputs against caching off.
+# - *"cache_salt is a numerics setting."* It changes no number; it decides who may reuse
+#   whose blocks. A missing salt is caught by hit counts and timing, never by KL.
+# - *"A fully cached prompt needs no compute."* The last token is always computed (its
+#   logits are the next token's distribution), so at most `(n - 1) // 16` blocks hit.
+# - *"prompt_logprobs can come from the cache."* A position served from the cache never
+#   runs through the model, so its log-prob does not exist. vLLM skips the cache for
+#   requests with prompt_logprobs, and so does minivllm; `LLM.score(...,
+#   use_prefix_cache=True)` lets a hit stop at the first row you ask for.
+#
+# ## Lab
+#
+# `labs/source/ch22/` starts from an engine whose block hash ignores the parent (the
+# fault of section 4). You write the chained `hash_block`, the `extra_keys` of a block
+# (the salt on the first block only) and `num_cached_blocks` (the lookup: leading hits
+# only, at least one token left). The grader checks them on fresh inputs against the
+# engine's references, then plugs them into the engine through the step registry on
+# fresh reordered prompts: the cached engine must give the no-cache engine's logits and
+# hit counts, next to the broken engine failing the same check.
+
+# %%
+print(f"chapter 22 ran in {time.perf_counter() - T0:.0f} s")
