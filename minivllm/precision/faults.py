@@ -88,6 +88,69 @@ def drop_outputs_on_resume(llm):
         yield
 
 
+@contextlib.contextmanager
+def double_append_on_resume(llm):
+    """Preemption by recompute that appends the generated tokens to a sequence that
+    already holds them (the "scheduler.preempt" step): the resumed request re-prefills
+    prompt + output + output, so it continues a text that repeats itself, and it reaches
+    its length limit (counted on the whole sequence) early: a truncated answer, as in
+    vllm #16832. vllm-gaudi PR #524 fixed output tokens appended twice. Only the tokens
+    that fit under the request's limit are appended again (``max_total_tokens``: the
+    resumed sequence must still fit the KV pool, else the engine could never run it);
+    requests that are never preempted do not change."""
+    from minivllm.core.scheduler import preempt_request_ref
+
+    def preempt(request):
+        preempt_request_ref(request)
+        room = max(0, request.max_total_tokens - request.num_tokens - 1)
+        again = request.output_token_ids[:room]
+        request.all_token_ids.extend(again)  # the bug: the outputs are already there
+
+    with llm.swap_step("scheduler.preempt", preempt):
+        yield
+
+
+def penalty_prompt_accounting_steps(llm):
+    """The "sampler.penalties" step as an engine that counts re-prefilled output tokens
+    as prompt tokens: after a preemption, the tokens a request had generated before it
+    are handed to the penalties as part of the prompt (vllm PR #5349's review: recompute
+    that re-prefills outputs as "prompt" changes repetition and frequency penalties).
+    Frequency and presence penalties (output only) forget them; repetition (prompt or
+    output) does not change. Returns ``(preempt, penalties)``: the two steps to swap
+    together; :func:`penalty_prompt_accounting` does that."""
+    from minivllm.core.scheduler import preempt_request_ref
+    from minivllm.layers.sampler import penalties_ref
+
+    recomputed: dict[int, int] = {}  # id(request.output_token_ids) -> outputs at the last preemption
+
+    def preempt(request):
+        preempt_request_ref(request)
+        recomputed[id(request.output_token_ids)] = request.num_output_tokens
+
+    def penalties(logits, prompt_token_ids, output_token_ids, presence_penalty,
+                  frequency_penalty, repetition_penalty):
+        prompts, outputs = [], []
+        for p, o in zip(prompt_token_ids, output_token_ids):
+            k = recomputed.get(id(o), 0)
+            prompts.append(list(p) + list(o[:k]))  # the bug: re-prefilled output as prompt
+            outputs.append(list(o[k:]))
+        return penalties_ref(logits, prompts, outputs, presence_penalty, frequency_penalty,
+                             repetition_penalty)
+
+    return preempt, penalties
+
+
+@contextlib.contextmanager
+def penalty_prompt_accounting(llm):
+    """Plant :func:`penalty_prompt_accounting_steps` (the "scheduler.preempt" and
+    "sampler.penalties" steps). Only preempted requests with a frequency or presence
+    penalty change."""
+    preempt, penalties = penalty_prompt_accounting_steps(llm)
+    with llm.swap_step("scheduler.preempt", preempt), \
+            llm.swap_step("sampler.penalties", penalties):
+        yield
+
+
 def decode_attention_softmax_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                    seq_lens: torch.Tensor, scale: float,
                                    softmax_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
