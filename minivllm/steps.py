@@ -48,6 +48,8 @@ sampler.top_k_top_p    layers/sampler.py:apply_top_k_top_p        Sampler
 prompt.chat_template   tokenizer.py:render_chat_ref               LLM.chat
 prompt.truncate        tokenizer.py:truncate_prompt_ref           LLMEngine.add_request
                                                                   (truncate_prompt_tokens)
+prefill_chunk          attention/metadata.py:prefill_chunk_ref    ModelRunner._prefill_seq
+                                                                  (TORCH reads, ch23)
 =====================  =========================================  ==================
 
 While nothing is swapped the engine runs its own path, which is the reference in the
@@ -78,6 +80,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 from minivllm.attention.backends.torch_ref import decode_attention_ref, prefill_attention_ref
 from minivllm.attention.metadata import slot_mapping_ref
+from minivllm.attention.metadata import prefill_chunk_ref
 from minivllm.core.kv_cache_manager import (block_extra_keys, find_longest_cache_hit,
                                             hash_block_tokens)
 from minivllm.core.scheduler import preempt_request_ref
@@ -261,6 +264,13 @@ STEPS: dict[str, Step] = {s.name: s for s in [
     Step("prompt.truncate", truncate_prompt_ref,
          "truncate(token_ids, truncate_prompt_tokens) -> ids", False, False, False,
          _engine_site("engine", lambda e: e, "truncate_prompt")),
+    # chunked prefill (chapter 23): the read slots and the mask of one prefill chunk
+    # (TORCH backend; the TRITON kernels take seq_lens and walk the block tables)
+    Step("prefill_chunk", prefill_chunk_ref,
+         "prefill_chunk(block_table, start, n, block_size, num_tokens) -> (kv_slots, mask)",
+         True, False, True,
+         _engine_site("model_runner.prefill_chunk", lambda e: e.model_runner,
+                      "prefill_chunk")),
 ]}
 
 

@@ -27,12 +27,19 @@ class PrefillSeq:
     Attributes:
         start, end: its query rows in the flat batch (the last end - start positions of
             the sequence; earlier chunks or cached prefix blocks precede them).
-        kv_slots: [seq_len] int64, cache slots of all its tokens so far (context + new).
+        kv_slots: [L] int64, the cache slots its queries read (the reference: all its
+            tokens so far, context + new, L = seq_len).
+        mask: None for the standard chunk mask (query i attends to keys 0..L - n + i,
+            the "attention.prefill" step's own convention), else [n, L] bool, True where
+            query i may attend to key j (set only when a swapped "prefill_chunk" step
+            returns another mask; the TORCH backend then runs
+            :func:`~minivllm.attention.backends.torch_ref.prefill_attention_masked`).
     """
 
     start: int
     end: int
     kv_slots: torch.Tensor
+    mask: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -123,6 +130,65 @@ def slot_mapping_ref(block_table: torch.Tensor, positions: torch.Tensor,
         (``vllm/v1/worker/block_table.py``).
     """
     return block_table.gather(-1, positions // block_size) * block_size + positions % block_size
+
+
+def chunk_causal_mask(n: int, seq_len: int, device=None) -> torch.Tensor:
+    """The causal mask of a prefill chunk: [n, seq_len] bool, row i (the chunk's query at
+    position ``seq_len - n + i``) True for keys ``0 .. seq_len - n + i``. This is the
+    "bottom-right aligned" causal mask of FlashAttention's varlen kernel when
+    ``seqlen_k > seqlen_q``; with ``n == seq_len`` it is the lower triangle."""
+    if n < 1 or seq_len < n:
+        raise ValueError(f"a chunk needs 1 <= n <= seq_len, got n={n}, seq_len={seq_len}")
+    q_pos = torch.arange(seq_len - n, seq_len, device=device)
+    return torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
+
+
+def prefill_chunk_ref(block_table: torch.Tensor, start: int, n: int, block_size: int,
+                      num_tokens: int, slot_mapping=slot_mapping_ref
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """What one prefill chunk attends to (the "prefill_chunk" step, :mod:`minivllm.steps`;
+    course chapter 23).
+
+    A request whose ``num_tokens`` tokens are prefilled in chunks (``enable_chunked_prefill``,
+    chunks of at most ``max_num_batched_tokens``) computes positions ``start .. start + n -
+    1`` in this step; positions ``0 .. start - 1`` (earlier chunks, or prefix-cache hits)
+    are already in the cache, positions ``>= start + n`` are not written yet.
+
+    Args:
+        block_table: [num_blocks] int64, the request's physical blocks (at least
+            ``ceil((start + n) / block_size)`` of them; more may be allocated ahead).
+        start: the first new position (``num_computed_tokens``), >= 0.
+        n: new tokens in this chunk, >= 1.
+        block_size: tokens per block.
+        num_tokens: the request's whole length (prompt and output so far),
+            ``>= start + n``. The reference does not use it beyond this check: the key
+            length is ``seqlen_k = start + n``, never ``num_tokens`` (nano-vllm PR #213).
+        slot_mapping: the position -> slot function (the engine passes its
+            "slot_mapping.read" step; a swapped step is called without it).
+    Returns:
+        ``(kv_slots, mask)``: kv_slots [start + n] int64, the slots of positions
+        ``0 .. start + n - 1`` (every earlier chunk and this one, in position order);
+        mask [n, start + n] bool, :func:`chunk_causal_mask` (query i, at position
+        ``start + i``, attends to keys ``0 .. start + i``).
+    Raises:
+        ValueError: ``n < 1``, ``start < 0``, ``start + n > num_tokens``, or a block
+            table too short for ``start + n`` tokens.
+
+    vLLM: ``CommonAttentionMetadata`` (``query_start_loc``, ``seq_lens = num_computed +
+    num_scheduled``) built in ``vllm/v1/worker/gpu_model_runner.py``; FlashAttention's
+    varlen kernel takes ``cu_seqlens_k`` from those ``seq_lens`` and aligns the causal
+    mask bottom-right.
+    """
+    if n < 1 or start < 0 or start + n > num_tokens:
+        raise ValueError(f"a prefill chunk needs n >= 1, start >= 0 and start + n <= "
+                         f"num_tokens; got start={start}, n={n}, num_tokens={num_tokens}")
+    seq_len = start + n
+    if block_table.shape[-1] * block_size < seq_len:
+        raise ValueError(f"block table of {block_table.shape[-1]} blocks x {block_size} "
+                         f"holds {block_table.shape[-1] * block_size} tokens; the chunk "
+                         f"needs {seq_len}")
+    kv_slots = slot_mapping(block_table, torch.arange(seq_len), block_size)
+    return kv_slots, chunk_causal_mask(n, seq_len, block_table.device)
 
 
 def single_prefill_metadata(n: int, device) -> AttentionMetadata:

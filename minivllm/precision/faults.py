@@ -396,3 +396,81 @@ def unchained_block_hash(llm):
             yield
     finally:
         engine.reset_prefix_cache()
+
+
+# --- chunked-prefill faults (chapter 23) --------------------------------------------------
+
+def prefill_chunk_seqlen_k_full(block_table: torch.Tensor, start: int, n: int,
+                                block_size: int, num_tokens: int):
+    """The "prefill_chunk" step with the key length taken from the request's whole length
+    (``seqlen_k = num_tokens``) instead of the chunk's end (``start + n``): nano-vllm #212,
+    fixed by PR #213 ("correct seqlen_k to chunk boundary in prepare_prefill"). The chunk
+    reads the slots of positions ``0 .. num_tokens - 1``, the later ones not written yet
+    (zeros in a fresh pool, stale K/V in a reused block), under FlashAttention's
+    bottom-right causal alignment: query i attends to keys ``0 .. num_tokens - n + i``,
+    i.e. to unwritten positions past itself. The last chunk (and an unchunked prefill)
+    has ``start + n == num_tokens`` and is right. Needs a block table covering
+    ``num_tokens`` (see :func:`chunk_seqlen_k_full`)."""
+    from minivllm.attention.metadata import chunk_causal_mask, slot_mapping_ref
+
+    L = num_tokens  # the bug: should be start + n
+    slots = slot_mapping_ref(block_table, torch.arange(L), block_size)
+    return slots, chunk_causal_mask(n, L)
+
+
+def prefill_chunk_no_past(block_table: torch.Tensor, start: int, n: int, block_size: int,
+                          num_tokens: int):
+    """The "prefill_chunk" step that forgets earlier chunks (kekzl/imp PRs #114/#117): a
+    chunk reads only its own n slots (positions ``start .. start + n - 1``) under a plain
+    lower-triangular mask, so a token in chunk k never sees chunks 0..k-1 (a needle in an
+    earlier chunk is lost). The first chunk (and an unchunked prefill) is right."""
+    from minivllm.attention.metadata import chunk_causal_mask, slot_mapping_ref
+
+    slots = slot_mapping_ref(block_table, torch.arange(start, start + n), block_size)
+    return slots, chunk_causal_mask(n, n)
+
+
+def _check_torch_llm(llm):
+    from minivllm.llm import LLM
+
+    if not isinstance(llm, LLM):
+        raise TypeError(f"faults are planted into an LLM, got {type(llm).__name__}")
+
+
+@contextlib.contextmanager
+def chunk_seqlen_k_full(llm):
+    """Plant :func:`prefill_chunk_seqlen_k_full` (the "prefill_chunk" step; TORCH
+    backend). Like nano-vllm, whose block manager allocates a sequence's every block at
+    admission, the engine here allocates a request's whole sequence when it is first
+    scheduled (``KVCacheManager.allocate_slots`` wrapped for the block), so the slots the
+    wrong key length reads exist. Only chunked prefills change: with a budget
+    (``max_num_batched_tokens``) >= the prompt, nothing does."""
+    _check_torch_llm(llm)
+    kv = llm.llm_engine.kv_cache_manager
+    orig = kv.allocate_slots
+    bs = kv.block_size
+
+    def allocate_whole(request, num_new_tokens, new_computed_blocks=None):
+        done = request.num_computed_tokens + len(new_computed_blocks or []) * bs
+        return orig(request, max(num_new_tokens, request.num_tokens - done),
+                    new_computed_blocks)
+
+    had = "allocate_slots" in vars(kv)
+    with llm.swap_step("prefill_chunk", prefill_chunk_seqlen_k_full):
+        kv.allocate_slots = allocate_whole
+        try:
+            yield
+        finally:
+            if had:
+                kv.allocate_slots = orig
+            else:
+                del kv.allocate_slots  # back to the class method
+
+
+@contextlib.contextmanager
+def chunk_no_past_kv(llm):
+    """Plant :func:`prefill_chunk_no_past` (the "prefill_chunk" step; TORCH backend): every
+    prefill chunk attends only to itself. Only chunked prefills change."""
+    _check_torch_llm(llm)
+    with llm.swap_step("prefill_chunk", prefill_chunk_no_past):
+        yield

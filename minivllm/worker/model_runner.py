@@ -20,7 +20,8 @@ from typing import Optional
 import torch
 
 from minivllm.attention.metadata import (AttentionMetadata, DecodeGroup, PagedMetadata,
-                                         PrefillSeq, slot_mapping_ref)
+                                         PrefillSeq, chunk_causal_mask, prefill_chunk_ref,
+                                         slot_mapping_ref)
 from minivllm.config import CacheConfig, ModelConfig
 from minivllm.engine.request import Request
 from minivllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
@@ -123,6 +124,9 @@ class ModelRunner:
         # how chapter 7 plants a reader-only bug (vllm #5543).
         self.slot_mapping = slot_mapping_ref
         self.read_slot_mapping = slot_mapping_ref
+        # The "prefill_chunk" step (chapter 23): the read slots and mask of a prefill
+        # chunk (TORCH backend); see _prefill_seq.
+        self.prefill_chunk = prefill_chunk_ref
         self.backend = model.layers[0].self_attn.backend
         self.paged = self.backend.needs_paged_metadata
         self.cuda_graphs = None
@@ -246,6 +250,7 @@ class ModelRunner:
         slots: list[torch.Tensor] = []
         decode_rows, decode_tables, decode_lens = [], [], []
         prefill_rows, prefill_tables, prefill_ns, prefill_lens = [], [], [], []
+        prefill_totals: list[int] = []
         logits_rows: list[int] = []
         sample_reqs: list[Request] = []
         prompt_rows: dict[str, tuple[int, int, int]] = {}  # req -> (row0, pos0, count)
@@ -268,6 +273,7 @@ class ModelRunner:
                 prefill_tables.append(table)
                 prefill_ns.append(n)
                 prefill_lens.append(seq_len)
+                prefill_totals.append(req.num_tokens)
             if req.params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
                 count = min(seq_len, req.num_prompt_tokens - 1) - start
                 prompt_rows[req.request_id] = (row, start, count)
@@ -285,18 +291,60 @@ class ModelRunner:
                                               prefill_lens)
         else:
             meta.decodes = self._decode_groups(decode_rows, decode_tables, decode_lens)
-            meta.prefills = [self._prefill_seq(r, t, n, L) for r, t, n, L in
-                             zip(prefill_rows, prefill_tables, prefill_ns, prefill_lens)]
+            meta.prefills = [self._prefill_seq(r, t, n, L, N) for r, t, n, L, N in
+                             zip(prefill_rows, prefill_tables, prefill_ns, prefill_lens,
+                                 prefill_totals)]
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
         return ids, pos_t, meta, logits_rows, sample_reqs, prompt_rows, score_rows
 
-    def _prefill_seq(self, row: int, table: list[int], n: int, seq_len: int) -> PrefillSeq:
-        """TORCH form of a sequence with n new tokens: read slots of all its seq_len
-        tokens (the attention step masks what precedes each query)."""
-        kv_slots = self.read_slot_mapping(torch.tensor(table, dtype=torch.int64),
-                                          torch.arange(seq_len), self.block_size)
-        return PrefillSeq(row, row + n, kv_slots.to(self.device))
+    def _prefill_seq(self, row: int, table: list[int], n: int, seq_len: int,
+                     num_tokens: Optional[int] = None) -> PrefillSeq:
+        """TORCH form of a sequence with n new tokens (positions seq_len - n .. seq_len -
+        1 of a request of num_tokens tokens): the "prefill_chunk" step gives the read
+        slots and the mask.
+
+        The default step (:func:`~minivllm.attention.metadata.prefill_chunk_ref`) reads
+        the slots of all seq_len tokens through the "slot_mapping.read" step and leaves
+        the mask to the "attention.prefill" step (query i attends to keys 0..seq_len - n
+        + i), so no mask is built here. A swapped step returns ``(kv_slots, mask)``; a
+        mask equal to that standard one is dropped (the same attention call as the
+        default path, bit for bit), any other is kept and the backend attends under it.
+
+        Raises:
+            ValueError: a swapped step returned something else than an int64 vector of
+                slots and a bool [n, len(kv_slots)] mask.
+        """
+        num_tokens = seq_len if num_tokens is None else num_tokens
+        table_t = torch.tensor(table, dtype=torch.int64)
+        if self.prefill_chunk is prefill_chunk_ref:
+            kv_slots = self.read_slot_mapping(table_t, torch.arange(seq_len), self.block_size)
+            return PrefillSeq(row, row + n, kv_slots.to(self.device))
+        got = self.prefill_chunk(table_t, seq_len - n, n, self.block_size, num_tokens)
+        if not (isinstance(got, (tuple, list)) and len(got) == 2):
+            raise ValueError("the prefill_chunk step must return (kv_slots, mask), got "
+                             f"{type(got).__name__}")
+        kv_slots, mask = got
+        if not (isinstance(kv_slots, torch.Tensor) and kv_slots.dim() == 1
+                and kv_slots.dtype == torch.int64 and kv_slots.numel() >= 1):
+            raise ValueError("prefill_chunk: kv_slots must be a non-empty 1-D int64 tensor, "
+                             f"got {getattr(kv_slots, 'dtype', type(kv_slots).__name__)} "
+                             f"of shape {tuple(getattr(kv_slots, 'shape', ()))}")
+        L = kv_slots.numel()
+        if not (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool
+                and tuple(mask.shape) == (n, L)):
+            raise ValueError(f"prefill_chunk: mask must be a bool tensor of shape [n, "
+                             f"len(kv_slots)] = [{n}, {L}], got "
+                             f"{getattr(mask, 'dtype', type(mask).__name__)} of shape "
+                             f"{tuple(getattr(mask, 'shape', ()))}")
+        num_slots = self.kv_caches[0].key.shape[0] if self.kv_caches else None
+        if num_slots is not None and bool(((kv_slots < 0) | (kv_slots >= num_slots)).any()):
+            raise ValueError(f"prefill_chunk: kv_slots outside the pool [0, {num_slots})")
+        if L >= n and torch.equal(mask.cpu(), chunk_causal_mask(n, L)):
+            mask = None  # the standard mask: the default attention call
+        else:
+            mask = mask.to(self.device)
+        return PrefillSeq(row, row + n, kv_slots.to(self.device), mask)
 
     def _paged_metadata(self, num_rows, decode_rows, decode_tables, decode_lens,
                         prefill_rows, prefill_tables, prefill_ns, prefill_lens) -> PagedMetadata:

@@ -107,6 +107,25 @@ def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return o.squeeze(0).transpose(0, 1)
 
 
+def prefill_attention_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Prefill attention of one sequence's new tokens under an explicit mask (used when a
+    swapped "prefill_chunk" step returns a mask other than the standard chunk mask; the
+    "attention.prefill" step, whose signature has no mask, is not called then).
+
+    Args:
+        q: [n, H, D]; k, v: [L, Hkv, D]; mask: [n, L] bool (True: may attend); scale.
+    Returns:
+        [n, H, D] in q's dtype. A row with no True key is NaN (softmax over nothing).
+    """
+    qp = q.transpose(0, 1).unsqueeze(0)
+    kp = k.transpose(0, 1).unsqueeze(0)
+    vp = v.transpose(0, 1).unsqueeze(0)
+    o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask.to(q.device), scale=scale,
+                                       enable_gqa=True)
+    return o.squeeze(0).transpose(0, 1)
+
+
 class TorchAttentionBackend:
     """The reference backend (default on CPU).
 
@@ -158,7 +177,11 @@ class TorchAttentionBackend:
             out[g.rows] = self._decode(q[g.rows], kv, g, scale)
         for p in meta.prefills:
             k, v = kv.read(p.kv_slots, dtype)
-            out[p.start:p.end] = self.prefill_attention(q[p.start:p.end], k, v, scale)
+            if p.mask is None:
+                out[p.start:p.end] = self.prefill_attention(q[p.start:p.end], k, v, scale)
+            else:  # a swapped "prefill_chunk" step with its own mask (chapter 23)
+                out[p.start:p.end] = prefill_attention_masked(q[p.start:p.end], k, v,
+                                                              p.mask, scale)
         return out
 
     def _decode(self, q, kv: LayerKVCache, g, scale) -> torch.Tensor:
