@@ -226,3 +226,35 @@ def test_unchained_hash_reuses_blocks_from_other_positions(llm):
     h0 = llm.stats.prefix_cache_hits
     llm.score(b, positions=[len(b) - 1], use_prefix_cache=True)
     assert llm.stats.prefix_cache_hits - h0 == BS
+
+
+def test_skipped_reset_after_rescale_reuses_stale_blocks(tiny_model_dir, one_thread):
+    """K/V scales are engine-wide, so recalibrating them must empty the cache: with the
+    reset skipped, blocks quantized with scale 1.0 are read back with the new scales."""
+    def engine():
+        return LLM(model=str(tiny_model_dir), dtype="float32", max_model_len=128,
+                   block_size=BS, kv_cache_dtype="fp8_e4m3", enforce_eager=True)
+
+    ids, cal, rows = _ids(40, 10), [_ids(64, 11)], list(range(32, 40))
+    ok = engine()
+    ok.score(ids)  # blocks stored with scale 1.0
+    ok.llm_engine.calibrate_kv_scales(cal)
+    h0 = ok.stats.prefix_cache_hits
+    good = ok.score(ids, positions=rows, use_prefix_cache=True)
+    assert ok.stats.prefix_cache_hits == h0  # the reset emptied the cache
+    ok.reset_prefix_cache()
+    truth = ok.score(ids, positions=rows)
+    assert torch.equal(good, truth)
+
+    bad = engine()
+    bad.score(ids)
+    with faults.skip_prefix_reset_on_rescale(bad):
+        bad.llm_engine.calibrate_kv_scales(cal)
+    assert "reset_prefix_cache" not in vars(bad.llm_engine.kv_cache_manager)  # restored
+    assert bad.llm_engine.kv_cache_scales() == ok.llm_engine.kv_cache_scales()
+    h0 = bad.stats.prefix_cache_hits
+    stale = bad.score(ids, positions=rows, use_prefix_cache=True)
+    stale_hits = bad.stats.prefix_cache_hits - h0
+    kl = metrics.mean_kl(truth, stale)
+    print(f"stale blocks after recalibration: {stale_hits} hit tokens, KL {kl:.3g} nats")
+    assert stale_hits == 4 * BS and kl > 1e-3

@@ -78,11 +78,13 @@ def piece(start: int, n: int) -> list[int]:
     return ids
 
 
-def hits_of(fn):
-    """Run fn(); return (its result, prefix-cache hit tokens it added: vllm:prefix_cache_hits)."""
-    before = llm.stats.prefix_cache_hits
+def hits_of(fn, engine=None):
+    """Run fn(); return (its result, prefix-cache hit tokens it added to `engine`'s
+    vllm:prefix_cache_hits; default: the float32 engine)."""
+    engine = engine or llm
+    before = engine.stats.prefix_cache_hits
     out = fn()
-    return out, llm.stats.prefix_cache_hits - before
+    return out, engine.stats.prefix_cache_hits - before
 
 
 # %% [markdown]
@@ -292,12 +294,42 @@ for who, n, ids in runs:
 # vLLM's salt is a per-request secret, "random, protected from access by 3rd parties",
 # and why the numbers alone would never catch this bug.
 #
+# ## 6. What the key must include: nothing engine-wide, so the cache must be emptied
+#
 # Engine-wide settings (dtype, `kv_cache_dtype`, K/V scales, a swapped K/V step) are not
 # in the key at all: they are the same for every request of one engine, so the engine
 # **empties the cache** whenever one of them changes (`calibrate_kv_scales` and
-# `swap_step` for steps that change K/V both call `reset_prefix_cache`). The syllabus's
-# second fault, skipping that reset after a recalibration, is not measured in this
-# chapter.
+# `swap_step` for steps that change K/V both call `reset_prefix_cache`). What forgetting
+# that does: an engine with an fp8 (e4m3) KV cache and static scales (1.0 until
+# calibrated) scores a prompt, so its blocks are stored with scale 1.0; then the scales
+# are calibrated on other text and the prompt's last 16 rows are scored through the
+# cache, first with `faults.skip_prefix_reset_on_rescale` (the reset skipped: the old
+# blocks are read back with the new scales), then with the engine as written.
+
+# %%
+t = time.perf_counter()
+fp8 = LLM(MODEL, dtype="float32", max_model_len=128, block_size=BS, kv_cache_dtype="fp8_e4m3")
+calib = [piece(500, 128)]
+stale_ids, stale_rows = system + questions[2], list(range(48, 64))
+fp8.score(stale_ids)  # not calibrated yet: its blocks are stored with scale 1.0
+with faults.skip_prefix_reset_on_rescale(fp8):
+    fp8.llm_engine.calibrate_kv_scales(calib)
+stale_rows_out, stale_hits = hits_of(
+    lambda: fp8.score(stale_ids, positions=stale_rows, use_prefix_cache=True), fp8)
+fp8.reset_prefix_cache()
+fp8_truth = fp8.score(stale_ids, positions=stale_rows)  # calibrated scales, nothing reused
+fp8.llm_engine.calibrate_kv_scales(calib)  # the engine as written: this empties the cache
+_, good_hits = hits_of(
+    lambda: fp8.score(stale_ids, positions=stale_rows, use_prefix_cache=True), fp8)
+kl_stale = metrics.mean_kl(fp8_truth, stale_rows_out)
+scales = fp8.kv_cache_scales()
+del fp8
+print(f"calibrated scales, layer 0: k {scales['k_scale'][0]:.3g}, v {scales['v_scale'][0]:.3g} "
+      f"(were 1.0)")
+print(f"with the reset:    {good_hits} hit tokens after a recalibration (the cache was "
+      f"emptied)")
+print(f"reset skipped:     {stale_hits} hit tokens, mean KL {kl_stale:.3g} nats against a "
+      f"fresh computation ({time.perf_counter() - t:.1f} s)")
 
 # %%
 fig = Figure(figsize=(9, 3.6), layout="constrained")
@@ -308,6 +340,8 @@ ax.plot(pos, np.maximum(kl_ok, 1e-12), "s-", ms=3, label="chained key (true hits
 for dt, (_, _, kl, _, _, _) in hvm.items():
     ax.axhline(max(kl, 1e-12), ls=":", lw=1, color="gray")
 ax.text(pos[0], 2e-12, "hit vs miss, float32 and bfloat16: exactly 0", fontsize=8, color="gray")
+ax.axhline(kl_stale, ls="--", lw=1, color="C3",
+           label="reset skipped after recalibrating fp8 K/V scales (mean, another prompt)")
 ax.set_yscale("log")
 ax.set_ylim(5e-13, 30)
 ax.set_xlabel("position in request B (the question)")
@@ -323,7 +357,7 @@ ax2.tick_params(axis="x", labelsize=8, rotation=20)
 fig
 
 # %% [markdown]
-# ## 6. The fix, measured
+# ## 7. The fix, measured
 #
 # The fix is the engine's reference: the chained hash with the salt as the first block's
 # extra key, and a lookup that stops at the first miss, leaves one token to compute and
@@ -331,7 +365,7 @@ fig
 # key"): B's question rows against the no-cache run, and B's greedy answer; section 5:
 # different salts share nothing. The lab asks you to write those functions and checks them the same way.
 #
-# ## 7. Claim vs measurement
+# ## 8. Claim vs measurement
 
 # %%
 h32, hbf = hvm["float32"], hvm["bfloat16"]
@@ -358,8 +392,10 @@ print(f"| an unchained hash breaks every shared prompt | no: the lookup stops at
 print(f"| cache_salt isolates tenants | yes: another salt {runs[1][1]} hit tokens, the same "
       f"salt {runs[2][1]}; without the salt in the key {runs[-1][1]}, with identical "
       f"outputs (a privacy bug, invisible to precision metrics) |")
-print("| skipping the prefix-cache reset after recalibrating K/V scales reuses stale "
-      "blocks [syllabus (b)] | not measured in this chapter |")
+print(f"| skipping the prefix-cache reset after recalibrating K/V scales reuses stale "
+      f"blocks [syllabus (b)] | yes: {stale_hits} hit tokens on blocks stored with scale 1.0, "
+      f"mean KL {kl_stale:.3g} nats (fp8 e4m3 KV); with the reset {good_hits} hits "
+      f"after a recalibration |")
 
 # %% [markdown]
 # ## Common misconceptions

@@ -474,3 +474,34 @@ def chunk_no_past_kv(llm):
     _check_torch_llm(llm)
     with llm.swap_step("prefill_chunk", prefill_chunk_no_past):
         yield
+
+
+@contextlib.contextmanager
+def skip_prefix_reset_on_rescale(llm):
+    """``calibrate_kv_scales`` without its prefix-cache reset: blocks quantized with the
+    old K/V scales stay findable and are read back with the new ones (each cached K/V
+    value comes back multiplied by new scale / old scale). The K/V scales are an
+    engine-wide setting, not part of the cache key, so the engine empties the cache when
+    they change (``LLMEngine.calibrate_kv_scales``); this fault forgets that.
+
+    Not a step of the registry: it wraps this engine's ``calibrate_kv_scales`` so that the
+    KV-cache manager's ``reset_prefix_cache`` does nothing while it runs (both restored on
+    exit). Needs a quantized KV cache with static scales (what calibration is for)."""
+    if not hasattr(llm, "llm_engine"):
+        raise TypeError(f"faults are planted into an LLM, got {type(llm).__name__}")
+    engine = llm.llm_engine
+    kv = engine.kv_cache_manager
+    calibrate = engine.calibrate_kv_scales
+
+    def calibrate_without_reset(token_id_lists=None):
+        kv.reset_prefix_cache = lambda: True  # the bug: the cache keeps its blocks
+        try:
+            return calibrate(token_id_lists)
+        finally:
+            del kv.reset_prefix_cache
+
+    engine.calibrate_kv_scales = calibrate_without_reset
+    try:
+        yield
+    finally:
+        del engine.calibrate_kv_scales
