@@ -26,9 +26,9 @@
 #    side, or cutting through the system prompt, costs accuracy, measured here.
 #
 # **The incidents** (INCIDENTS.md #26). **vllm PR #16976** "Fix doubling of BOS token
-# when BOS already exists" (2025-04-22): with Llama-3.1, vLLM rendered the chat template
-# (which already starts with `<|begin_of_text|>`) and then tokenized it with the
-# tokenizer's BOS on, so prompts began with two BOS tokens. **huggingface/trl #3853**
+# when BOS already exists" (2025-04-22): `LLM.chat` with Llama-3.1-8B-Instruct rendered
+# the chat template (which already starts with `<|begin_of_text|>`) and then tokenized
+# the text with `add_special_tokens=True`, so prompts began `[128000, 128000, ...]`. **huggingface/trl #3853**
 # (2025-08-06): GRPO rewards fell with vLLM against HF for this reason.
 # **vllm-project/tpu-inference PR #1380** (2025-12-30): lm-eval 0.4.9.2 stopped forcing
 # `add_bos_token=False` and GSM8K fell, Llama-3.3-70B 0.90 -> 0.76, Llama-3.1-8B
