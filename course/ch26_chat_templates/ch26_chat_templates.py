@@ -371,8 +371,8 @@ print(f"| a missing add_generation_prompt | answer NLL {bos_table[1][0]:.3f} -> 
 # semantics: keep the last k, -1, refuse what cannot fit). The grader checks the ids
 # exactly on fresh conversations (including text that looks like special tokens), then
 # plugs both into the engine on fresh QA items: the KL over the reference answers must be
-# back to 0 and the accuracy on truncated long chats back to the reference's, next to the
-# broken engine failing the same checks.
+# back to 0, and on truncated long chats the prompt ids and greedy answers must equal the
+# correct engine's, next to the broken engine failing the same checks.
 
 # %%
 print(f"chapter 26 ran in {time.perf_counter() - T0:.0f} s")
