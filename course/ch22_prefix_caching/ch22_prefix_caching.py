@@ -348,9 +348,11 @@ ax.set_xlabel("position in request B (the question)")
 ax.set_ylabel("KL(no cache || cached) (nats; 1e-12 = exactly 0)")
 ax.set_title("What a wrong key reuses")
 ax.legend(fontsize=8)
-labels = ["chained", "unchained", "salt A/B", "salt dropped"]
+labels = ["chained", "unchained", "salt B after A", "salt dropped"]
 values = [hit_ok, hit_bad, runs[1][1], runs[-1][1]]
 ax2.bar(labels, values, color=["C1", "C0", "C2", "C3"])
+for i, v in enumerate(values):
+    ax2.text(i, v + 1, str(v), ha="center", fontsize=8)
 ax2.set_ylabel("prefix-cache hit tokens")
 ax2.set_title("Hits: more is not better")
 ax2.tick_params(axis="x", labelsize=8, rotation=20)
