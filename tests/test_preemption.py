@@ -134,3 +134,27 @@ def test_penalty_fault_moves_recomputed_outputs_to_the_prompt():
     want = penalties_ref(logits, [[1, 2, 5, 5, 6]], [[5]], None, f, None)
     right = penalties_ref(logits, [[1, 2]], [[5, 5, 6, 5]], None, f, None)
     assert torch.equal(got, want) and not torch.equal(got, right)
+
+
+def test_chapter_recorder_marks_the_resumed_rows(tiny_model_dir, workload):
+    """course/ch08_preemption/measure_recompute.py (the chapter's probe): one row per
+    sampled token, resumed rows only on preempted requests, and KL 0 against itself."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "course/ch08_preemption/measure_recompute.py"
+    spec = importlib.util.spec_from_file_location("measure_recompute", path)
+    mr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mr)
+    prompts, params, solo = workload
+    llm = _llm(tiny_model_dir, blocks=16)
+    tokens, rows, resumed, npre = mr.batch_run(llm, prompts, params["penalties"])
+    assert tokens == solo["penalties"]
+    assert [len(r) for r in rows] == [len(t) for t in tokens]
+    assert [bool(r) for r in resumed] == [n > 0 for n in npre] and any(npre)
+    assert all(len(r) == n for r, n in zip(resumed, npre))
+    recs = mr.compare((tokens, rows), (tokens, rows, resumed, npre))
+    assert all(r["first_divergence"] is None and max(r["kl_resumed"] + r["kl_other"]) == 0
+               for r in recs)
+    lo, hi = mr.wilson(5, 10)  # the 95 % Wilson interval for 5/10 is 0.2366-0.7634
+    assert abs(lo - 0.2366) < 1e-3 and abs(hi - 0.7634) < 1e-3 and mr.wilson(0, 10)[0] == 0

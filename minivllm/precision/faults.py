@@ -88,43 +88,55 @@ def drop_outputs_on_resume(llm):
         yield
 
 
+def preempt_double_append(request) -> None:
+    """The "scheduler.preempt" step with the double-append bug: the reference reset, then
+    the generated tokens appended to ``all_token_ids``, which already holds them (only as
+    many as fit under the request's ``max_total_tokens``: the resumed sequence must still
+    fit the KV pool, else the engine could never run it)."""
+    from minivllm.core.scheduler import preempt_request_ref
+
+    preempt_request_ref(request)
+    room = max(0, request.max_total_tokens - request.num_tokens - 1)
+    request.all_token_ids.extend(request.output_token_ids[:room])  # the bug
+
+
 @contextlib.contextmanager
 def double_append_on_resume(llm):
     """Preemption by recompute that appends the generated tokens to a sequence that
-    already holds them (the "scheduler.preempt" step): the resumed request re-prefills
-    prompt + output + output, so it continues a text that repeats itself, and it reaches
-    its length limit (counted on the whole sequence) early: a truncated answer, as in
-    vllm #16832. vllm-gaudi PR #524 fixed output tokens appended twice. Only the tokens
-    that fit under the request's limit are appended again (``max_total_tokens``: the
-    resumed sequence must still fit the KV pool, else the engine could never run it);
-    requests that are never preempted do not change."""
-    from minivllm.core.scheduler import preempt_request_ref
-
-    def preempt(request):
-        preempt_request_ref(request)
-        room = max(0, request.max_total_tokens - request.num_tokens - 1)
-        again = request.output_token_ids[:room]
-        request.all_token_ids.extend(again)  # the bug: the outputs are already there
-
-    with llm.swap_step("scheduler.preempt", preempt):
+    already holds them (:func:`preempt_double_append` as the "scheduler.preempt" step):
+    the resumed request re-prefills prompt + output + output, so it continues a text that
+    repeats itself, and it reaches its length limit (counted on the whole sequence) early:
+    a truncated answer, as in vllm #16832. vllm-gaudi PR #524 fixed output tokens appended
+    twice. Requests that are never preempted do not change."""
+    with llm.swap_step("scheduler.preempt", preempt_double_append):
         yield
 
 
-def penalty_prompt_accounting_steps(llm):
+def penalty_prompt_accounting_steps(llm=None, preempt=None):
     """The "sampler.penalties" step as an engine that counts re-prefilled output tokens
     as prompt tokens: after a preemption, the tokens a request had generated before it
     are handed to the penalties as part of the prompt (vllm PR #5349's review: recompute
     that re-prefills outputs as "prompt" changes repetition and frequency penalties).
     Frequency and presence penalties (output only) forget them; repetition (prompt or
-    output) does not change. Returns ``(preempt, penalties)``: the two steps to swap
-    together; :func:`penalty_prompt_accounting` does that."""
+    output) does not change.
+
+    Args:
+        llm: unused (the steps hold their own state); kept for a uniform call.
+        preempt: the "scheduler.preempt" function to wrap (default the reference; e.g.
+            :func:`preempt_double_append` to plant both bugs).
+    Returns:
+        ``(preempt, penalties)``: the two steps to swap together (the preempt step notes
+        how many outputs each request had when it was preempted);
+        :func:`penalty_prompt_accounting` does that.
+    """
     from minivllm.core.scheduler import preempt_request_ref
     from minivllm.layers.sampler import penalties_ref
 
+    base = preempt if preempt is not None else preempt_request_ref
     recomputed: dict[int, int] = {}  # id(request.output_token_ids) -> outputs at the last preemption
 
-    def preempt(request):
-        preempt_request_ref(request)
+    def preempt_step(request):
+        base(request)
         recomputed[id(request.output_token_ids)] = request.num_output_tokens
 
     def penalties(logits, prompt_token_ids, output_token_ids, presence_penalty,
@@ -137,7 +149,7 @@ def penalty_prompt_accounting_steps(llm):
         return penalties_ref(logits, prompts, outputs, presence_penalty, frequency_penalty,
                              repetition_penalty)
 
-    return preempt, penalties
+    return preempt_step, penalties
 
 
 @contextlib.contextmanager

@@ -41,6 +41,7 @@
 # reference. Run the cells in order. Do not edit the setup and test cells.
 
 # %% nbgrader={"grade": false, "grade_id": "setup", "locked": true, "schema_version": 3, "solution": false, "task": false}
+import contextlib
 import copy
 import importlib
 
@@ -76,19 +77,11 @@ def params(seed: int, n: int = 16) -> SamplingParams:
 def broken():
     """Both bugs of chapter 8, planted: ``with broken(): ...``. Outside the block the
     engine is correct."""
-    import contextlib
+    preempt_bug, penalties_bug = faults.penalty_prompt_accounting_steps(
+        llm, preempt=faults.preempt_double_append)
     stack = contextlib.ExitStack()
-    stack.enter_context(faults.double_append_on_resume(llm))
-    pre, pen = faults.penalty_prompt_accounting_steps(llm)
-    stack.enter_context(llm.swap_step("sampler.penalties", pen))
-    _double = llm.llm_engine.scheduler.preempt_request
-
-    def both(request):  # the double append, and the penalties told about the resume
-        pre(request)
-        request.num_preemptions -= 1  # pre already counted it
-        request.status = RequestStatus.RUNNING
-        _double(request)
-    stack.enter_context(llm.swap_step("scheduler.preempt", both))
+    stack.enter_context(llm.swap_step("scheduler.preempt", preempt_bug))
+    stack.enter_context(llm.swap_step("sampler.penalties", penalties_bug))
     return stack
 
 
