@@ -31,8 +31,8 @@
 #   answer in #7779: fp16/bf16 matmuls are not associative, a different batch shape gives
 #   a different reduction order (one real contributor, Marlin's fp16 global reduce, was
 #   moved to fp32). INCIDENTS.md #1.
-# - **Thinking Machines, "Defeating Nondeterminism in LLM Inference"** (Horace He et al.,
-#   2025-09-10, https://thinkingmachines.ai/blog/defeating-nondeterminism-in-llm-inference/),
+# - **Thinking Machines, "Defeating Nondeterminism in LLM Inference"** (Horace He and
+#   Thinking Machines Lab, 2025-09-10, https://thinkingmachines.ai/blog/defeating-nondeterminism-in-llm-inference/),
 #   with **vllm PR #24583** and the tracker **vllm #27433**: one prompt sent 1000 times at
 #   temperature 0 to Qwen3 gave **80 distinct completions**; with batch-invariant RMSNorm,
 #   matmul and attention kernels (fixed split *size*, not a fixed number of splits) it gave
@@ -258,9 +258,10 @@ for dtype in (torch.float32, torch.bfloat16):
 # So, on this CPU:
 #
 # - **Attention** depends on the padding in both dtypes. In float32 the differences are in
-#   the last bits (the section 3 logits moved by ~1e-5); in bfloat16 the attention output
-#   is rounded to 8 significant bits, so most of those differences round away, but when one
-#   survives it is a whole bf16 ulp, and 30 layers later the logits move by tenths.
+#   the last bits (section 3: the float32 logits moved by the printed max |dlogit|, four
+#   orders of magnitude below bfloat16's); in bfloat16 the attention output is rounded to
+#   8 significant bits, so many of those differences round away, but one that survives is
+#   a whole bf16 ulp, and 30 layers later the logits move by tenths.
 # - **Linears**: the float32 GEMM (oneDNN, packed weights) gives a row different bits at
 #   M >= 2 than alone; the bfloat16 GEMM does not (at any M tried). So in bfloat16 the
 #   padding is the whole story, in float32 both contribute.
@@ -399,8 +400,8 @@ for c, m in rows:
 #   is a *shape-dependent* reduction order, as Thinking Machines showed for GPUs too.
 # - *"Masked padding contributes nothing."* Mathematically; numerically the padded
 #   length changes the kernel's blocking and the order of the sums (section 4).
-# - *"Only low precision is affected."* float32 moves too (~1e-5 here); it flips an
-#   argmax less often, but long generations and near-ties find it.
+# - *"Only low precision is affected."* float32 moves too (section 3); it flips an
+#   argmax far less often, but long generations and near-ties find it.
 # - *"Batch invariance means correct."* It means the same bits whatever the batch. It
 #   does not make bfloat16 agree with float32, nor prefill with decode (chapter 6).
 #

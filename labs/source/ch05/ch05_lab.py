@@ -208,7 +208,7 @@ def seeded_sample(probs: torch.Tensor, seed: int) -> int:
 import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
-_p = torch.softmax(torch.tensor([1.0, 2.0, 0.5, 1.5, 0.0]), dim=0)
+_p = torch.softmax(torch.randn(1000, generator=torch.Generator().manual_seed(0)), dim=0)
 _got = seeded_sample(_p, 7)
 checks.equal("seeded_sample returns an int", isinstance(_got, int), True)
 checks.equal("the same seed gives the same token", seeded_sample(_p, 7), _got)
@@ -242,9 +242,9 @@ for _i in range(20):
 # ## Restore check (2 points)
 #
 # The grader plugs your attention into the engine (`llm.swap_step("attention.decode",
-# invariant_decode_attention)`), takes two fresh 8-token sequences from the corpus and
+# invariant_decode_attention)`), takes two fresh 6-token sequences from the corpus and
 # scores each one in decode mode alone and in three fresh batch compositions (other
-# prompts of 3 to 60 tokens generating beside it). Every composition's logits must be
+# prompts of 3 to 45 tokens generating beside it). Every composition's logits must be
 # `torch.equal` to the sequence's logits alone. First it checks your function directly
 # (fresh float32 tensors, two paddings). The default engine (the padded SDPA) is measured
 # by the same engine check and must fail it, which shows the check can tell them apart.
@@ -273,14 +273,14 @@ def _fresh(n):
     return tok.encode(_text[_s:_s + 1500])[:n]
 
 
-_targets = [_fresh(8) for _ in range(2)]
-_comps = [[_fresh(_rng.randrange(20, 40))],
-          [_fresh(3), _fresh(_rng.randrange(30, 60))],
-          [_fresh(_rng.randrange(10, 20)), _fresh(5), _fresh(_rng.randrange(40, 60))]]
+_targets = [_fresh(6) for _ in range(2)]
+_comps = [[_fresh(_rng.randrange(20, 35))],
+          [_fresh(3), _fresh(_rng.randrange(25, 45))],
+          [_fresh(_rng.randrange(8, 16)), _fresh(5), _fresh(_rng.randrange(30, 45))]]
 
 
-def _check():
-    """(all equal, worst max |dlogit|) over the targets and compositions."""
+def _check(stop_at_first_failure=False):
+    """(all equal, worst max |dlogit| seen) over the targets and compositions."""
     ok, worst = True, 0.0
     for _t in _targets:
         _a = decode_logits(_t, [])
@@ -288,12 +288,14 @@ def _check():
             _b = decode_logits(_t, _c)
             ok &= torch.equal(_a, _b)
             worst = max(worst, float((_a - _b).abs().max()))
+            if stop_at_first_failure and not ok:
+                return ok, worst
     return ok, worst
 
 
 with llm.swap_step("attention.decode", invariant_decode_attention):
     _mine = _check()
-_bad = _check()  # the default engine: padded SDPA
+_bad = _check(stop_at_first_failure=True)  # the default engine: padded SDPA
 print(f"logits bitwise equal alone and in 3 compositions (2 fresh sequences): yours "
       f"{_mine[0]} (max |dlogit| {_mine[1]:.3g}), the default engine {_bad[0]} "
       f"(max |dlogit| {_bad[1]:.3g})")
