@@ -148,7 +148,9 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor],
                       top_p: Optional[torch.Tensor]) -> torch.Tensor:
     """Top-k (keep the k largest logits, ties at the k-th kept) then top-p (keep the
     smallest head of the sorted distribution whose mass reaches p; the most likely token
-    always survives). The "sampler.top_k_top_p" step's reference.
+    always survives). The sort is stable: equal logits are ordered by token id, so a tie
+    at the top-p boundary keeps the lower ids first. The "sampler.top_k_top_p" step's
+    reference.
 
     Args:
         logits: [B, V] float32, already divided by the temperature.
@@ -160,7 +162,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor],
     if top_k is None and top_p is None:
         return logits
     V = logits.shape[1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
     if top_k is not None:
         k = torch.where(top_k <= 0, torch.full_like(top_k, V), top_k.clamp(max=V))
         kth = sorted_logits.gather(1, (k - 1)[:, None])

@@ -517,3 +517,52 @@ def skip_prefix_reset_on_rescale(llm):
         yield
     finally:
         del engine.calibrate_kv_scales
+
+
+# --- sampling faults (chapter 20) ---------------------------------------------------------
+
+def top_k_top_p_wrong_order(logits: torch.Tensor, top_k, top_p) -> torch.Tensor:
+    """The "sampler.top_k_top_p" step with the filters in the wrong order: top-p on the
+    full distribution first, then top-k (vllm #718, fixed by vllm PR #1885; HF and vLLM
+    now do top-k first, then top-p on the renormalised survivors). Same signature and
+    tie rules as :func:`minivllm.layers.sampler.apply_top_k_top_p`. Logits [0.1, 0.2, 0.3,
+    0.4], k=2, p=0.5 keep two tokens ([0, 0, .475, .525]) where the right order keeps one."""
+    from minivllm.layers.sampler import apply_top_k_top_p
+
+    return apply_top_k_top_p(apply_top_k_top_p(logits, None, top_p), top_k, None)
+
+
+@contextlib.contextmanager
+def top_p_before_top_k(llm):
+    """Plant :func:`top_k_top_p_wrong_order` (the "sampler.top_k_top_p" step). Only
+    requests with both ``top_k`` and ``top_p`` change."""
+    with llm.swap_step("sampler.top_k_top_p", top_k_top_p_wrong_order):
+        yield
+
+
+def penalties_prompt_output_mixed(logits, prompt_token_ids, output_token_ids, presence_penalty,
+                                  frequency_penalty, repetition_penalty):
+    """The "sampler.penalties" step with vllm-metal's accounting before PR #69 (2026-01-10,
+    reproduced there with SmolLM2-135M and the prompt "Paris Paris ..."): on the first step
+    (no output yet) the repetition penalty does not see the prompt; on later steps prompt
+    and output are merged into one list, so frequency and presence penalties also count
+    the prompt's tokens. Same signature as :func:`minivllm.layers.sampler.penalties_ref`."""
+    from minivllm.layers.sampler import penalties_ref
+
+    prompts, outputs = [], []
+    for p, o in zip(prompt_token_ids, output_token_ids):
+        if len(o) == 0:
+            prompts.append([])  # the bug: the first step forgets the prompt
+            outputs.append([])
+        else:
+            prompts.append([])
+            outputs.append(list(p) + list(o))  # the bug: the prompt counted as output
+    return penalties_ref(logits, prompts, outputs, presence_penalty, frequency_penalty,
+                         repetition_penalty)
+
+
+@contextlib.contextmanager
+def penalty_accounting_mixed(llm):
+    """Plant :func:`penalties_prompt_output_mixed` (the "sampler.penalties" step)."""
+    with llm.swap_step("sampler.penalties", penalties_prompt_output_mixed):
+        yield
