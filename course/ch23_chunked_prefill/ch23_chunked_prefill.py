@@ -366,7 +366,8 @@ print(f"| enable-chunked-prefill and max-num-batched-tokens are performance sett
 #
 # ## Lab
 #
-# `labs/source/ch23/` starts from an engine with both bugs' kinds of mistake. You write
+# `labs/source/ch23/` starts from an engine that prefills in 16-token chunks with bug (b)
+# planted (`faults.chunk_no_past_kv`). You write
 # `chunk_schedule(num_tokens, budget)` (the `(start, n)` chunks the scheduler makes for a
 # prompt alone) and `chunk_mask_and_slots(block_table, start, n, block_size, num_tokens)`
 # (the `"prefill_chunk"` step). The grader compares them exactly with the engine on fresh
