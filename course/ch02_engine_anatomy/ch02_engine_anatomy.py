@@ -202,7 +202,7 @@ for r in rows:
 # | the seed says | measured here |
 # |---|---|
 # | a small KV pool with many requests causes eviction and recompute | yes: preemptions counted above, KV usage pinned at 100 % |
-# | it makes answers differ under load | in float32, rarely: recompute is exact up to float rounding (see the identical counts). In 16-bit it can: on lab 2's workload in bfloat16 (24 tokens, a pool for 3 requests at once), 5 preemptions changed the greedy answers of 2 of 10 requests (recorded 2026-12-01, not re-run here: bfloat16 is ~3x slower on a CPU; chapter 8 measures it) |
+# | it makes answers differ under load | in float32, rarely: recompute is exact up to float rounding (see the identical counts). In 16 bits answers do change under load, but chapter 8 measured that the batch changes them, not the recompute: over 40-request bfloat16 and float16 runs, 3 of 28 preempted requests changed tokens against 39 of 132 never-preempted ones (`course/ch08_preemption/recompute_rates.json`, not re-run here: 16-bit is ~3x slower on a CPU) |
 # | (implied) preemption is always safe for accuracy | only if the engine keeps every request's state: vLLM had recompute bugs that changed outputs (#16832, PR #5349); lab 2 plants one |
 # | lower max_num_seqs / more KV memory fixes it | yes, both to zero preemptions, with the costs shown |
 # | prefix caching fixes it | partly: it saves the shared prefix only |
