@@ -120,7 +120,7 @@ for r in step_rows:
     print(f"{r[0]:55s} {r[1]:28s} {r[2]:13.2e} {r[3]:9.2e} {r[4]:9.2e} {r[5]:7.4f}")
 
 # %% [markdown]
-# Then the generated text, greedy, 12 tokens, with `repetition_penalty` 1.0 and 1.3 and
+# Then the generated text, greedy, 10 tokens, with `repetition_penalty` 1.0 and 1.3 and
 # with frequency + presence 0.5, under the correct and the buggy accounting. With
 # penalty 1.0 (and no other penalty) the two accountings cannot differ: the penalty is
 # the identity.
@@ -130,7 +130,7 @@ CONFIGS = {"rep 1.0": dict(repetition_penalty=1.0), "rep 1.3": dict(repetition_p
            "freq+pres 0.5": dict(frequency_penalty=0.5, presence_penalty=0.5)}
 reqs = [(pn, cn) for pn in PROMPTS for cn in CONFIGS]
 prompts = [{"prompt_token_ids": PROMPTS[pn]} for pn, _ in reqs]
-sps = [SamplingParams(temperature=0.0, max_tokens=12, **CONFIGS[cn]) for _, cn in reqs]
+sps = [SamplingParams(temperature=0.0, max_tokens=10, **CONFIGS[cn]) for _, cn in reqs]
 texts = {"correct": [o.outputs[0].text for o in llm.generate(prompts, sps, use_tqdm=False)]}
 with faults.penalty_accounting_mixed(llm):
     texts["buggy"] = [o.outputs[0].text for o in llm.generate(prompts, sps, use_tqdm=False)]
@@ -170,12 +170,12 @@ print(f"TV distance: {float(tv(right, wrong)):.3f}")
 # %% [markdown]
 # Top-p after top-k measures mass on the *renormalised* top-k survivors, so it cuts
 # deeper; top-p first measures mass on the full distribution and keeps more. On real
-# logits: 64 positions of the bundled corpus, temperature 1, for a grid of (k, p):
+# logits: 33 positions of the bundled corpus, temperature 1, for a grid of (k, p):
 
 # %%
 text = evalsets.load_corpus()
-corpus_ids = tok.encode(text[:4000])[:65]
-L = llm.score(corpus_ids, output="logits")  # [65, V] float32
+corpus_ids = tok.encode(text[:4000])[:33]
+L = llm.score(corpus_ids, output="logits")  # [33, V] float32
 GRID_K, GRID_P = [5, 20, 50], [0.5, 0.8, 0.95]
 tv_grid = torch.zeros(len(GRID_K), len(GRID_P))
 for a, k in enumerate(GRID_K):
@@ -188,8 +188,8 @@ for a, k in enumerate(GRID_K):
         tv_grid[a, b] = d.mean()
         print(f"k={k:3d} p={p:.2f}: TV mean {float(d.mean()):.4f}, max {float(d.max()):.4f}, "
               f"rows that differ {int((d > 0).sum())}/{L.shape[0]}")
-only_k = tv(torch.softmax(apply_top_k_top_p(L, torch.full((65,), 20), None), -1),
-            torch.softmax(faults.top_k_top_p_wrong_order(L, torch.full((65,), 20), None), -1))
+only_k = tv(torch.softmax(apply_top_k_top_p(L, torch.full((L.shape[0],), 20), None), -1),
+            torch.softmax(faults.top_k_top_p_wrong_order(L, torch.full((L.shape[0],), 20), None), -1))
 print(f"top-k alone (k=20, no top-p): TV max {float(only_k.max()):.1e} (the order cannot matter)")
 
 # %% [markdown]
@@ -213,26 +213,27 @@ print(f"first divergence, top_k+top_p: {order_div[0]}; top_k only: {order_div[1]
 # (`random_sample`), so its random stream does not depend on the batch. Its
 # *probabilities* still come from the model, and chapter 5's batch-composition effect
 # can move them (a sampled token flips only when two candidates' race is closer than
-# that move). Request `seed=7`, temperature 0.8, 24 tokens, alone and
-# then in a batch with three other prompts (placed second); also on a bfloat16 engine
+# that move). Request `seed=7`, temperature 0.8, 10 tokens, alone and
+# then in a batch with two other prompts (placed second); also on a bfloat16 engine
 # with `batch_invariant=True` (EngineArgs field: fixed reduction order whatever the
 # batch):
 
 # %%
-SEEDED = SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.8, seed=7, max_tokens=10, ignore_eos=True)
 target = chat("Tell me about the history of the city of Lyon.")
 others = [chat(t) for t in ("What is 17 times 23?", "Name three rivers in Africa and describe them.",
                             "Write a haiku about snow on a mountain.")]
-OTHER_SP = SamplingParams(temperature=0.0, max_tokens=24)
+OTHER_SP = SamplingParams(temperature=0.0, max_tokens=10)
 
 
-def alone_vs_batch(engine):
+def alone_vs_batch(engine, twice: bool):
     a = engine.generate([{"prompt_token_ids": target}], SEEDED, use_tqdm=False)[0].outputs[0].token_ids
-    batch = [others[0], target, others[1], others[2]]
+    batch = [others[0], target, others[1]]
     outs = engine.generate([{"prompt_token_ids": x} for x in batch],
-                           [OTHER_SP, SEEDED, OTHER_SP, OTHER_SP], use_tqdm=False)
+                           [OTHER_SP, SEEDED, OTHER_SP], use_tqdm=False)
     b = outs[1].outputs[0].token_ids
-    again = engine.generate([{"prompt_token_ids": target}], SEEDED, use_tqdm=False)[0].outputs[0].token_ids
+    again = engine.generate([{"prompt_token_ids": target}], SEEDED, use_tqdm=False)[0].outputs[0].token_ids \
+        if twice else a  # the same request alone again (float32 only, to keep the chapter short)
     return a, b, again
 
 
@@ -240,14 +241,14 @@ bf16 = LLM(MODEL, dtype="bfloat16", max_model_len=256)
 bf16_bi = LLM(MODEL, dtype="bfloat16", max_model_len=256, batch_invariant=True)
 seed_rows = []
 for name, engine in [("float32", llm), ("bfloat16", bf16), ("bfloat16, batch_invariant=True", bf16_bi)]:
-    a, b, again = alone_vs_batch(engine)
+    a, b, again = alone_vs_batch(engine, twice=name == "float32")
     seed_rows.append((name, a == again, metrics.first_divergence(a, b)))
-    print(f"{name:32s} alone twice equal: {a == again}; alone vs batch: first divergence "
-          f"{metrics.first_divergence(a, b)} (None: all 24 equal)")
+    print(f"{name:32s} alone twice equal: {a == again if name == 'float32' else '(not run)'}; alone vs batch: first divergence "
+          f"{metrics.first_divergence(a, b)} (None: all 10 equal)")
 
 # %% [markdown]
 # On this CPU the measured answer is printed above: where "alone vs batch" is None, the
-# batch did not move any of the 24 races far enough to flip a token, so
+# batch did not move any of the 10 races far enough to flip a token, so
 # `batch_invariant=True` had nothing to restore in this case (chapter 5 measures how far
 # batch composition moves the logits per dtype). The guarantee a seed gives is the random
 # stream, not the probabilities.
@@ -256,7 +257,7 @@ for name, engine in [("float32", llm), ("bfloat16", bf16), ("bfloat16, batch_inv
 # ## 4. Temperature versus quantization
 #
 # The seed claim: temperature 0 vs 0.8 differs more than quantization does. Both on the
-# same 64 corpus positions, teacher-forced (no sampling cascade): the distance between
+# same 33 corpus positions, teacher-forced (no sampling cascade): the distance between
 # the float32 model at temperature 1 and 0.8 (KL), the chance that a temperature-0.8
 # sample differs from the greedy token (`1 - mean p_0.8(argmax)`, the disagreement
 # between temperature 0 and 0.8 per step), next to the same numbers between float32
@@ -317,7 +318,7 @@ claims = [
     ("#69 repro: 'Paris Paris ...' repeats 'Paris'",
      "not on the Instruct model: 'Paris' count " +
      ", ".join(f"{c}:{n}" for _, c, acc, n, _ in gen_rows[:6] if acc == 'correct') + " (completion prompt)"),
-    ("a per-request seed reproduces a sample alone", f"{[r[1] for r in seed_rows]}"),
+    ("a per-request seed reproduces a sample alone", f"float32, run twice: {seed_rows[0][1]}"),
     ("a seed survives batching in float32 / bf16 / bf16 batch-invariant",
      ", ".join(f"{r[0]}: {'equal' if r[2] is None else 'diverges at ' + str(r[2])}" for r in seed_rows)),
     ("seed claim: T=0 vs 0.8 differs more than quantization",
