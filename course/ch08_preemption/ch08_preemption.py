@@ -60,7 +60,6 @@ from minivllm.precision import faults, metrics
 from measure_recompute import batch_run, chat_prompts, compare, sampling, wilson
 
 torch.manual_seed(0)
-torch.set_num_threads(1)
 T0 = time.perf_counter()
 MODEL = "smollm2-135m-instruct"
 BS, BLOCKS, N, TOKENS = 8, 9, 6, 16
