@@ -68,10 +68,12 @@ def _ci_run(p: Path) -> int:
                                  stderr=subprocess.STDOUT)
         text = log.read_text()
         print(text[-3000:])
+        counts = {"chapters": len(list(clone.glob("course/ch*/ch*.py"))),
+                  "labs": len(list(clone.glob("labs/source/ch*/ch*_lab.py")))}
     found = re.findall(r"^=*\s*(.*(?:passed|failed).*) in ([0-9.]+)s", text, re.M)
     result, pytest_s = (found[-1][0].strip(), float(found[-1][1])) if found else ("?", None)
     ct.record("ci_run", {"kind": "ci_run", "commit": commit, "returncode": rc,
-                         "result": result, "pytest_s": pytest_s, **m}, p)
+                         "result": result, "pytest_s": pytest_s, **counts, **m}, p)
     if rc:
         print(f"error: .ci/run failed (exit {rc})", file=sys.stderr)
     return rc
