@@ -133,7 +133,7 @@ def _smollm2_shapes_folder() -> str:
 def check_logits(engines: dict) -> dict:
     """Per mode: is a fixed sequence's decode-mode logits bitwise equal alone and in each
     of three batch compositions? Prints the max |dlogit| per composition."""
-    from minivllm import SamplingParams
+    from minivllm.precision.batching import decode_logits_beside
 
     target = [(37 * i + 11) % 5000 + 100 for i in range(16)]
     comps = {"one 30-token prompt": [[100 + i for i in range(30)]],
@@ -145,15 +145,7 @@ def check_logits(engines: dict) -> dict:
     out = {}
     for name, llm in engines.items():
         def run(companions):
-            eng = llm.llm_engine
-            ids = [eng.add_request(c, SamplingParams(temperature=0, max_tokens=17,
-                                                     ignore_eos=True)) for c in companions]
-            try:
-                return llm.score(target, mode="decode", output="logits")
-            finally:
-                for rid in ids:
-                    eng.abort_request(rid)
-                    eng.finished_outputs.pop(rid, None)
+            return decode_logits_beside(llm, target, companions)
         alone = run([])
         diffs = {c: float((run(cs) - alone).abs().max()) for c, cs in comps.items()}
         print(f"{name}: decode logits, max |dlogit| vs alone per composition: {diffs}")

@@ -17,6 +17,7 @@ from minivllm.attention.backends.torch_ref import (decode_attention_batch_invari
 from minivllm.config import EngineArgs, batch_invariant_enabled
 from minivllm.layers.linear import float_linear, rowwise
 from minivllm.layers.rms_norm import rms_norm_ref
+from minivllm.precision.batching import decode_logits_beside
 
 pytestmark = pytest.mark.usefixtures("embedded_model_dir")
 
@@ -40,18 +41,7 @@ COMPOSITIONS = {
 }
 
 
-def decode_logits(llm: LLM, target: list[int], companions: list[list[int]]) -> torch.Tensor:
-    """The target's logits [T, vocab] (float32), every row after the first computed by
-    the decode path, while ``companions`` (greedy, ignore_eos) decode beside it."""
-    engine = llm.llm_engine
-    ids = [engine.add_request(c, SamplingParams(temperature=0, max_tokens=len(target) + 1,
-                                                ignore_eos=True)) for c in companions]
-    try:
-        return llm.score(target, mode="decode", output="logits")
-    finally:
-        for rid in ids:
-            engine.abort_request(rid)
-            engine.finished_outputs.pop(rid, None)
+decode_logits = decode_logits_beside  # the target's logits [T, vocab] beside companions
 
 
 @pytest.fixture(scope="module", params=["bfloat16", "float32"])

@@ -57,6 +57,7 @@ from matplotlib.figure import Figure
 from minivllm import LLM, SamplingParams
 from minivllm.attention.backends.torch_ref import decode_attention_ref
 from minivllm.layers.linear import float_linear
+from minivllm.precision.batching import decode_logits_beside
 
 torch.manual_seed(0)
 T0 = time.perf_counter()
@@ -169,16 +170,8 @@ LONG_IDS = tok.encode(LONG)
 
 
 def decode_logits(llm, companions):
-    """TARGET's decode-mode logits [12, vocab] while ``companions`` generate beside it."""
-    engine = llm.llm_engine
-    ids = [engine.add_request(c, SamplingParams(temperature=0, max_tokens=len(TARGET) + 1,
-                                                ignore_eos=True)) for c in companions]
-    try:
-        return llm.score(TARGET, mode="decode", output="logits")
-    finally:
-        for rid in ids:
-            engine.abort_request(rid)
-            engine.finished_outputs.pop(rid, None)
+    """TARGET's decode-mode logits [T, vocab] while ``companions`` generate beside it."""
+    return decode_logits_beside(llm, TARGET, companions)
 
 
 per_pos, summary, alone_default, score_secs = {}, {}, {}, {}
