@@ -67,50 +67,110 @@ def supported_dtypes(device: str) -> list[torch.dtype]:
     return [torch.bfloat16, torch.float16, torch.float32]
 
 
-def resolve_auto_dtype(config_dtype: torch.dtype, supported: list[torch.dtype]) -> torch.dtype:
-    """vLLM's rule for ``dtype="auto"`` (``vllm/config/model.py``, ``_resolve_auto_dtype``).
+# vLLM's ``_FLOAT16_NOT_SUPPORTED_MODELS`` (``vllm/config/model.py``): model types whose
+# activations overflow float16 (transformers #36822 for Gemma 3). vLLM leaves float16 out
+# of ``dtype="auto"``'s choices for them and rejects an explicit float16.
+FLOAT16_NOT_SUPPORTED_MODELS: dict[str, str] = {
+    name: "Numerical instability. Please use bfloat16 or float32 instead."
+    for name in ("gemma2", "gemma3", "gemma3_text", "plamo2", "glm4")
+}
 
+
+def resolve_auto_dtype(config_dtype: torch.dtype, supported: list[torch.dtype],
+                       model_type: Optional[str] = None) -> torch.dtype:
+    """vLLM's rule for ``dtype="auto"`` (``vllm/config/model.py``, ``_resolve_auto_dtype``;
+    the rule of vLLM PR #18751, 2025-05, read at commit 18ec662 of vLLM's main branch).
+
+    0. float16 is dropped from ``supported`` for the model types of
+       :data:`FLOAT16_NOT_SUPPORTED_MODELS`.
     1. A float32 checkpoint is *downcast* to the device's preferred dtype
        (``supported[0]``: bfloat16 on CPUs and Ampere+ GPUs, float16 on older GPUs).
-       This is the quiet default that serves fp32 checkpoints in 16 bits.
+       This is the quiet default that serves fp32 checkpoints in 16 bits. (Before PR
+       #18751 vLLM downcast float32 to float16 everywhere, "following common practice":
+       the rule of INCIDENTS #14, olmo-cookbook #60.)
     2. A float16/bfloat16 checkpoint keeps its dtype if the device supports it.
     3. Otherwise (a bfloat16 checkpoint on a pre-Ampere GPU) the preferred dtype is used
        and a warning is logged.
 
+    vLLM also prefers float16 for pooling (embedding) models; this engine has none.
+
     Args:
         config_dtype: the checkpoint's ``torch_dtype`` (float32 when absent).
-        supported: :func:`supported_dtypes` of the target device.
+        supported: :func:`supported_dtypes` of the target device, preferred first.
+        model_type: config.json's ``model_type`` (None: no exclusions).
+    Raises:
+        ValueError: no dtype left to choose from.
     """
+    allowed = [d for d in supported
+               if not (d == torch.float16 and model_type in FLOAT16_NOT_SUPPORTED_MODELS)]
+    if not allowed:
+        raise ValueError(f"dtype='auto': none of the supported dtypes {list(supported)} can "
+                         f"run model type {model_type!r} (float16 is excluded for it)")
+    preferred = allowed[0]
     if config_dtype == torch.float32:
-        return supported[0]
-    if config_dtype in supported:
+        return preferred
+    if config_dtype in allowed:
         return config_dtype
-    logger.warning("The device does not support %s; dtype='auto' falls back to %s",
-                   config_dtype, supported[0])
-    return supported[0]
+    logger.warning("The device does not support %s; dtype='auto' falls back to %s "
+                   "for compatibility", config_dtype, preferred)
+    return preferred
+
+
+def log_dtype_cast(config_dtype: torch.dtype, dtype: torch.dtype) -> None:
+    """Log a cast of the checkpoint's weights as vLLM's ``_get_and_verify_dtype`` does:
+    upcasting to float32 and downcasting from float32 at INFO, a cast between float16 and
+    bfloat16 at WARNING ("Casting torch.bfloat16 to torch.float16."): the two 16-bit
+    formats trade range for precision, so such a cast can overflow (bf16 -> fp16, max
+    65504) or lose digits (fp16 -> bf16)."""
+    if dtype == config_dtype:
+        return
+    if dtype == torch.float32:
+        logger.info("Upcasting %s to %s.", config_dtype, dtype)
+    elif config_dtype == torch.float32:
+        logger.info("Downcasting %s to %s.", config_dtype, dtype)
+    else:
+        logger.warning("Casting %s to %s.", config_dtype, dtype)
 
 
 def parse_dtype(name: str | torch.dtype, model_dtype: torch.dtype,
-                device: str = "cpu") -> torch.dtype:
-    """Resolve a ``dtype`` argument to a torch dtype.
+                device: str = "cpu", model_type: Optional[str] = None,
+                supported: Optional[list[torch.dtype]] = None) -> torch.dtype:
+    """Resolve a ``dtype`` argument to a torch dtype (vLLM's ``_get_and_verify_dtype``).
 
     Args:
-        name: one of :data:`ALLOWED_DTYPES` or a torch floating dtype.
+        name: one of :data:`ALLOWED_DTYPES` (any case, as vLLM lowercases it) or
+            ``torch.float32``/``float16``/``bfloat16``.
         model_dtype: the checkpoint's dtype, used for ``"auto"`` (see
-            :func:`resolve_auto_dtype`).
+            :func:`resolve_auto_dtype`) and for the cast message (:func:`log_dtype_cast`).
         device: where the model runs ("cpu", "cuda", "cuda:N").
+        model_type: config.json's ``model_type``; float16 is refused for the types of
+            :data:`FLOAT16_NOT_SUPPORTED_MODELS`, as vLLM does.
+        supported: the device's dtypes, preferred first (None: :func:`supported_dtypes`
+            of ``device``). Pass ``[torch.float16, torch.float32]`` to resolve as on a
+            pre-Ampere GPU (a course device; vLLM reads it from the platform).
     Raises:
-        ValueError: unknown name; the message lists the allowed values.
+        ValueError: unknown name (the message lists the allowed values), an unsupported
+            torch dtype, or float16 for a model type vLLM runs only in bf16/fp32.
     """
     if isinstance(name, torch.dtype):
         if name not in (torch.float32, torch.float16, torch.bfloat16):
-            raise ValueError(f"dtype {name} is not supported; allowed: {ALLOWED_DTYPES}")
-        return name
-    if name not in _DTYPE_ALIASES:
-        raise ValueError(f"Unknown dtype {name!r}; allowed: {', '.join(ALLOWED_DTYPES)}")
-    resolved = _DTYPE_ALIASES[name]
-    return resolve_auto_dtype(model_dtype, supported_dtypes(device)) if resolved is None \
-        else resolved
+            raise ValueError(f"dtype {name} is not supported; allowed: {', '.join(ALLOWED_DTYPES)} "
+                             "or torch.float32/float16/bfloat16")
+        resolved = name
+    else:
+        key = name.lower() if isinstance(name, str) else name
+        if key not in _DTYPE_ALIASES:
+            raise ValueError(f"Unknown dtype {name!r}; allowed: {', '.join(ALLOWED_DTYPES)}")
+        resolved = _DTYPE_ALIASES[key]
+        if resolved is None:
+            resolved = resolve_auto_dtype(
+                model_dtype, supported_dtypes(device) if supported is None else supported,
+                model_type)
+    if resolved == torch.float16 and model_type in FLOAT16_NOT_SUPPORTED_MODELS:
+        raise ValueError(f"The model type {model_type!r} does not support float16. Reason: "
+                         f"{FLOAT16_NOT_SUPPORTED_MODELS[model_type]}")
+    log_dtype_cast(model_dtype, resolved)
+    return resolved
 
 
 def parse_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -252,7 +312,7 @@ class EngineArgs:
             raise ValueError(f"tokenizer must be None or a non-empty string (a local folder), "
                              f"got {self.tokenizer!r}")
         if not isinstance(self.dtype, (str, torch.dtype)) or (
-                self.dtype not in _DTYPE_ALIASES and not isinstance(self.dtype, torch.dtype)):
+                isinstance(self.dtype, str) and self.dtype.lower() not in _DTYPE_ALIASES):
             raise ValueError(f"Unknown dtype {self.dtype!r}; allowed: {', '.join(ALLOWED_DTYPES)}")
         if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in _KV_CACHE_DTYPES:
             raise ValueError(

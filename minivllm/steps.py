@@ -30,6 +30,7 @@ rms_norm               layers/rms_norm.py:rms_norm_ref            every RMSNorm
 rotary.table           layers/rotary_embedding.py:rope_table_ref  each layer's rotary
 linear                 layers/linear.py:linear_ref                float linear layers
 lm_head                models/llama.py:lm_head_ref                compute_logits
+embedding              models/llama.py:embedding_ref              embed_tokens
 attention.decode       attention/backends/torch_ref.py            TORCH backend
 attention.prefill      attention/backends/torch_ref.py            TORCH backend
 kv.quantize            quantization/kv_cache.py:quantize_kv       LayerKVCache.write
@@ -88,7 +89,7 @@ from minivllm.layers.linear import Linear, linear_ref
 from minivllm.layers.rms_norm import RMSNorm, rms_norm_ref
 from minivllm.layers.rotary_embedding import RotaryEmbedding, rope_table_ref
 from minivllm.layers.sampler import apply_top_k_top_p, penalties_ref
-from minivllm.models.llama import lm_head_ref
+from minivllm.models.llama import embedding_ref, lm_head_ref
 from minivllm.quantization.kv_cache import dequantize_kv, quantize_kv
 from minivllm.tokenizer import render_chat_ref, truncate_prompt_ref
 
@@ -201,6 +202,25 @@ def _rotary_sites(engine) -> list[Site]:
     return out
 
 
+def _embedding_sites(engine) -> list[Site]:
+    """The token embedding: the module's ``forward`` is replaced (its forward hooks,
+    such as the precision toolkit's, still run) by ``fn(input_ids, weight)``."""
+    emb = engine.model_runner.model.embed_tokens
+
+    def swap(fn, memo):
+        had = "forward" in vars(emb)
+        old = emb.forward
+        emb.forward = lambda input_ids: fn(input_ids, emb.weight)
+
+        def restore():
+            if had:
+                emb.forward = old
+            else:
+                del emb.forward
+        return restore
+    return [Site("embed_tokens", swap)]
+
+
 def _engine_site(name: str, get_obj: Callable[[Any], Any], attr: str):
     return lambda engine: [_attr_site(name, get_obj(engine), attr)]
 
@@ -215,6 +235,8 @@ STEPS: dict[str, Step] = {s.name: s for s in [
          _module_sites(Linear, "impl", exclude=("lm_head",))),
     Step("lm_head", lm_head_ref, "lm_head(hidden, weight) -> float32 logits", False, False,
          False, _engine_site("lm_head", lambda e: e.model_runner.model, "lm_head_impl")),
+    Step("embedding", embedding_ref, "embedding(input_ids, weight) -> x", True, False,
+         False, _embedding_sites),
     Step("attention.decode", decode_attention_ref,
          "decode_attention(q, k, v, seq_lens, scale) -> out", True, True, True,
          _attention_sites("decode_attention")),

@@ -111,7 +111,8 @@ class LLMEngine:
                                  f"{torch.cuda.device_count()} CUDA device(s)")
         path = resolve_model_path(args.model)
         cfg = load_hf_config(path)
-        dtype = parse_dtype(args.dtype, checkpoint_dtype(cfg), args.device)
+        dtype = parse_dtype(args.dtype, checkpoint_dtype(cfg), args.device,
+                            model_type=cfg.get("model_type"))
         cache_dtype = parse_kv_cache_dtype(args.kv_cache_dtype, dtype)
         max_pos = int(cfg.get("max_position_embeddings", 2048))
         max_model_len = args.max_model_len or max_pos

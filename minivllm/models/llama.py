@@ -39,6 +39,19 @@ def lm_head_ref(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return float_linear(hidden, weight, None, False, owner=weight).float()
 
 
+def embedding_ref(input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The "embedding" step's reference (:mod:`minivllm.steps`): the rows of the token
+    embedding table, what ``embed_tokens`` (``nn.Embedding``) computes.
+
+    Args:
+        input_ids: [num_tokens] int64 token ids.
+        weight: [vocab, hidden_size] embedding table, model dtype.
+    Returns:
+        [num_tokens, hidden_size] in the model dtype: the first residual stream.
+    """
+    return F.embedding(input_ids, weight)
+
+
 def lm_head_fp32(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The fp32 LM head (``EngineArgs.lm_head_dtype="float32"``) as an "lm_head" step:
     both inputs are cast to float32 *before* the product, so the logits carry no

@@ -566,3 +566,59 @@ def penalty_accounting_mixed(llm):
     """Plant :func:`penalties_prompt_output_mixed` (the "sampler.penalties" step)."""
     with llm.swap_step("sampler.penalties", penalties_prompt_output_mixed):
         yield
+
+
+@contextlib.contextmanager
+def residual_scale_reparam(llm, c: float = 4.0):
+    """Multiply the residual stream by ``c`` without changing what the model computes (an
+    exact reparametrization, chapters 10 and 12), through three registry steps:
+
+    - "embedding": the embedding rows times ``c`` (the tied LM head keeps its weight);
+    - "linear" at every ``o_proj`` and ``down_proj``: the output times ``c`` (the same as
+      their weights times ``c``), so each layer adds ``c`` times its old update;
+    - "rms_norm" at every norm: ``eps`` times ``c**2``, so that
+      ``RMSNorm(c x; c^2 eps) = RMSNorm(x; eps)`` exactly, and everything a norm feeds
+      (attention, MLP, the LM head) sees the same numbers as before.
+
+    In exact arithmetic the logits do not change. With ``c`` a power of two every one of
+    these scalings is exact in float32, bfloat16 and float16 alike (only the exponent
+    moves) until a value passes the format's largest finite number: the engine's logits
+    stay bit for bit the same (``tests/test_dtype_rule.py``), while the residual stream
+    peaks ``c`` times higher. The embedded SmolLM2's peak is ~22.5k, 34 % of float16's
+    65504; ``c=4`` takes it past it, so a float16 engine overflows (inf, then NaN) where
+    bfloat16 and float32 do not: the pattern of models with large activations served in
+    float16 (Gemma 3, transformers #36822; T5's ``wo``; OLMo's fp32 checkpoints served as
+    fp16, INCIDENTS #13-14). Other ``c`` work too, exact up to one rounding per scaling.
+
+    Args:
+        llm: an ``LLM``.
+        c: the scale, a finite number > 0 (a power of two for an exact reparametrization).
+    Raises:
+        ValueError: ``c`` not a finite positive number.
+        TypeError: ``llm`` not an ``LLM``.
+    """
+    from minivllm.layers.linear import linear_ref
+    from minivllm.layers.rms_norm import rms_norm_ref
+    from minivllm.llm import LLM
+    from minivllm.models.llama import embedding_ref
+
+    if not isinstance(llm, LLM):
+        raise TypeError(f"faults are planted into an LLM, got {type(llm).__name__}")
+    if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 < c < float("inf"):
+        raise ValueError(f"c must be a finite number > 0, got {c!r}")
+    c = float(c)
+
+    def embedding(input_ids, weight):
+        return embedding_ref(input_ids, weight) * c
+
+    def linear(x, weight, bias):
+        return linear_ref(x, weight, bias) * c
+
+    def rms_norm(x, weight, eps):
+        return rms_norm_ref(x, weight, eps * c * c)
+
+    with llm.swap_step("embedding", embedding), \
+            llm.swap_step("linear", linear, where="*.o_proj"), \
+            llm.swap_step("linear", linear, where="*.down_proj"), \
+            llm.swap_step("rms_norm", rms_norm):
+        yield
