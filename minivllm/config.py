@@ -13,7 +13,7 @@ import math
 import numbers
 import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -298,6 +298,12 @@ class EngineArgs:
     # the TRITON paged attention (fixed split size). Unlike vLLM's mode it does not also
     # make prefill and decode of the same token agree, or change the sampler.
     batch_invariant: bool = False
+    # vLLM's hf_overrides: fields that replace the checkpoint's config.json before the
+    # model is built (a dict, e.g. {"rope_theta": 10000.0, "rope_scaling": {"rope_type":
+    # "linear", "factor": 2.0}, "max_position_embeddings": 4096}), or a callable that
+    # takes the config dict and returns it (vLLM's gets a PretrainedConfig).
+    # Applied by minivllm.models.loader.apply_hf_overrides (course chapter 11).
+    hf_overrides: Optional[Union[dict, Callable[[dict], dict]]] = None
 
     def validate(self) -> None:
         """Check arguments that can be checked without the model.
@@ -339,6 +345,11 @@ class EngineArgs:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be True or False, got {value!r}")
+        if self.hf_overrides is not None and not callable(self.hf_overrides) and not (
+                isinstance(self.hf_overrides, dict)
+                and all(isinstance(k, str) for k in self.hf_overrides)):
+            raise ValueError(f"hf_overrides must be None, a dict of config fields or a "
+                             f"callable, got {self.hf_overrides!r}")
         self._validate_kv_scales()
         self._validate_quantization()
         if self.lm_head_dtype is not None and (not isinstance(self.lm_head_dtype, str)

@@ -182,7 +182,8 @@ def _rotary_sites(engine) -> list[Site]:
             old = attn.rotary_emb
             new = memo.get(id(old))
             if new is None:
-                new = RotaryEmbedding(old.head_dim, old.max_position, old.base, table_fn=fn)
+                new = RotaryEmbedding(old.head_dim, old.max_position, old.base, table_fn=fn,
+                                      rope_scaling=old.rope_scaling)
                 for t, what in ((new.cos_cached, "cos"), (new.sin_cached, "sin")):
                     if tuple(t.shape) != (old.max_position, old.head_dim):
                         raise ValueError(f"the rotary.table step returned a {what} table of "
@@ -229,7 +230,8 @@ STEPS: dict[str, Step] = {s.name: s for s in [
     Step("rms_norm", rms_norm_ref, "rms_norm(x, weight, eps) -> y", True, True, False,
          _module_sites(RMSNorm, "impl")),
     Step("rotary.table", rope_table_ref,
-         "rotary_table(head_dim, max_position, base) -> (cos, sin)", True, True, False,
+         "rotary_table(head_dim, max_position, base[, rope_scaling]) -> (cos, sin)", True,
+         True, False,
          _rotary_sites),
     Step("linear", linear_ref, "linear(x, weight, bias) -> y", True, True, False,
          _module_sites(Linear, "impl", exclude=("lm_head",))),

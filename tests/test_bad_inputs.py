@@ -141,10 +141,10 @@ def _variant(src, dst: Path, edit=None, text=None) -> str:
 
 
 @pytest.mark.parametrize("name,edit,text,pattern", [
-    ("yarn", lambda c: c.update(rope_scaling={"rope_type": "yarn", "factor": 4.0}), None,
-     r"rope_scaling type 'yarn' .* not supported"),
+    ("longrope", lambda c: c.update(rope_scaling={"rope_type": "longrope", "factor": 4.0}),
+     None, r"rope_scaling type 'longrope' is not supported \(supported: default, linear"),
     ("llama3", lambda c: c.update(rope_scaling={"type": "llama3", "factor": 8.0}), None,
-     r"rope_scaling type 'llama3' .* not supported"),
+     r"rope_scaling type 'llama3' needs the field\(s\) \['low_freq_factor'"),
     ("gelu", lambda c: c.update(hidden_act="gelu"), None, r"hidden_act 'gelu' .* not supported"),
     ("noheads", lambda c: c.pop("num_attention_heads"), None,
      r"'num_attention_heads' must be a positive integer"),

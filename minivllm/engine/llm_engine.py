@@ -94,8 +94,8 @@ class LLMEngine:
     """
 
     def __init__(self, args: EngineArgs):
-        from minivllm.models.loader import (checkpoint_dtype, load_hf_config, load_model,
-                                            resolve_model_path)
+        from minivllm.models.loader import (checkpoint_dtype, derived_max_model_len,
+                                            load_hf_config, load_model, resolve_model_path)
         from minivllm.attention.backends import resolve_attention_backend
         from minivllm.tokenizer import get_tokenizer
 
@@ -110,15 +110,17 @@ class LLMEngine:
                 raise ValueError(f"device={args.device!r}: there are only "
                                  f"{torch.cuda.device_count()} CUDA device(s)")
         path = resolve_model_path(args.model)
-        cfg = load_hf_config(path)
+        cfg = load_hf_config(path, args.hf_overrides)
         dtype = parse_dtype(args.dtype, checkpoint_dtype(cfg), args.device,
                             model_type=cfg.get("model_type"))
         cache_dtype = parse_kv_cache_dtype(args.kv_cache_dtype, dtype)
-        max_pos = int(cfg.get("max_position_embeddings", 2048))
+        max_pos = derived_max_model_len(cfg)  # max_position_embeddings, x rope scaling
         max_model_len = args.max_model_len or max_pos
         if max_model_len > max_pos:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
-                             f"max_position_embeddings={max_pos}")
+                             f"max_position_embeddings={cfg.get('max_position_embeddings', 2048)}"
+                             + (f" (x rope_scaling: {max_pos})" if max_pos !=
+                                cfg.get("max_position_embeddings", 2048) else ""))
         self.tokenizer = None if args.skip_tokenizer_init \
             else get_tokenizer(args.tokenizer or str(path))
         eos = cfg.get("eos_token_id")

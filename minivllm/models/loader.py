@@ -5,12 +5,14 @@ requested dtype.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from minivllm.layers.rotary_embedding import normalize_rope_scaling
 from minivllm.models import embedded
 
 ALIASES = {embedded.ALIAS: embedded.ensure_embedded_model}
@@ -53,15 +55,60 @@ def resolve_model_path(model: str) -> Path:
         f"{', '.join(ALIASES)}; or pass a local HF folder with config.json and *.safetensors.")
 
 
-def load_hf_config(path: Path) -> dict:
-    """Read config.json and normalise the fields the model needs.
+def apply_hf_overrides(cfg: dict, hf_overrides, source: str = "config.json") -> dict:
+    """vLLM's ``hf_overrides`` (``ModelConfig.hf_overrides``): a dict whose keys replace
+    the config's top-level fields (as ``PretrainedConfig.update`` does: a nested dict such
+    as ``rope_scaling`` is replaced whole, not merged), or a callable that takes the config
+    and returns it. vLLM's callable gets a ``PretrainedConfig``; here the config is the
+    config.json dict, so the callable gets a copy of that dict and must return a dict.
+
+    Raises:
+        ValueError: overrides that are neither None, a dict with string keys, nor a
+            callable; a callable that does not return a dict.
+    """
+    if hf_overrides is None:
+        return cfg
+    if callable(hf_overrides):
+        out = hf_overrides(copy.deepcopy(cfg))
+        if not isinstance(out, dict):
+            raise ValueError(f"hf_overrides: the callable must return the config dict, got "
+                             f"{type(out).__name__}")
+        return out
+    if not isinstance(hf_overrides, dict) or not all(isinstance(k, str) for k in hf_overrides):
+        raise ValueError(f"hf_overrides must be a dict of config fields or a callable, got "
+                         f"{hf_overrides!r}")
+    out = dict(cfg)
+    out.update(copy.deepcopy(hf_overrides))
+    return out
+
+
+def derived_max_model_len(cfg: dict) -> int:
+    """The longest sequence the config allows, as vLLM derives it
+    (``_get_and_verify_max_len`` in ``vllm/config/model.py``): ``max_position_embeddings``
+    (2048 if absent), times ``factor`` for rope scaling types linear and dynamic; for yarn
+    ``original_max_position_embeddings * factor``; llama3 configs already give the
+    extended length in ``max_position_embeddings``, so it is kept."""
+    length = int(cfg.get("max_position_embeddings", 2048))
+    scaling = cfg.get("rope_scaling")
+    if scaling is not None and scaling["rope_type"] in ("linear", "dynamic", "yarn"):
+        if scaling["rope_type"] == "yarn":
+            length = scaling["original_max_position_embeddings"]
+        length = int(length * scaling["factor"])
+    return length
+
+
+def load_hf_config(path: Path, hf_overrides=None) -> dict:
+    """Read config.json, apply ``hf_overrides`` (:func:`apply_hf_overrides`) and normalise
+    the fields the model needs.
 
     ``rope_theta`` is taken from the top level or from transformers 5's
-    ``rope_parameters``; ``rope_scaling`` likewise (None when the type is default).
+    ``rope_parameters``; ``rope_scaling`` likewise (None when the type is default; else
+    normalized by :func:`~minivllm.layers.rotary_embedding.normalize_rope_scaling`).
     Raises:
-        ValueError: an unreadable or non-object config.json, a missing/invalid size field,
-            an unsupported architecture, rope_scaling type or hidden_act (found here, before
-            the tokenizer or the weights are loaded).
+        ValueError: an unreadable or non-object config.json, bad ``hf_overrides``, a
+            missing/invalid size field, an unsupported architecture, rope_scaling type or
+            field, or hidden_act (found here, before the tokenizer or the weights are
+            loaded).
     """
     config_file = Path(path) / "config.json"
     try:
@@ -70,6 +117,7 @@ def load_hf_config(path: Path) -> dict:
         raise ValueError(f"Could not read {config_file}: {e}") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"{config_file} must hold a JSON object, got {type(cfg).__name__}")
+    cfg = apply_hf_overrides(cfg, hf_overrides)
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"Unsupported model_type {model_type!r} in {path}; "
@@ -90,15 +138,18 @@ def load_hf_config(path: Path) -> dict:
         raise ValueError(f"{config_file}: 'rope_parameters' must be an object, got {rope!r}")
     if "rope_theta" not in cfg:
         cfg["rope_theta"] = rope.get("rope_theta", 10000.0)
+    if isinstance(cfg["rope_theta"], bool) or not isinstance(cfg["rope_theta"], (int, float)) \
+            or not 0 < cfg["rope_theta"] < float("inf"):
+        raise ValueError(f"{config_file}: 'rope_theta' must be a positive number, "
+                         f"got {cfg['rope_theta']!r}")
     scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-    if scaling is not None:
-        if not isinstance(scaling, dict):
-            raise ValueError(f"{config_file}: 'rope_scaling' must be an object or null, got {scaling!r}")
-        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"rope_scaling type {rope_type!r} in {config_file} is not supported "
-                             f"(supported: default, i.e. no rope_scaling); got {scaling}")
-    cfg["rope_scaling"] = scaling
+    if scaling is not None and not isinstance(scaling, dict):
+        raise ValueError(f"{config_file}: 'rope_scaling' must be an object or null, got {scaling!r}")
+    try:
+        cfg["rope_scaling"] = normalize_rope_scaling(scaling, cfg.get("max_position_embeddings",
+                                                                      2048))
+    except ValueError as e:
+        raise ValueError(f"{config_file}: {e}") from None
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act {act!r} in {config_file} is not supported (supported: silu)")
@@ -171,7 +222,8 @@ def load_model(path: Path, cfg: dict, dtype: torch.dtype, max_position: int,
     # One rotary table shared by all layers, float32 (cast to the activation dtype at use,
     # as HF does).
     head_dim = model.layers[0].self_attn.head_dim
-    rope = get_rope(head_dim, max_position, cfg["rope_theta"], cfg.get("rope_scaling"))
+    rope = get_rope(head_dim, max_position, cfg["rope_theta"], cfg.get("rope_scaling"),
+                    cfg.get("max_position_embeddings"))
     for layer in model.layers:
         layer.self_attn.rotary_emb = rope
     if saved_quant is not None:
@@ -214,7 +266,8 @@ def _dummy_model(model, cfg: dict, dtype: torch.dtype, max_position: int, device
         for p in model.parameters():
             p.uniform_(-1e-3, 1e-3, generator=gen)
     head_dim = model.layers[0].self_attn.head_dim
-    rope = get_rope(head_dim, max_position, cfg["rope_theta"], cfg.get("rope_scaling")).to(device)
+    rope = get_rope(head_dim, max_position, cfg["rope_theta"], cfg.get("rope_scaling"),
+                    cfg.get("max_position_embeddings")).to(device)
     for layer in model.layers:
         layer.self_attn.rotary_emb = rope
     model = model.eval()

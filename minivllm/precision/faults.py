@@ -52,16 +52,94 @@ def fp16_rmsnorm(llm, layer: int, which: str = "input_layernorm"):
 
 
 @contextlib.contextmanager
-def wrong_rope_theta(llm, layer: int, theta: float):
-    """Give one layer's attention a rotary table with base ``theta`` (the model's other
-    layers keep theirs; the "rotary.table" step of that layer): a config bug where one
-    module reads the wrong field."""
+def wrong_rope_theta(llm, layer, theta: float):
+    """Give attention a rotary table with base ``theta`` (the "rotary.table" step).
+
+    Args:
+        layer: a decoder layer index (the model's other layers keep their table: a config
+            bug where one module reads the wrong field), or None: every layer (the config
+            itself is wrong, e.g. a converter that writes Llama 2's 10,000 for a model
+            trained with another theta; the same as ``hf_overrides={"rope_theta": theta}``).
+        theta: the wrong base, > 0. A model with rope scaling keeps its scaling.
+    """
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < float("inf"):
         raise ValueError(f"theta must be > 0, got {theta}")
-    _check_llm(llm, layer)
+    if layer is not None:
+        _check_llm(llm, layer)
+    else:
+        _check_llm(llm, 0)
 
-    def table(head_dim, max_position, base):
-        return rope_table_ref(head_dim, max_position, theta)
+    def table(head_dim, max_position, base, rope_scaling=None):
+        return rope_table_ref(head_dim, max_position, theta, rope_scaling)
+
+    with llm.swap_step("rotary.table", table, where=layer):
+        yield
+
+
+ROPE_TABLE_STAGES = ("positions", "angles", "values")
+
+
+def rope_table_low_precision(head_dim: int, max_position: int, base: float,
+                             rope_scaling: dict | None = None, *,
+                             dtype: torch.dtype = torch.bfloat16,
+                             stage: str = "angles") -> tuple[torch.Tensor, torch.Tensor]:
+    """The "rotary.table" step with part of it in a 16-bit ``dtype`` (float32 result).
+
+    stage:
+        "positions": the positions are cast to ``dtype`` before the float32 product
+            (huggingface/candle PR #3520: bf16 holds the integers exactly only up to
+            256, so 257 becomes 256 and 15962 another multiple of 64);
+        "angles": positions, inverse frequencies, their product and cos/sin all in
+            ``dtype``, as under bf16 autocast (transformers PR #29285; EleutherAI/gpt-neox
+            #1003 in fp16): the angle's rounding step grows with the angle, so the error
+            grows with position;
+        "values": the float32 table rounded to ``dtype`` once it is computed (the error
+            of a value in [-1, 1], about 2^-9 in bf16, at any position).
+
+    Raises:
+        ValueError: an unknown stage or a dtype that is not float16/bfloat16.
+    """
+    if stage not in ROPE_TABLE_STAGES:
+        raise ValueError(f"stage must be one of {ROPE_TABLE_STAGES}, got {stage!r}")
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
+    if stage == "values":
+        cos, sin = rope_table_ref(head_dim, max_position, base, rope_scaling)
+        return cos.to(dtype).float(), sin.to(dtype).float()
+    from minivllm.layers.rotary_embedding import rope_inv_freq
+
+    inv_freq, attention_factor = rope_inv_freq(head_dim, base, rope_scaling)
+    t = torch.arange(max_position, dtype=torch.int64)
+    if stage == "positions":
+        freqs = torch.outer(t.to(dtype).float(), inv_freq)
+    else:
+        freqs = torch.outer(t.to(dtype), inv_freq.to(dtype))  # the product in dtype too
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos() * attention_factor, emb.sin() * attention_factor
+    return cos.float(), sin.float()
+
+
+@contextlib.contextmanager
+def low_precision_rope_table(llm, dtype: torch.dtype = torch.bfloat16, stage: str = "angles",
+                             layer=None):
+    """Install :func:`rope_table_low_precision` (the "rotary.table" step) in every layer
+    (``layer=None``: one table is shared by all layers, as the loader builds it) or in
+    one layer.
+
+    Args:
+        dtype: torch.bfloat16 or torch.float16.
+        stage: "positions", "angles" or "values" (see :func:`rope_table_low_precision`).
+        layer: None (all layers) or a decoder layer index.
+    """
+    if layer is not None:
+        _check_llm(llm, layer)
+    else:
+        _check_llm(llm, 0)
+    rope_table_low_precision(2, 1, 10000.0, dtype=dtype, stage=stage)  # check the arguments
+
+    def table(head_dim, max_position, base, rope_scaling=None):
+        return rope_table_low_precision(head_dim, max_position, base, rope_scaling,
+                                        dtype=dtype, stage=stage)
 
     with llm.swap_step("rotary.table", table, where=layer):
         yield
