@@ -27,6 +27,8 @@ The steps (signatures in each reference's docstring):
 name                   reference                                  where it is called
 =====================  =========================================  ==================
 rms_norm               layers/rms_norm.py:rms_norm_ref            every RMSNorm
+fused_add_rms_norm     layers/rms_norm.py:fused_add_rms_norm_ref  every residual add
+                                                                  (the norm after it)
 rotary.table           layers/rotary_embedding.py:rope_table_ref  each layer's rotary
 linear                 layers/linear.py:linear_ref                float linear layers
 lm_head                models/llama.py:lm_head_ref                compute_logits
@@ -86,7 +88,7 @@ from minivllm.core.kv_cache_manager import (block_extra_keys, find_longest_cache
                                             hash_block_tokens)
 from minivllm.core.scheduler import preempt_request_ref
 from minivllm.layers.linear import Linear, linear_ref
-from minivllm.layers.rms_norm import RMSNorm, rms_norm_ref
+from minivllm.layers.rms_norm import RMSNorm, fused_add_rms_norm_ref, rms_norm_ref
 from minivllm.layers.rotary_embedding import RotaryEmbedding, rope_table_ref
 from minivllm.layers.sampler import apply_top_k_top_p, penalties_ref
 from minivllm.models.llama import embedding_ref, lm_head_ref
@@ -295,6 +297,12 @@ STEPS: dict[str, Step] = {s.name: s for s in [
          True, False, True,
          _engine_site("model_runner.prefill_chunk", lambda e: e.model_runner,
                       "prefill_chunk")),
+    # the residual stream (chapter 10): each residual add with the norm that follows it
+    # (site: that norm; the MLP add of layer i belongs to layer i+1's input_layernorm,
+    # the last one to the final "norm")
+    Step("fused_add_rms_norm", fused_add_rms_norm_ref,
+         "fused_add_rms_norm(x, residual, weight, eps) -> (normed, residual)", True, True,
+         False, _module_sites(RMSNorm, "add_impl")),
 ]}
 
 

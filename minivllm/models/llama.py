@@ -127,12 +127,20 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg["hidden_size"], cfg["intermediate_size"],
                             bool(cfg.get("mlp_bias", False)))
 
-    def forward(self, positions, x, meta):
+    def forward(self, positions, x, meta, next_norm: "RMSNorm | None" = None):
         """x: the residual stream [num_tokens, hidden]; returns the stream after this
-        layer."""
+        layer. ``next_norm`` (the next layer's input norm, or the final norm): when its
+        "fused_add_rms_norm" step is swapped, the MLP's residual add is that step's
+        ``residual`` output (the next layer then normalises the returned stream itself,
+        so a hook on this layer still sees the residual stream; see
+        :mod:`minivllm.steps`)."""
         if self.post_attention_layernorm.fused_add_impl is None:
-            h = x + self.self_attn(positions, self.input_layernorm(x), meta)
-            return h + self.mlp(self.post_attention_layernorm(h))
+            a = self.self_attn(positions, self.input_layernorm(x), meta)
+            normed, h = self.post_attention_layernorm.add_and_norm(a, x)  # h = x + a
+            m = self.mlp(normed)
+            if next_norm is None or next_norm.add_impl is None:
+                return h + m
+            return next_norm.add_impl(m, h, next_norm.weight, next_norm.eps)[1]
         # kernels in use: the residual add and the norm in one kernel, same numbers
         a = self.self_attn(positions, self.input_layernorm(x), meta)
         normed, h = self.post_attention_layernorm.add_and_norm(a, x)
@@ -196,8 +204,10 @@ class LlamaForCausalLM(nn.Module):
             for layer in self.layers:
                 h, residual = layer.forward_deferred(positions, h, residual, meta)
             return self.norm.add_and_norm(h, residual)[0]
-        for layer in self.layers:
-            h = layer(positions, h, meta)
+        n = len(self.layers)
+        for i, layer in enumerate(self.layers):
+            nxt = self.layers[i + 1].input_layernorm if i + 1 < n else self.norm
+            h = layer(positions, h, meta, next_norm=nxt)
         return self.norm(h)
 
     def _defer_residual_adds(self) -> bool:

@@ -654,9 +654,12 @@ def residual_scale_reparam(llm, c: float = 4.0):
     - "embedding": the embedding rows times ``c`` (the tied LM head keeps its weight);
     - "linear" at every ``o_proj`` and ``down_proj``: the output times ``c`` (the same as
       their weights times ``c``), so each layer adds ``c`` times its old update;
-    - "rms_norm" at every norm: ``eps`` times ``c**2``, so that
+    - every RMSNorm's ``eps`` attribute times ``c**2`` (restored on exit), so that
       ``RMSNorm(c x; c^2 eps) = RMSNorm(x; eps)`` exactly, and everything a norm feeds
-      (attention, MLP, the LM head) sees the same numbers as before.
+      (attention, MLP, the LM head) sees the same numbers as before. The attribute, not
+      an "rms_norm" swap, so that whichever norm runs gets the compensated eps: the
+      reference, a planted fault (:func:`rmsnorm_no_upcast`), a swapped
+      "fused_add_rms_norm" step or a learner's function (chapter 10's lab).
 
     In exact arithmetic the logits do not change. With ``c`` a power of two every one of
     these scalings is exact in float32, bfloat16 and float16 alike (only the exponent
@@ -676,7 +679,7 @@ def residual_scale_reparam(llm, c: float = 4.0):
         TypeError: ``llm`` not an ``LLM``.
     """
     from minivllm.layers.linear import linear_ref
-    from minivllm.layers.rms_norm import rms_norm_ref
+    from minivllm.layers.rms_norm import RMSNorm
     from minivllm.llm import LLM
     from minivllm.models.llama import embedding_ref
 
@@ -692,11 +695,42 @@ def residual_scale_reparam(llm, c: float = 4.0):
     def linear(x, weight, bias):
         return linear_ref(x, weight, bias) * c
 
-    def rms_norm(x, weight, eps):
-        return rms_norm_ref(x, weight, eps * c * c)
-
+    norms = [m for m in llm.llm_engine.model_runner.model.modules() if isinstance(m, RMSNorm)]
     with llm.swap_step("embedding", embedding), \
             llm.swap_step("linear", linear, where="*.o_proj"), \
-            llm.swap_step("linear", linear, where="*.down_proj"), \
-            llm.swap_step("rms_norm", rms_norm):
+            llm.swap_step("linear", linear, where="*.down_proj"):
+        old = [m.eps for m in norms]
+        for m in norms:
+            m.eps = m.eps * c * c
+        try:
+            yield
+        finally:
+            for m, e in zip(norms, old):
+                m.eps = e
+
+
+# --- normalization and the residual stream (chapter 10) -----------------------------------
+
+def rms_norm_no_upcast(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The "rms_norm" step with its mean square taken in the activation dtype: the
+    "forgot to upcast" bug, with only the statistics wrong. ``x.pow(2).mean(-1)`` runs
+    on the input's own dtype (fp16: a square past 65504, i.e. any |x| > 255.9, is inf,
+    so the row's variance is inf and the row normalises to 0; bf16: every square and
+    the mean rounded to 8 significant bits); the normalisation itself is done in float32
+    as in ``rms_norm_ref``. Identical to the reference for float32 inputs. Same
+    signature and output dtype as ``rms_norm_ref``."""
+    variance = x.pow(2).mean(-1, keepdim=True)  # the bug: no .to(torch.float32) first
+    h = x.to(torch.float32) * torch.rsqrt(variance.to(torch.float32) + eps)
+    return weight * h.to(x.dtype)
+
+
+@contextlib.contextmanager
+def rmsnorm_no_upcast(llm, where=None):
+    """Plant :func:`rms_norm_no_upcast` as the "rms_norm" step: in every RMSNorm
+    (``where=None``), or where ``where`` says (a layer index, a list of them, or a
+    module-name pattern as in ``LLM.swap_step``). On the embedded model in float16 the
+    tokens whose residual stream passes |x| = 256 get an all-zero normalised input at
+    every norm that sees them (chapter 10 measures which); float32 is unchanged."""
+    _check_torch_llm(llm)
+    with llm.swap_step("rms_norm", rms_norm_no_upcast, where=where):
         yield
