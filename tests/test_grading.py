@@ -2,8 +2,8 @@
 the reference solution gets full points on every graded cell and raises nowhere, the
 released copy zero on every graded cell, the lab's first lab-specific wrong answer
 exactly its expected score; the generic fixtures (exception, infinite loop, NaN, patched
-checks) once, on grading.fixtures.CI_GENERIC_LAB (every lab's, and every lab-specific
-fixture: `make grade-all`).
+checks) once, on grading.fixtures.CI_GENERIC_LAB, with nbgrader's feedback pages (every
+lab's, and every lab-specific fixture: `make grade-all`).
 
 Each lab's grading report goes to reports/grading_<lab>.json (per fixture its score per
 cell and run time, per solution cell its time, cells slower than a quarter of the timeout
@@ -110,7 +110,7 @@ def test_ci_grades_solution_release_and_the_first_specific_fixture():
 def test_lab_fixtures_get_exact_scores(lab, tmp_path, embedded_model_dir):
     pytest.importorskip("nbgrader")
     fx = fixtures.load(lab)
-    proc, lab_result, m = _grade(tmp_path, lab)
+    proc, lab_result, m = _grade(tmp_path, lab, "--no-feedback")
     _report(lab, lab_result)
     course_times.record_lab(lab_result, m)
     by = {f["fixture"]: f for f in lab_result["fixtures"]}
@@ -118,6 +118,7 @@ def test_lab_fixtures_get_exact_scores(lab, tmp_path, embedded_model_dir):
     assert list(by) == fixtures.select(lab, fx.FIXTURES)
     assert any(f["kind"] == "specific" for f in by.values())
     assert lab_result["timeout_s"] == grade.execute_timeout()  # the course's own timeout
+    assert lab_result["feedback_s"] is None  # the feedback pages: once, generic fixtures
     wrong = {n: (f["expected"], f["score"]) for n, f in by.items()
              if f["score"] != f["expected"]}
     assert not wrong, f"fixture (expected, got): {wrong}\n{proc.stderr[-3000:]}"
@@ -147,6 +148,11 @@ def test_generic_fixtures_get_exact_scores(tmp_path, embedded_model_dir):
     got = {n: (f["score"], fx.FIXTURES[n].score) for n, f in by.items()}
     assert all(a == b for a, b in got.values()), f"fixture (got, expected): {got}"
     # the infinite loop really ran into the timeout (its cell took at least that long)
+    # nbgrader generate_feedback ran and wrote a page per fixture (checked here, once:
+    # the per-lab tests skip it, since it is nbgrader's rendering, the same for every lab)
+    assert lab_result["feedback_s"] is not None
+    assert all(f["feedback"] is True for f in by.values()), {n: f["feedback"]
+                                                              for n, f in by.items()}
     loop = by["infinite_loop"]
     assert max(loop["cell_s"].values()) >= timeout, loop["cell_s"]
     assert lab_result["ok"], lab_result["problems"]

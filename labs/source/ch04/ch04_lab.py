@@ -157,6 +157,9 @@ checks = importlib.reload(checks)
 checks.guard()
 from minivllm.precision.noise import permuted_mlp_reduction
 
+# your function first, on a tiny input: an unwritten one stops here, before the scoring
+_tiny = torch.randn(4, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+is_anomaly(_tiny, _tiny, _tiny, [0, 0, 1, 1])
 _base = torch.cat(fp32.score(example_seqs))
 _groups = [i for i, s in enumerate(example_seqs) for _ in s]
 with permuted_mlp_reduction(fp32, seed=0):
