@@ -246,8 +246,7 @@ def report(data: dict) -> tuple[str, dict]:
                f"  + {more_ch} more chapters x {mean_ch:.1f} s / {workers} (a chapter's mean "
                f"time inside that run)",
                f"  + {more_lab} more labs x {mean_lab:.1f} s / {workers} (a lab's mean CI "
-               f"grading inside that run: solution, released copy, first lab-specific "
-               f"fixture)"]
+               f"grading inside that run: what tests/test_grading.py grades of it)"]
         # A later fresh-clone run with more chapters is a second full measurement: the
         # growth between the two runs per chapter-with-its-lab is the measured marginal
         # cost (it includes what the item means miss: heavier new labs, workers waiting).

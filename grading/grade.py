@@ -3,14 +3,17 @@
     python -m grading.grade                 # every lab, CI's fixtures (what `make grade` runs)
     python -m grading.grade --all           # every lab, every fixture (`make grade-all`)
     python -m grading.grade --all ch03      # one lab, every fixture: run this before a lab is done
+    python -m grading.grade --record ch03   # solution, release, the lab's own: the record CI checks
     python -m grading.grade ch01 --fixtures solution,wrong
     python -m grading.grade --load 2 ch01   # the same with 2 CPU-burning processes running
 
-CI's fixtures (``tests/test_grading.py``) are each lab's reference solution, released copy
-and first lab-specific wrong answer, plus the generic ones (exception, infinite loop, NaN,
-patched checks) once, on ``grading.fixtures.CI_GENERIC_LAB`` with a shorter timeout;
-``--all`` grades every fixture of every lab with the course's timeout. The fixtures and
-their format: ``grading/fixtures/__init__.py``.
+CI's fixtures (``tests/test_grading.py``) are each lab's reference solution and released
+copy, plus, once, on ``grading.fixtures.CI_GENERIC_LAB`` with a shorter timeout, that
+lab's first lab-specific wrong answer and the generic ones (exception, infinite loop, NaN,
+patched checks); ``--all`` grades every fixture of every lab with the course's timeout
+and, for each lab whose fixtures all got their scores, writes ``grading/records/<lab>.json``
+(``grading/records.py``: CI checks it against the lab's files). The fixtures and their
+format: ``grading/fixtures/__init__.py``.
 
 Steps, with nbgrader's own commands, in a scratch course root (``build/nbgrader``):
 
@@ -48,7 +51,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from grading import fixtures
+from grading import fixtures, records
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "grading" / "nbgrader_config.py"
@@ -342,6 +345,10 @@ def main(argv=None) -> int:
     ap.add_argument("--fixtures", default=None,
                     help="comma-separated fixture names to grade instead (one lab at a time "
                          "while writing one)")
+    ap.add_argument("--record", action="store_true",
+                    help="grade the solution, the released copy and every lab-specific "
+                         "fixture, and write grading/records/<lab>.json (CI checks it); "
+                         "--all records too")
     ap.add_argument("--load", type=int, default=0, metavar="N",
                     help="run N CPU-burning processes while grading (stopped afterwards): "
                          "a correct solution must still get full marks")
@@ -371,6 +378,10 @@ def main(argv=None) -> int:
               f"for {missing}; labs: {sources}, with fixtures: {available}", file=sys.stderr)
         return 2
     only = [s.strip() for s in args.fixtures.split(",") if s.strip()] if args.fixtures else None
+    if args.record and (only or args.all):
+        print("error: --record grades its own fixtures; leave out --fixtures and --all "
+              "(--all records too)", file=sys.stderr)
+        return 2
     course = Path(args.course_root)
     build_course(course, labs)
     if args.prepare_only:
@@ -389,9 +400,10 @@ def main(argv=None) -> int:
         if burners:
             print(f"grading under load: {len(burners)} CPU-burning processes "
                   f"(pids {', '.join(map(str, burners))})", flush=True)
-        runs = [(lab, only, args.timeout) for lab in labs]
+        runs = [(lab, records.required(lab) if args.record else only, args.timeout)
+                for lab in labs]
         generic_lab, generic, generic_timeout = fixtures.ci_generic()
-        if not (args.all or only or args.labs):
+        if not (args.all or only or args.labs or args.record):
             # the whole course, CI's share: the generic fixtures once, on one lab, with a
             # shorter timeout (tests/test_grading.py grades them in a test of their own)
             runs.append((generic_lab, generic, args.timeout or generic_timeout))
@@ -401,6 +413,8 @@ def main(argv=None) -> int:
                           feedback=not args.no_feedback)
             r["extra_load_processes"] = args.load
             print_report(r)
+            if (args.all or args.record) and args.timeout is None and r["ok"]:
+                print(f"every fixture graded got its score: recorded {records.write(r)}")
             sys.stdout.flush()
             results.append(r)
     ok = all(r["ok"] for r in results)

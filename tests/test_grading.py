@@ -1,9 +1,10 @@
 """Every lab graded with nbgrader against its fixtures (grading/fixtures/), as CI grades it:
 the reference solution gets full points on every graded cell and raises nowhere, the
-released copy zero on every graded cell, the lab's first lab-specific wrong answer
-exactly its expected score; the generic fixtures (exception, infinite loop, NaN, patched
-checks) once, on grading.fixtures.CI_GENERIC_LAB, with nbgrader's feedback pages (every
-lab's, and every lab-specific fixture: `make grade-all`).
+released copy zero on every graded cell; once, on grading.fixtures.CI_GENERIC_LAB, its
+first lab-specific wrong answer and the generic fixtures (exception, infinite loop, NaN,
+patched checks) exactly their expected scores, with nbgrader's feedback pages. Every
+fixture of every lab: `make grade-all`, which writes grading/records/<lab>.json; CI checks
+that each lab's record matches the lab as it is (grading/records.py).
 
 Each lab's grading report goes to reports/grading_<lab>.json (per fixture its score per
 cell and run time, per solution cell its time, cells slower than a quarter of the timeout
@@ -94,15 +95,48 @@ def _report(name: str, lab_result: dict) -> None:
     report.write_text(json.dumps(lab_result, indent=2) + "\n")
 
 
-def test_ci_grades_solution_release_and_the_first_specific_fixture():
-    """CI's share (fixtures.select) for every lab; --all gives every fixture."""
+def test_ci_grades_solution_and_release_and_once_the_rest():
+    """CI's share (fixtures.select) for every lab; --all gives every fixture; once, on one
+    lab: its first lab-specific fixture and the generic ones."""
     for lab in LABS:
         fx = fixtures.load(lab)
-        specific = [n for n, f in fx.FIXTURES.items() if f.kind == "specific"]
-        assert fixtures.select(lab, fx.FIXTURES) == ["solution", "release", specific[0]]
+        assert fixtures.select(lab, fx.FIXTURES) == ["solution", "release"]
         assert fixtures.select(lab, fx.FIXTURES, everything=True) == list(fx.FIXTURES)
     lab, names, timeout = fixtures.ci_generic()
-    assert lab in LABS and names == list(fixtures.GENERIC_FIXTURES) and timeout > 0
+    specific = [n for n, f in fixtures.load(lab).FIXTURES.items() if f.kind == "specific"]
+    assert lab in LABS and names == [specific[0], *fixtures.GENERIC_FIXTURES] and timeout > 0
+
+
+@pytest.mark.parametrize("lab", LABS)
+def test_every_fixture_was_graded_on_the_lab_as_it_is(lab):
+    """grading/records/<lab>.json (written by `python -m grading.grade --all <lab>`): every
+    fixture got its exact score, graded on the lab source and fixture file as they are
+    now (a digest of both) with the course's timeout. CI grades only the solution and the
+    released copy of each lab; this is what vouches for the lab-specific wrong answers."""
+    from grading import records
+
+    problems = records.problems(lab)
+    assert not problems, "\n".join(problems)
+
+
+def test_a_record_goes_stale_when_the_lab_changes(tmp_path):
+    """records.digest covers the lab source and its fixture file, byte for byte."""
+    from grading import records
+
+    for rel in ("labs/source/ch99/ch99_lab.py", "grading/fixtures/ch99.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x = 1\n")
+    before = records.digest("ch99", tmp_path)
+    assert records.digest("ch99", tmp_path) == before
+    for rel in ("labs/source/ch99/ch99_lab.py", "grading/fixtures/ch99.py"):
+        (tmp_path / rel).write_text("x = 2\n")
+        after = records.digest("ch99", tmp_path)
+        assert after != before, rel
+        before = after
+    (tmp_path / "labs/source/ch99/extra.py").write_text("")  # a second source file counts
+    assert records.digest("ch99", tmp_path) != before
+    with pytest.raises(FileNotFoundError):
+        records.digest("ch98", tmp_path)
 
 
 @pytest.mark.embedded
@@ -114,9 +148,9 @@ def test_lab_fixtures_get_exact_scores(lab, tmp_path, embedded_model_dir):
     _report(lab, lab_result)
     course_times.record_lab(lab_result, m)
     by = {f["fixture"]: f for f in lab_result["fixtures"]}
-    # what CI grades: solution, released copy, the first lab-specific fixture
-    assert list(by) == fixtures.select(lab, fx.FIXTURES)
-    assert any(f["kind"] == "specific" for f in by.values())
+    # what CI grades: the solution and the released copy (the lab-specific fixtures:
+    # grading/records/, test_every_fixture_was_graded_on_the_lab_as_it_is)
+    assert list(by) == fixtures.select(lab, fx.FIXTURES) == ["solution", "release"]
     assert lab_result["timeout_s"] == grade.execute_timeout()  # the course's own timeout
     assert lab_result["feedback_s"] is None  # the feedback pages: once, generic fixtures
     wrong = {n: (f["expected"], f["score"]) for n, f in by.items()
@@ -134,7 +168,8 @@ def test_lab_fixtures_get_exact_scores(lab, tmp_path, embedded_model_dir):
 def test_generic_fixtures_get_exact_scores(tmp_path, embedded_model_dir):
     """The grader itself, once (fixtures.ci_generic()): a function that raises, a cell that
     never ends (interrupted at the timeout, scored zero, grading goes on), NaN, and code
-    that patches the comparisons each get exactly the score the lab's fixture file says."""
+    that patches the comparisons each get exactly the score the lab's fixture file says;
+    so does the lab's first lab-specific fixture (a `wrong` edit of a solution cell)."""
     pytest.importorskip("nbgrader")
     lab, names, timeout = fixtures.ci_generic()
     fx = fixtures.load(lab)
@@ -144,7 +179,7 @@ def test_generic_fixtures_get_exact_scores(tmp_path, embedded_model_dir):
     course_times.record_generic(lab_result, m)
     assert lab_result["timeout_s"] == timeout
     by = {f["fixture"]: f for f in lab_result["fixtures"]}
-    assert sorted(by) == sorted(fixtures.GENERIC_FIXTURES)
+    assert list(by) == names and set(fixtures.GENERIC_FIXTURES) < set(by)
     got = {n: (f["score"], fx.FIXTURES[n].score) for n, f in by.items()}
     assert all(a == b for a, b in got.values()), f"fixture (got, expected): {got}"
     # the infinite loop really ran into the timeout (its cell took at least that long)
