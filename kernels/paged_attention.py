@@ -151,8 +151,12 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, ks_cache
     s = dot(q, tl.trans(k), PRECISION, UPCAST) * sm_scale  # [M, N]
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))  # finite once a row has seen one key
-    alpha = tl.exp(m - m_new)
-    p = tl.exp(s - m_new[:, None])
+    # A row that has seen no key yet keeps m_new = -inf; exp(-inf - -inf) would be NaN,
+    # so it uses 0 as its max (p = exp(-inf) = 0, alpha = 0 * nothing): FlashAttention-2's
+    # Check_inf (csrc/flash_attn/src/softmax.h). Its l stays 0 and its output is 0.
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_use)
+    p = tl.exp(s - m_use[:, None])
     l = l * alpha + tl.sum(p, axis=1)
     v = _load_kv_tile(v_cache_ptr, v_scale_ptr, vs_cache_ptr, slot, pmask, kvh, d,
                       NUM_KV_HEADS, HEAD_DIM, QUANT, DYNAMIC, q.dtype)
@@ -164,10 +168,13 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, ks_cache
 def _merge_split(m, l, acc, m_s, l_s, acc_s):
     """Fold one split's partial result (m_s [G], l_s [G], acc_s [G, D]) into the running
     (m, l, acc): rescale both to the larger max and add. Explicit FMAs, so the compiler
-    cannot contract the two products differently in the two kernels that call this."""
+    cannot contract the two products differently in the two kernels that call this.
+    Two empty partials (both maxima -inf) merge to an empty one (the -inf guard of
+    :func:`_attend_tile`), not NaN."""
     m_new = tl.maximum(m, m_s)
-    a = tl.exp(m - m_new)
-    a_s = tl.exp(m_s - m_new)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    a = tl.exp(m - m_use)
+    a_s = tl.exp(m_s - m_use)
     l = tl.fma(l_s, a_s, l * a)
     acc = tl.fma(acc_s, a_s[:, None], acc * a[:, None])
     return m_new, l, acc
@@ -453,14 +460,16 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, block_size: int, l
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                   mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Reference attention for one sequence in float32: q [n, H, D], k/v [L, H_kv, D],
-    mask [n, L] bool (True = attend) or None. Returns [n, H, D] float32."""
+    mask [n, L] bool (True = attend) or None. Returns [n, H, D] float32; a row with no
+    True key is 0 (the kernels' fully-masked-row convention)."""
     group = q.shape[1] // k.shape[1]
     k = k.float().repeat_interleave(group, dim=1)
     v = v.float().repeat_interleave(group, dim=1)
     s = torch.einsum("nhd,lhd->hnl", q.float(), k) * scale
-    if mask is not None:
-        s = s.masked_fill(~mask[None], float("-inf"))
-    return torch.einsum("hnl,lhd->nhd", torch.softmax(s, dim=-1), v)
+    p = torch.softmax(s, dim=-1) if mask is None else \
+        torch.softmax(s.masked_fill(~mask[None], float("-inf")), dim=-1).masked_fill(
+            ~mask.any(-1)[None, :, None], 0.0)
+    return torch.einsum("hnl,lhd->nhd", p, v)
 
 
 def paged_attention_decode_ref(q: torch.Tensor, key_cache: torch.Tensor,

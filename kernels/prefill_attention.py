@@ -64,13 +64,15 @@ def _prefill_kernel(
             blk = tl.load(block_tables_ptr + b * stride_bt + pos // BLOCK_SIZE, mask=pmask,
                           other=0)
             slot = blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
-            # causal; every row sees key 0 in the first tile, so m is finite after it
+            # causal; with seq_lens >= query_lens every row sees key 0 in the first tile
             visible = (pos[None, :] <= (ctx + rows)[:, None]) & pmask[None, :]
             m, l, acc = _attend_tile(
                 q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, ks_cache_ptr,
                 vs_cache_ptr, slot, pmask, visible, kvh, d, m, l, acc, sm_scale,
                 NUM_KV_HEADS, HEAD_DIM, QUANT, DYNAMIC, PRECISION, UPCAST)
-        o = acc / tl.where(rmask, l, 1.0)[:, None]
+        # a row that saw no key (l == 0: only when seq_lens[b] < query_lens[b], i.e. rows
+        # before the first key, as left padding has) gets zeros, not 0/0
+        o = tl.where((l > 0)[:, None], acc / tl.where(l > 0, l, 1.0)[:, None], 0.0)
         tl.store(out_ptr + (q_start + rows[:, None]) * stride_ot + h * stride_oh + d[None, :],
                  cast_rne(o, out_ptr.dtype.element_ty),
                  mask=rmask[:, None] & (d[None, :] < HEAD_DIM))
@@ -94,7 +96,10 @@ def paged_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cach
         block_tables: [S, max_blocks] int32/int64 for the S sequences.
         query_starts: [S] int32, first row of each sequence's new tokens in q.
         query_lens: [S] int32 (>= 1), new tokens per sequence.
-        seq_lens: [S] int32, keys per sequence including the new ones (>= query_lens).
+        seq_lens: [S] int32, keys per sequence including the new ones (>= query_lens in
+            the engine). A smaller value leaves the first ``query_lens - seq_lens`` rows of
+            the sequence with no key to attend to (as left padding does); those rows get
+            zeros, not NaN (the fully-masked-row guard, FlashAttention-2's convention).
         block_size: tokens per cache block.
         scale: softmax scale.
         k_scale, v_scale, k_scale_cache, v_scale_cache: as in

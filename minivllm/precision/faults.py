@@ -734,3 +734,180 @@ def rmsnorm_no_upcast(llm, where=None):
     _check_torch_llm(llm)
     with llm.swap_step("rms_norm", rms_norm_no_upcast, where=where):
         yield
+
+
+# --- softmax and attention numerics (chapter 9) -------------------------------------------
+
+def _layer_indices(llm, layers) -> list[int]:
+    """``layers`` (None: all, an int, or a list of ints) as a checked list."""
+    _check_torch_llm(llm)
+    n = len(llm.llm_engine.model_runner.model.layers)
+    if layers is None:
+        return list(range(n))
+    out = [layers] if isinstance(layers, int) and not isinstance(layers, bool) else layers
+    try:
+        out = list(out)
+    except TypeError:
+        raise TypeError(f"layers must be None, a layer index or a list of them, got "
+                        f"{layers!r}") from None
+    if not out or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n
+                      for i in out):
+        raise ValueError(f"layers must be indices in [0, {n}), got {layers!r}")
+    return out
+
+
+@contextlib.contextmanager
+def qk_scale_reparam(llm, c: float = 256.0, layers=None):
+    """An exact reparametrization that makes the raw scores q.k large: in each chosen
+    layer, the query rows of ``qkv_proj`` are scaled by ``c`` and the layer's softmax
+    scale by ``1 / c``, so ``(c q).k * (scale / c) == q.k * scale`` in real arithmetic and
+    the model computes the same function. With ``c`` a power of two every factor is
+    exact in floating point (a scaling by 2^k commutes with rounding, barring overflow),
+    so an attention that multiplies by the scale before it leaves float32 gives the
+    unmodified model's result; only code that rounds the *unscaled* product ``q.k`` to a
+    16-bit format sees ``c`` times larger numbers, and overflows fp16 (max 65504) once
+    ``c * max|q.k|`` passes it. The embedded SmolLM2's own max |q.k| (rotary applied) is
+    about 486 (course chapter 9 measures it per layer), 135x below 65504, so it never
+    overflows on its own; with c = 256 the largest layers pass 65504 under an eager
+    ``q @ k^T`` in fp16 (:func:`eager_kq_attention`), the order of llama.cpp #7805 and
+    vllm #14126 (INCIDENTS.md #15).
+
+    Planted on the "linear" step of each chosen layer's ``self_attn.qkv_proj`` (its output's
+    query columns times ``c``; float weights only) plus the layer's ``scaling`` attribute
+    (divided by ``c``; restored on exit). Both backends read ``scaling``.
+
+    Args:
+        c: the factor, > 0 (a power of two keeps it exact).
+        layers: None (all), a layer index, or a list of them.
+    Raises:
+        ValueError: c not a finite positive number, a layer out of range, or a quantized
+            ``qkv_proj`` (no "linear" site).
+    """
+    if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 < c < float("inf"):
+        raise ValueError(f"c must be a finite number > 0, got {c!r}")
+    idx = _layer_indices(llm, layers)
+    model = llm.llm_engine.model_runner.model
+    attns = [model.layers[i].self_attn for i in idx]
+    q_size = attns[0].q_size
+    c = float(c)
+
+    def qkv_scaled_q(x, weight, bias):
+        from minivllm.layers.linear import linear_ref
+
+        y = linear_ref(x, weight, bias)
+        y[..., :q_size] *= c
+        return y
+
+    old = [a.scaling for a in attns]
+    with contextlib.ExitStack() as stack:
+        for i in idx:
+            stack.enter_context(llm.swap_step("linear", qkv_scaled_q,
+                                              where=f"layers.{i}.self_attn.qkv_proj"))
+        try:
+            for a, s in zip(attns, old):
+                a.scaling = s / c
+            yield
+        finally:
+            for a, s in zip(attns, old):
+                a.scaling = s
+
+
+def _gqa(k: torch.Tensor, v: torch.Tensor, heads: int, dim: int):
+    group = heads // k.shape[dim]
+    return k.repeat_interleave(group, dim=dim), v.repeat_interleave(group, dim=dim)
+
+
+def decode_attention_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """The "attention.decode" step in transformers' eager order
+    (``eager_attention_forward`` in ``models/llama/modeling_llama.py``): ``q @ k^T`` in
+    q's dtype (rounded to fp16/bf16 when the model runs in it), *then* times the scale,
+    then a float32 softmax cast back to q's dtype, then ``@ v``. Same signature as
+    ``decode_attention_ref``. In fp16 a raw product above 65504 becomes inf and the
+    softmax of a row holding inf is NaN: llama.cpp #7805 (fixed by PR #8412, which forces
+    the KQ product to F32). Padding rows (seq_lens 0) are NaN here: no guard."""
+    B, H, D = q.shape
+    kk, vv = _gqa(k, v, H, 2)  # [B, L, H, D]
+    s = torch.einsum("bhd,blhd->bhl", q, kk) * scale  # rounded to q's dtype, then scaled
+    mask = torch.arange(k.shape[1], device=q.device)[None, :] < seq_lens[:, None]
+    s = s.masked_fill(~mask[:, None, :], float("-inf"))
+    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.einsum("bhl,blhd->bhd", p, vv)
+
+
+def prefill_attention_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            scale: float) -> torch.Tensor:
+    """The "attention.prefill" step in transformers' eager order (see
+    :func:`decode_attention_eager`). Same signature as ``prefill_attention_ref``."""
+    n, H, D = q.shape
+    L = k.shape[0]
+    kk, vv = _gqa(k, v, H, 1)  # [L, H, D]
+    s = torch.einsum("nhd,lhd->hnl", q, kk) * scale
+    causal = torch.arange(L, device=q.device)[None, :] <= \
+        torch.arange(L - n, L, device=q.device)[:, None]
+    s = s.masked_fill(~causal[None], float("-inf"))
+    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.einsum("hnl,lhd->nhd", p, vv)
+
+
+@contextlib.contextmanager
+def eager_kq_attention(llm, layers=None):
+    """Plant :func:`decode_attention_eager` and :func:`prefill_attention_eager` (the
+    "attention.decode" and "attention.prefill" steps of the chosen layers; TORCH backend):
+    attention that rounds the unscaled ``q @ k^T`` to the model dtype. In float32 it is
+    the reference up to rounding; in float16 it overflows where ``max|q.k| > 65504``
+    (on the embedded model only after :func:`qk_scale_reparam`, see there); bfloat16 has
+    float32's range and does not overflow, but rounds the product to 8 bits."""
+    idx = _layer_indices(llm, layers)
+    where = idx if len(idx) > 1 else idx[0]
+    with llm.swap_step("attention.decode", decode_attention_eager, where=where), \
+            llm.swap_step("attention.prefill", prefill_attention_eager, where=where):
+        yield
+
+
+def _softmax_no_max(s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    e = torch.exp(s.to(dtype))  # the bug: no max subtracted, computed in the model dtype
+    return e / e.sum(-1, keepdim=True)
+
+
+def decode_attention_no_max(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """The "attention.decode" step with a softmax that does not subtract the row max:
+    scores in float32 (so the product cannot overflow), then ``exp(s) / sum(exp(s))`` in
+    q's dtype. ``exp`` overflows above 88.7 in float32/bfloat16 and above 11.09 in
+    float16 (ln 65504), and inf / inf is NaN. Same signature as ``decode_attention_ref``."""
+    B, H, D = q.shape
+    kk, vv = _gqa(k, v, H, 2)
+    s = torch.einsum("bhd,blhd->bhl", q.float(), kk.float()) * scale
+    mask = torch.arange(k.shape[1], device=q.device)[None, :] < seq_lens[:, None]
+    s = s.masked_fill(~mask[:, None, :], float("-inf"))
+    p = _softmax_no_max(s, q.dtype)
+    return torch.einsum("bhl,blhd->bhd", p, vv)
+
+
+def prefill_attention_no_max(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             scale: float) -> torch.Tensor:
+    """The "attention.prefill" step with the softmax of :func:`decode_attention_no_max`."""
+    n, H, D = q.shape
+    L = k.shape[0]
+    kk, vv = _gqa(k, v, H, 1)
+    s = torch.einsum("nhd,lhd->hnl", q.float(), kk.float()) * scale
+    causal = torch.arange(L, device=q.device)[None, :] <= \
+        torch.arange(L - n, L, device=q.device)[:, None]
+    s = s.masked_fill(~causal[None], float("-inf"))
+    p = _softmax_no_max(s, q.dtype)
+    return torch.einsum("hnl,lhd->nhd", p, vv)
+
+
+@contextlib.contextmanager
+def softmax_without_max(llm, layers=None):
+    """Plant :func:`decode_attention_no_max` and :func:`prefill_attention_no_max` on the
+    chosen layers (TORCH backend): a softmax without max subtraction, in the model dtype.
+    Harmless while every scaled score stays below ln(max) of the dtype (88.7 for float32
+    and bfloat16; the embedded model's largest scaled score is about 486 / 8 = 61), NaN in
+    float16 as soon as one passes 11.09."""
+    idx = _layer_indices(llm, layers)
+    where = idx if len(idx) > 1 else idx[0]
+    with llm.swap_step("attention.decode", decode_attention_no_max, where=where), \
+            llm.swap_step("attention.prefill", prefill_attention_no_max, where=where):
+        yield

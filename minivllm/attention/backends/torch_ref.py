@@ -14,6 +14,17 @@ The attention math itself is two swappable steps (:mod:`minivllm.steps`), each a
 function on dense tensors with its reference here: ``"attention.decode"``
 (:func:`decode_attention_ref`) and ``"attention.prefill"`` (:func:`prefill_attention_ref`).
 The backend gathers K/V from the cache and calls the layer's current step.
+
+Fully masked rows (a query with no key it may attend to: a padding row with
+``seq_lens[b] == 0``, or a mask row with no True) give **zeros**, never NaN, on both
+backends. That is FlashAttention-2's convention (``csrc/flash_attn/src/softmax.h``: a
+row whose running max stays -inf uses 0 as its max, and a row whose sum is 0 is
+normalised by 1, so its output is 0), which vLLM's backends inherit for their padded
+rows; ``kernels/paged_attention.py`` and ``kernels/prefill_attention.py`` do the same.
+Here it is an explicit guard (:func:`zero_empty_rows`) rather than a property of
+``scaled_dot_product_attention``: recent PyTorch CPU builds return 0 for such a row, but
+older math kernels and other backends return NaN, and any backend returns NaN when the
+masked keys themselves hold NaN (0 * NaN). Course chapter 9.
 """
 
 from __future__ import annotations
@@ -23,6 +34,19 @@ import torch.nn.functional as F
 
 from minivllm.attention.metadata import AttentionMetadata
 from minivllm.quantization.kv_cache import LayerKVCache
+
+
+def zero_empty_rows(out: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
+    """The fully-masked-row guard: ``out`` with the rows where ``empty`` is True set to
+    exactly 0 (whatever they held: NaN, inf, or the 0 some SDPA kernels already give).
+
+    Args:
+        out: [R, ...] attention output (any float dtype).
+        empty: [R] bool, True for a query row that had no key to attend to.
+    Returns:
+        ``out`` (changed in place; one elementwise pass, no device sync).
+    """
+    return out.masked_fill_(empty.view(-1, *([1] * (out.dim() - 1))), 0)
 
 
 def decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -35,10 +59,13 @@ def decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             (H % Hkv == 0: grouped-query attention, query head h reads KV head
             h // (H // Hkv)). Keys at positions >= seq_lens[b] are padding; they hold
             finite values.
-        seq_lens: [B] int64 real lengths (1 <= seq_lens[b] <= L).
+        seq_lens: [B] int64 real lengths (0 <= seq_lens[b] <= L; 0 is a padding row, as
+            a CUDA graph's padded batch has).
         scale: softmax scale (head_dim ** -0.5).
     Returns:
-        [B, H, D] in q's dtype: ``softmax(q k^T * scale) v`` over each sequence's real keys.
+        [B, H, D] in q's dtype: ``softmax(q k^T * scale) v`` over each sequence's real keys;
+        exactly 0 for a row with seq_lens[b] == 0 (the fully-masked-row guard, module
+        docstring).
 
     One masked ``scaled_dot_product_attention`` over the padded batch. Its bits depend on
     L (the padded length), not only on the real keys: batch composition changes a
@@ -49,7 +76,7 @@ def decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     o = F.scaled_dot_product_attention(
         q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
         scale=scale, enable_gqa=True)  # [B, H, 1, D]
-    return o.squeeze(2)
+    return zero_empty_rows(o.squeeze(2), seq_lens == 0)
 
 
 def decode_attention_batch_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -74,6 +101,9 @@ def decode_attention_batch_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.
     out = torch.empty_like(q)
     lens = seq_lens.tolist()
     for b, n in enumerate(lens):
+        if n == 0:  # a padding row: the fully-masked-row guard
+            out[b] = 0
+            continue
         out[b:b + 1] = decode_attention_ref(q[b:b + 1], k[b:b + 1, :n].contiguous(),
                                             v[b:b + 1, :n].contiguous(),
                                             seq_lens[b:b + 1], scale)
@@ -116,14 +146,16 @@ def prefill_attention_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Args:
         q: [n, H, D]; k, v: [L, Hkv, D]; mask: [n, L] bool (True: may attend); scale.
     Returns:
-        [n, H, D] in q's dtype. A row with no True key is NaN (softmax over nothing).
+        [n, H, D] in q's dtype. A row with no True key is exactly 0 (the fully-masked-row
+        guard, module docstring), not NaN.
     """
     qp = q.transpose(0, 1).unsqueeze(0)
     kp = k.transpose(0, 1).unsqueeze(0)
     vp = v.transpose(0, 1).unsqueeze(0)
-    o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask.to(q.device), scale=scale,
+    mask = mask.to(q.device)
+    o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale,
                                        enable_gqa=True)
-    return o.squeeze(0).transpose(0, 1)
+    return zero_empty_rows(o.squeeze(0).transpose(0, 1), ~mask.any(-1))
 
 
 class TorchAttentionBackend:
