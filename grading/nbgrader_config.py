@@ -20,6 +20,13 @@ c.CourseDirectory.feedback_directory = "feedback"
 # 60 s limit). The infinite-loop fixture costs this much per lab it runs for.
 c.Execute.timeout = 120
 c.Execute.interrupt_on_timeout = True
+# After a cell's reply, nbclient waits for the rest of its output (until the kernel says
+# idle) at most this long between messages; nbgrader raises on that timeout
+# (raise_on_iopub_timeout), which fails the whole submission ("error processing
+# assignment"). nbclient's default of 4 s did that to lab 2's solution on this 2-core
+# machine at load average 12-19 (2026-12-01). Waiting longer costs nothing when output
+# comes on time.
+c.Execute.iopub_timeout = 60
 
 # What a learner sees in place of a solution.
 c.ClearSolutions.code_stub = {"python": "# YOUR CODE HERE\nraise NotImplementedError()"}
