@@ -227,6 +227,111 @@ class SchedulerConfig:
     enable_chunked_prefill: bool
 
 
+SPEC_METHODS = ("ngram", "draft_model")
+SPEC_CONFIG_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                    "model", "quantization", "dtype")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM: ``vllm/config/speculative.py``), built from
+    ``EngineArgs.speculative_config`` by :func:`parse_speculative_config`.
+
+    Attributes:
+        method: "ngram" (prompt lookup: drafts copied from an earlier occurrence of the
+            sequence's last n tokens) or "draft_model" (a second model proposes).
+        num_speculative_tokens: k, the most draft tokens proposed per request and step;
+            the target then scores k + 1 positions in one forward.
+        prompt_lookup_min, prompt_lookup_max: the n-gram sizes tried, longest first
+            (ngram only; vLLM's defaults: both 5 when neither is given, one copies the
+            other when only one is given).
+        model: the draft model (draft_model only): an alias or a local folder; it must
+            have the target's vocabulary size.
+        quantization: the draft's weight quantization (vLLM's key), or None.
+        dtype: the draft's dtype, or None for the target's. NOT a vLLM key (vLLM's draft
+            runs in the target's dtype); it lets the embedded model draft for itself in a
+            cheaper dtype ("self-speculation", since there is no second model).
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: Optional[int] = None
+    prompt_lookup_max: Optional[int] = None
+    model: Optional[str] = None
+    quantization: Optional[str] = None
+    dtype: Optional[str] = None
+
+
+def parse_speculative_config(value) -> Optional[SpeculativeConfig]:
+    """Validate ``speculative_config`` (a dict, as vLLM's ``LLM(speculative_config=...)``).
+
+    Keys: "method" ("ngram" | "draft_model"; when left out, "draft_model" if "model" is
+    given), "num_speculative_tokens" (a positive int, required), "prompt_lookup_max" and
+    "prompt_lookup_min" (positive ints, ngram only), "model" (draft_model only, required
+    there), "quantization" and "dtype" (draft_model only).
+
+    Raises:
+        ValueError: not a dict, an unknown key, a missing or bad value; the message
+            says what is allowed.
+    """
+    if value is None:
+        return None
+    if isinstance(value, SpeculativeConfig):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(f"speculative_config must be a dict such as {{'method': 'ngram', "
+                         f"'num_speculative_tokens': 3}}, got {type(value).__name__}: {value!r:.80}")
+    unknown = sorted(str(k) for k in value if k not in SPEC_CONFIG_KEYS)
+    if unknown:
+        raise ValueError(f"unknown speculative_config key(s) {unknown}; allowed: "
+                         f"{', '.join(SPEC_CONFIG_KEYS)}")
+    method = value.get("method")
+    if method is None and value.get("model") is not None:
+        method = "draft_model"
+    if method not in SPEC_METHODS:
+        raise ValueError(f"speculative_config['method'] must be one of {', '.join(SPEC_METHODS)}"
+                         f", got {method!r}")
+    k = value.get("num_speculative_tokens")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"speculative_config['num_speculative_tokens'] must be a positive "
+                         f"integer (the draft tokens per step), got {k!r}")
+    lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+    model, quant, dtype = value.get("model"), value.get("quantization"), value.get("dtype")
+    if method == "ngram":
+        given = [name for name in ("model", "quantization", "dtype") if value.get(name) is not None]
+        if given:
+            raise ValueError(f"speculative_config {given} apply to method='draft_model'; "
+                             "method='ngram' has no draft model")
+        for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"speculative_config['{name}'] must be a positive integer "
+                                 f"(an n-gram size), got {v!r}")
+        if lo is None and hi is None:
+            lo = hi = 5
+        elif lo is None:
+            lo = hi
+        elif hi is None:
+            hi = lo
+        if lo > hi:
+            raise ValueError(f"speculative_config: prompt_lookup_min={lo} is larger than "
+                             f"prompt_lookup_max={hi}")
+        return SpeculativeConfig("ngram", k, lo, hi)
+    if lo is not None or hi is not None:
+        raise ValueError("speculative_config prompt_lookup_min/prompt_lookup_max apply to "
+                         "method='ngram', not 'draft_model'")
+    if not isinstance(model, str) or not model:
+        raise ValueError("speculative_config method='draft_model' needs 'model': the draft "
+                         f"model (an alias or a local folder), got {model!r}")
+    if dtype is not None and (not isinstance(dtype, str) or dtype.lower() not in _DTYPE_ALIASES):
+        raise ValueError(f"speculative_config['dtype'] {dtype!r} is not a dtype; allowed: "
+                         f"{', '.join(ALLOWED_DTYPES)} (or None: the target's dtype)")
+    if quant is not None:
+        from minivllm.quantization import parse_quantization
+
+        parse_quantization(quant, None)
+    return SpeculativeConfig("draft_model", k, model=model, quantization=quant, dtype=dtype)
+
+
 @dataclass
 class EngineArgs:
     """All engine arguments, with vLLM's names.
@@ -304,6 +409,10 @@ class EngineArgs:
     # takes the config dict and returns it (vLLM's gets a PretrainedConfig).
     # Applied by minivllm.models.loader.apply_hf_overrides (course chapter 11).
     hf_overrides: Optional[Union[dict, Callable[[dict], dict]]] = None
+    # Speculative decoding (course chapter 21), vLLM's dict: {"method": "ngram" |
+    # "draft_model", "num_speculative_tokens": k, "prompt_lookup_max": ...,
+    # "prompt_lookup_min": ..., "model": ...}; see :class:`SpeculativeConfig`.
+    speculative_config: Optional[dict] = None
 
     def validate(self) -> None:
         """Check arguments that can be checked without the model.
@@ -352,6 +461,7 @@ class EngineArgs:
                              f"callable, got {self.hf_overrides!r}")
         self._validate_kv_scales()
         self._validate_quantization()
+        parse_speculative_config(self.speculative_config)
         if self.lm_head_dtype is not None and (not isinstance(self.lm_head_dtype, str)
                                                or self.lm_head_dtype not in LM_HEAD_DTYPES):
             raise ValueError(f"lm_head_dtype must be None (the model dtype, as vLLM) or "

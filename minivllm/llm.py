@@ -85,7 +85,8 @@ class LLM:
                 "kv.dequantize", "slot_mapping", "slot_mapping.read", "block_hash",
                 "block_hash.extra_keys", "prefix_cache.lookup",
                 "scheduler.preempt", "sampler.penalties", "sampler.top_k_top_p",
-                "prompt.chat_template", "prompt.truncate").
+                "prompt.chat_template", "prompt.truncate", "prefill_chunk",
+                "rejection_sampler", "spec_decode.ngram").
             fn: a function with the signature of the step's reference
                 (``minivllm.steps.reference(name)``).
             where: for per-layer steps, a layer index, a list of them, or a module-name

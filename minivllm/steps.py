@@ -53,6 +53,10 @@ prompt.truncate        tokenizer.py:truncate_prompt_ref           LLMEngine.add_
                                                                   (truncate_prompt_tokens)
 prefill_chunk          attention/metadata.py:prefill_chunk_ref    ModelRunner._prefill_seq
                                                                   (TORCH reads, ch23)
+rejection_sampler      spec_decode/rejection_sampler.py:          ModelRunner._verify
+                       rejection_sampler_ref                      (speculative, ch21)
+spec_decode.ngram      spec_decode/ngram_proposer.py:             NgramProposer (method
+                       propose_ngram                              "ngram", ch21)
 =====================  =========================================  ==================
 
 While nothing is swapped the engine runs its own path, which is the reference in the
@@ -94,6 +98,8 @@ from minivllm.layers.sampler import apply_top_k_top_p, penalties_ref
 from minivllm.models.llama import embedding_ref, lm_head_ref
 from minivllm.quantization.kv_cache import dequantize_kv, quantize_kv
 from minivllm.tokenizer import render_chat_ref, truncate_prompt_ref
+from minivllm.spec_decode.ngram_proposer import propose_ngram
+from minivllm.spec_decode.rejection_sampler import rejection_sampler_ref
 
 logger = logging.getLogger("minivllm")
 
@@ -224,6 +230,15 @@ def _embedding_sites(engine) -> list[Site]:
     return [Site("embed_tokens", swap)]
 
 
+def _ngram_sites(engine) -> list[Site]:
+    from minivllm.spec_decode.ngram_proposer import NgramProposer
+
+    if not isinstance(getattr(engine, "proposer", None), NgramProposer):
+        raise ValueError("step 'spec_decode.ngram' needs an engine built with "
+                         "speculative_config={'method': 'ngram', ...}")
+    return [_attr_site("proposer", engine.proposer, "propose_fn")]
+
+
 def _engine_site(name: str, get_obj: Callable[[Any], Any], attr: str):
     return lambda engine: [_attr_site(name, get_obj(engine), attr)]
 
@@ -303,6 +318,15 @@ STEPS: dict[str, Step] = {s.name: s for s in [
     Step("fused_add_rms_norm", fused_add_rms_norm_ref,
          "fused_add_rms_norm(x, residual, weight, eps) -> (normed, residual)", True, True,
          False, _module_sites(RMSNorm, "add_impl")),
+    # speculative decoding (chapter 21): the verifier, and the n-gram drafter
+    Step("rejection_sampler", rejection_sampler_ref,
+         "rejection_sampler(draft_token_ids, draft_probs, target_probs, target_argmax, "
+         "generator) -> tokens", False, False, False,
+         _engine_site("model_runner.rejection_sampler", lambda e: e.model_runner,
+                      "rejection_sampler")),
+    Step("spec_decode.ngram", propose_ngram,
+         "propose_ngram(tokens, min_n, max_n, k) -> draft tokens", False, False, False,
+         _ngram_sites),
 ]}
 
 

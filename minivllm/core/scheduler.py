@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Optional
 
 from minivllm.config import SchedulerConfig
 from minivllm.core.kv_cache_manager import KVCacheManager
@@ -137,8 +138,14 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = request.num_tokens - request.num_computed_tokens
-            num_new = min(num_new, budget)
+            num_base = request.num_tokens - request.num_computed_tokens
+            num_new = min(num_base + len(request.spec_token_ids), budget)
+            if request.spec_token_ids and num_new < num_base + len(request.spec_token_ids):
+                # the budget cuts the drafts (vLLM does the same): verify fewer of them
+                keep = max(num_new - num_base, 0)
+                request.spec_token_ids = request.spec_token_ids[:keep]
+                if request.draft_probs is not None:
+                    request.draft_probs = request.draft_probs[:keep] if keep else None
             assert num_new > 0, request
             while not kv.allocate_slots(request, num_new):
                 # Out of blocks: preempt the newest running request (maybe this one).
@@ -185,12 +192,21 @@ class Scheduler:
         """Free the request's blocks, reset its state for recompute (the
         "scheduler.preempt" step) and put it first in the waiting queue."""
         self.kv_cache_manager.free(request)
+        request.spec_token_ids, request.draft_probs = [], None  # drafts are proposed anew
         self.preempt_request(request)
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def update_after_step(self, scheduled: list[tuple[Request, int]]) -> None:
-        """Advance num_computed_tokens and register newly full blocks in the cache."""
+    def update_after_step(self, scheduled: list[tuple[Request, int]],
+                          num_rejected: Optional[dict[str, int]] = None) -> None:
+        """Advance num_computed_tokens and register newly full blocks in the cache.
+
+        ``num_rejected``: request id -> draft tokens the verifier rejected this step
+        (speculative decoding). Their K/V was written, but they are not part of the
+        sequence: ``num_computed_tokens`` is rolled back by that many (vLLM:
+        ``Scheduler.update_from_output``), so the blocks holding them are never
+        registered in the prefix cache, and the next step overwrites their slots."""
         for request, num_new in scheduled:
-            request.num_computed_tokens += num_new
+            rejected = num_rejected.get(request.request_id, 0) if num_rejected else 0
+            request.num_computed_tokens += num_new - rejected
             self.kv_cache_manager.cache_blocks(request)

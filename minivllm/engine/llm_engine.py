@@ -44,6 +44,11 @@ class EngineStats:
         kv_cache_usage: fraction of blocks in use now (vllm:kv_cache_usage_perc).
         num_running, num_waiting: queue lengths now.
         num_steps, num_prompt_tokens, num_generation_tokens: totals.
+        spec_decode_num_drafts, spec_decode_num_draft_tokens,
+            spec_decode_num_accepted_tokens: speculative decoding (vllm:spec_decode_*_total):
+            verifications run, draft tokens verified, draft tokens accepted. The
+            acceptance rate is accepted / draft tokens; the mean tokens per verification
+            is 1 + accepted / drafts.
         num_corrupted_requests: requests whose logits, prompt log-probs or (int8 cache)
             K/V held NaN/inf (vllm:corrupted_requests); generation requests among them
             finish with finish_reason "error".
@@ -62,6 +67,9 @@ class EngineStats:
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     num_corrupted_requests: int = 0
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
     history: list = field(default_factory=list)
 
     @property
@@ -167,6 +175,10 @@ class LLMEngine:
             batch_invariant=batch_invariant_enabled(args))
         if args.calculate_kv_scales:
             self.calibrate_kv_scales()
+        self.speculative_config = None
+        self.proposer = None
+        if args.speculative_config is not None:
+            self._init_speculative(args.speculative_config)
         # The prompt-processing steps ("prompt.chat_template", "prompt.truncate" in
         # minivllm/steps.py): swappable like the numeric ones.
         from minivllm.tokenizer import render_chat_ref, truncate_prompt_ref
@@ -181,6 +193,60 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
         return cls(args)
+
+    # --- speculative decoding ----------------------------------------------------------
+    def _init_speculative(self, value) -> None:
+        """Build the proposer of ``speculative_config`` (chapter 21).
+
+        Raises:
+            ValueError: a draft model that cannot serve this target (vocabulary, length),
+                or k + 1 larger than max_num_batched_tokens (a verification must fit in
+                one step).
+        """
+        from minivllm.config import parse_speculative_config
+        from minivllm.spec_decode.draft_model import DraftModelProposer
+        from minivllm.spec_decode.ngram_proposer import NgramProposer
+
+        spec = parse_speculative_config(value)
+        k = spec.num_speculative_tokens
+        if k + 1 > self.scheduler_config.max_num_batched_tokens:
+            raise ValueError(f"speculative_config num_speculative_tokens={k}: a verification "
+                             f"schedules k + 1 = {k + 1} tokens, more than "
+                             f"max_num_batched_tokens={self.scheduler_config.max_num_batched_tokens}")
+        self.speculative_config = spec
+        if spec.method == "ngram":
+            self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, k)
+        else:
+            self.proposer = DraftModelProposer(spec, self)
+
+    def _propose_drafts(self) -> None:
+        """After a step: draft tokens for every running request that is decoding (its
+        next step computes exactly one pending token) and can be speculated
+        (:func:`~minivllm.spec_decode.is_spec_decode_unsupported`; not ``LLM.score``).
+        At most ``max_total_tokens - num_tokens - 1`` drafts each, so that a step that
+        accepts all of them plus the bonus token never passes max_tokens or
+        max_model_len."""
+        from minivllm.spec_decode import is_spec_decode_unsupported
+
+        self.proposer.release(self.scheduler.requests)
+        reqs = [r for r in self.scheduler.running
+                if r.num_tokens - r.num_computed_tokens == 1 and r.score is None
+                and not is_spec_decode_unsupported(r.params)]
+        for r in reqs:
+            r.spec_token_ids, r.draft_probs = [], None
+        if not reqs:
+            return
+        limits = {r.request_id: r.max_total_tokens - r.num_tokens - 1 for r in reqs}
+        if self.speculative_config.method == "ngram":
+            drafts = self.proposer.propose(reqs, limits)
+        else:
+            gens = {r.request_id: self.model_runner.request_generator(r) for r in reqs
+                    if r.params.temperature >= 1e-5}
+            drafts = self.proposer.propose(reqs, limits, gens)
+        by_id = {r.request_id: r for r in reqs}
+        for rid, (tokens, probs) in drafts.items():
+            by_id[rid].spec_token_ids = list(tokens)
+            by_id[rid].draft_probs = probs
 
     # --- KV-cache scales ---------------------------------------------------------------
     def calibrate_kv_scales(self, token_id_lists: Optional[list[list[int]]] = None) -> dict:
@@ -522,6 +588,8 @@ class LLMEngine:
             self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
             req.finish_time = time.monotonic()
             self.finished_outputs[request_id] = self._make_output(req)
+            if self.proposer is not None:
+                self.proposer.release(self.scheduler.requests)
 
     def swap_step(self, name: str, fn, where=None):
         """A context manager that runs ``fn`` in place of the named numeric step (see
@@ -552,10 +620,14 @@ class LLMEngine:
         except BaseException:
             for req, _ in sched.scheduled:
                 self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
+            if self.proposer is not None:
+                self.proposer.release(self.scheduler.requests)
             raise
-        self.scheduler.update_after_step(sched.scheduled)
-        finished: list[RequestOutput] = []
         by_id = {req.request_id: req for req, _ in sched.scheduled}
+        num_rejected = {rid: len(by_id[rid].spec_token_ids) - (len(toks) - 1)
+                        for rid, toks in result.spec_outputs.items()}
+        self.scheduler.update_after_step(sched.scheduled, num_rejected)
+        finished: list[RequestOutput] = []
         for rid, chunk in result.prompt_logprobs.items():
             self._append_prompt_logprobs(by_id[rid], chunk)
         for rid, (first_pos, rows, count, chosen) in result.score_rows.items():
@@ -601,6 +673,34 @@ class LLMEngine:
                 req.finish_time = now
                 out = self._make_output(req)
                 finished.append(out)
+        for rid, tokens in result.spec_outputs.items():
+            req = by_id[rid]
+            st = self._stats
+            st.spec_decode_num_drafts += 1
+            st.spec_decode_num_draft_tokens += len(req.spec_token_ids)
+            st.spec_decode_num_accepted_tokens += len(tokens) - 1
+            req.spec_token_ids, req.draft_probs = [], None
+            if req.is_finished:  # finished with "error" above
+                continue
+            for token in tokens:  # one at a time: a stop condition ends the request exactly
+                req.append_output_token(token)
+                st.num_generation_tokens += 1
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                status = self._check_stop(req, token)
+                if status is not None:
+                    self.scheduler.finish_request(req, status)
+                    req.finish_time = now
+                    finished.append(self._make_output(req))
+                    break
+        if self.proposer is not None:
+            try:
+                self._propose_drafts()
+            except BaseException:  # a failing draft model: no request keeps its blocks
+                for req in list(self.scheduler.running):
+                    self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
+                self.proposer.release(self.scheduler.requests)
+                raise
         self._record(sched.num_batched_tokens)
         return finished
 

@@ -175,6 +175,13 @@ class Request:
         # vLLM's per-request prefix-cache salt: an extra key of the first block's hash
         # (KVCacheManager), so requests with different salts share no cached block.
         self.cache_salt = cache_salt
+        # Speculative decoding (chapter 21; vLLM's ``Request.spec_token_ids``): draft
+        # tokens proposed after the last step, verified in the next one. They are never
+        # in all_token_ids; the scheduler schedules 1 + len(spec_token_ids) tokens for a
+        # decoding request. draft_probs: [len(spec_token_ids), vocab] float32, the draft
+        # model's distribution for random requests, else None (n-gram or greedy).
+        self.spec_token_ids: list[int] = []
+        self.draft_probs: Optional[torch.Tensor] = None
 
     @property
     def num_tokens(self) -> int:

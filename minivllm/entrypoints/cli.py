@@ -59,6 +59,10 @@ def add_engine_args(parser: argparse.ArgumentParser, only_given: bool = False) -
         elif f.name == "hf_overrides":  # vLLM's --hf-overrides: a JSON object
             group.add_argument(flag, type=_json_object, default=default,
                                help='JSON object of config fields, e.g. \'{"rope_theta": 10000}\'')
+        elif f.name == "speculative_config":  # vLLM's --speculative-config
+            group.add_argument(flag, type=_json_object, default=default,
+                               help='JSON object, e.g. \'{"method": "ngram", '
+                                    '"num_speculative_tokens": 3, "prompt_lookup_max": 4}\'')
         else:
             group.add_argument(flag, type=str, default=default, choices=_CHOICES.get(f.name))
     group.add_argument("--kv-scale", nargs=2, type=float, metavar=("K_SCALE", "V_SCALE"),

@@ -911,3 +911,34 @@ def softmax_without_max(llm, layers=None):
     with llm.swap_step("attention.decode", decode_attention_no_max, where=where), \
             llm.swap_step("attention.prefill", prefill_attention_no_max, where=where):
         yield
+
+
+# --- speculative decoding (chapter 21) -----------------------------------------------------
+
+def rejection_sampler_first_unverified(draft_token_ids, draft_probs, target_probs, target_argmax,
+                                       generator):
+    """The "rejection_sampler" step with draft token 0 accepted without verification
+    (INCIDENTS.md #23, lattice #243): the verifier starts checking at draft 1. It calls
+    the reference with position 0's target replaced by the draft itself (greedy: the
+    argmax; random: a point mass), so draft 0 is always accepted and the rest is
+    verified as usual. Output changes only when the target would have rejected draft 0.
+    Same signature as :func:`minivllm.spec_decode.rejection_sampler.rejection_sampler_ref`."""
+    from minivllm.spec_decode.rejection_sampler import rejection_sampler_ref
+
+    draft = list(draft_token_ids)
+    if draft:
+        if target_argmax is not None:
+            target_argmax = [draft[0]] + list(target_argmax)[1:]
+        else:
+            target_probs = target_probs.clone()
+            target_probs[0] = 0.0
+            target_probs[0, draft[0]] = 1.0
+    return rejection_sampler_ref(draft, draft_probs, target_probs, target_argmax, generator)
+
+
+@contextlib.contextmanager
+def spec_accept_first_unverified(llm):
+    """Plant :func:`rejection_sampler_first_unverified` (the "rejection_sampler" step) on
+    an LLM built with ``speculative_config``."""
+    with llm.swap_step("rejection_sampler", rejection_sampler_first_unverified):
+        yield

@@ -59,6 +59,10 @@ class ModelRunnerOutput:
     # positions in the chunk, the chosen positions or None: rows for all of them)
     score_rows: dict[str, tuple[int, torch.Tensor, int, Optional[list[int]]]] = \
         field(default_factory=dict)
+    # speculative decoding: request id -> the tokens its verification emits (accepted
+    # drafts, then one target token), 1 to k + 1 of them; these requests are not in
+    # sampled_request_ids
+    spec_outputs: dict[str, list[int]] = field(default_factory=dict)
 
 
 def kv_cache_bytes_per_block(model_config: ModelConfig, block_size: int,
@@ -127,6 +131,10 @@ class ModelRunner:
         # The "prefill_chunk" step (chapter 23): the read slots and mask of a prefill
         # chunk (TORCH backend); see _prefill_seq.
         self.prefill_chunk = prefill_chunk_ref
+        # The "rejection_sampler" step (chapter 21): verifies a request's draft tokens.
+        from minivllm.spec_decode.rejection_sampler import rejection_sampler_ref
+
+        self.rejection_sampler = rejection_sampler_ref
         self.backend = model.layers[0].self_attn.backend
         self.paged = self.backend.needs_paged_metadata
         self.cuda_graphs = None
@@ -255,12 +263,18 @@ class ModelRunner:
         sample_reqs: list[Request] = []
         prompt_rows: dict[str, tuple[int, int, int]] = {}  # req -> (row0, pos0, count)
         score_rows: dict[str, tuple[int, int, int]] = {}  # req -> (row0, pos0, count)
+        spec_rows: dict[str, tuple[int, int]] = {}  # req -> (first verified row, k)
         row = 0
         for req, n in scheduled:
             start = req.num_computed_tokens
             seq_len = start + n
             table = block_tables[req.request_id]
-            input_ids.extend(req.all_token_ids[start:seq_len])
+            spec = req.spec_token_ids
+            total = req.num_tokens + len(spec)
+            if spec:  # a verification: the pending token, then the drafts
+                input_ids.extend((req.all_token_ids[start:] + spec)[:n])
+            else:
+                input_ids.extend(req.all_token_ids[start:seq_len])
             positions.extend(range(start, seq_len))
             slots.append(self.slot_mapping(torch.tensor(table, dtype=torch.int64),
                                            torch.arange(start, seq_len), bs))
@@ -273,13 +287,15 @@ class ModelRunner:
                 prefill_tables.append(table)
                 prefill_ns.append(n)
                 prefill_lens.append(seq_len)
-                prefill_totals.append(req.num_tokens)
+                prefill_totals.append(total)
             if req.params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
                 count = min(seq_len, req.num_prompt_tokens - 1) - start
                 prompt_rows[req.request_id] = (row, start, count)
             if req.score is not None:
                 score_rows[req.request_id] = (row, start, n)
-            if seq_len == req.num_tokens:
+            if spec and seq_len == total:
+                spec_rows[req.request_id] = (row + n - len(spec) - 1, len(spec))
+            elif seq_len == req.num_tokens:
                 logits_rows.append(row + n - 1)
                 sample_reqs.append(req)
             row += n
@@ -296,7 +312,7 @@ class ModelRunner:
                                  prefill_totals)]
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
-        return ids, pos_t, meta, logits_rows, sample_reqs, prompt_rows, score_rows
+        return ids, pos_t, meta, logits_rows, sample_reqs, prompt_rows, score_rows, spec_rows
 
     def _prefill_seq(self, row: int, table: list[int], n: int, seq_len: int,
                      num_tokens: Optional[int] = None) -> PrefillSeq:
@@ -485,7 +501,7 @@ class ModelRunner:
         """
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(scheduled):
             return self._execute_graph_decode([req for req, _ in scheduled], block_tables)
-        ids, pos, meta, logits_rows, sample_reqs, prompt_rows, score_rows = \
+        ids, pos, meta, logits_rows, sample_reqs, prompt_rows, score_rows, spec_rows = \
             self._prepare(scheduled, block_tables)
         hidden = self.model(ids, pos, meta)
         out = ModelRunnerOutput()
@@ -495,6 +511,9 @@ class ModelRunner:
             # A row holds NaN/inf iff its sum does (finite logits cannot overflow a sum
             # of 1e5 float32 terms); cheaper than isfinite over [rows, vocab].
             self._sample(out, logits, torch.isfinite(logits.sum(dim=-1)), sample_reqs, bad_ids)
+        if spec_rows:
+            self._verify(out, hidden, [r for r, _ in scheduled if r.request_id in spec_rows],
+                         spec_rows, bad_ids)
         for req, _ in scheduled:
             if req.request_id in prompt_rows:
                 row0, pos0, count = prompt_rows[req.request_id]
@@ -513,6 +532,80 @@ class ModelRunner:
                     bad_ids.add(req.request_id)
         out.nonfinite_request_ids = sorted(bad_ids)
         return out
+
+    def _verify(self, out: ModelRunnerOutput, hidden: torch.Tensor, reqs: list[Request],
+                spec_rows: dict[str, tuple[int, int]], bad_ids: set[str]) -> None:
+        """Verify draft tokens (speculative decoding; vLLM: ``RejectionSampler``).
+
+        Each request in ``reqs`` ran its pending token and its k drafts as one chunk
+        (like a prefill chunk with context); its k + 1 rows from ``spec_rows[id][0]`` on
+        go through the LM head: logits [k + 1, vocab] float32, row j scoring the sequence
+        extended by drafts 0..j-1. Rows below ``min_tokens`` get EOS/stop ids masked as
+        the sampler does. Greedy requests pass the rows' argmax to the
+        "rejection_sampler" step; random ones pass p = softmax(top_k_top_p(logits / T))
+        (the "sampler.top_k_top_p" step), the draft's q (``request.draft_probs``, None for
+        n-gram drafts) and the request's generator. Results go to ``out.spec_outputs``;
+        requests with NaN/inf logits to ``bad_ids``.
+
+        Raises:
+            ValueError: a swapped step returned something other than 1 to k + 1 token
+                ids in [0, vocab).
+        """
+        idx = []
+        for r in reqs:
+            r0, k = spec_rows[r.request_id]
+            idx.extend(range(r0, r0 + k + 1))
+        logits = self._compute_logits(hidden[idx]).float()
+        finite = torch.isfinite(logits.sum(dim=-1)).tolist()
+        V = logits.shape[1]
+        off = 0
+        for r in reqs:
+            k = spec_rows[r.request_id][1]
+            rows = logits[off:off + k + 1]
+            ok = all(finite[off:off + k + 1])
+            off += k + 1
+            if not ok:
+                bad_ids.add(r.request_id)
+                continue
+            p = r.params
+            if r.num_output_tokens < p.min_tokens:
+                block = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
+                if block:
+                    rows = rows.clone()
+                    for j in range(k + 1):
+                        if r.num_output_tokens + j < p.min_tokens:
+                            rows[j, block] = float("-inf")
+            if p.temperature < 1e-5:
+                toks = self.rejection_sampler(list(r.spec_token_ids), None, None,
+                                              rows.argmax(dim=-1).tolist(), None)
+            else:
+                dev = rows.device
+                sub = self.sampler.top_k_top_p(
+                    rows / p.temperature,
+                    torch.full((k + 1,), p.top_k, dtype=torch.int64, device=dev)
+                    if p.top_k > 0 else None,
+                    torch.full((k + 1,), p.top_p, device=dev) if p.top_p < 1.0 else None)
+                probs = torch.softmax(sub, dim=-1)
+                toks = self.rejection_sampler(list(r.spec_token_ids), r.draft_probs, probs, None,
+                                              self.request_generator(r))
+            if isinstance(toks, torch.Tensor):
+                toks = toks.tolist()
+            toks = list(toks)
+            if not 1 <= len(toks) <= k + 1 or any(
+                    isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < V for t in toks):
+                raise ValueError(f"the rejection_sampler step returned {toks!r:.120} for "
+                                 f"{k} drafts; expected 1 to {k + 1} token ids in [0, {V})")
+            out.spec_outputs[r.request_id] = toks
+
+    def request_generator(self, r: Request) -> torch.Generator:
+        """The generator of a random request's draws: its own (seeded) one, created on
+        first use, or the engine's."""
+        if r.params.seed is None:
+            return self.sampler.generator
+        if r.generator is None:
+            r.generator = torch.Generator(device=self.device)
+            r.generator.manual_seed(r.params.seed)
+        return r.generator
 
     # A chunk of at least this many rows runs the LM head of ``LLM.score(positions=)``
     # on at least this many rows (see _score_rows).

@@ -10,6 +10,9 @@ will see them from ``vllm serve``:
   ``vllm:prefix_cache_hits_total`` (tokens), ``vllm:prompt_tokens_total``,
   ``vllm:generation_tokens_total``, ``vllm:request_success_total{finished_reason}``,
   ``vllm:corrupted_requests_total`` (requests whose logits held NaN/inf)
+* with ``speculative_config`` only (as vLLM, which registers them only then):
+  ``vllm:spec_decode_num_drafts_total``, ``vllm:spec_decode_num_draft_tokens_total``,
+  ``vllm:spec_decode_num_accepted_tokens_total``
 * histograms ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
   ``vllm:e2e_request_latency_seconds``
 
@@ -66,6 +69,8 @@ class ServerMetrics:
         self.ttft = latency("vllm:time_to_first_token_seconds", "Time to first token.")
         self.itl = latency("vllm:inter_token_latency_seconds", "Time between tokens.")
         self.e2e = latency("vllm:e2e_request_latency_seconds", "Arrival to finish.")
+        self._metric = metric
+        self.spec = None  # speculative-decoding counters, created on the first step that has them
         self.model_name = model_name
         self.log_interval_s = log_interval_s
         self._last = {"preemptions": 0, "queries": 0, "hits": 0, "prompt": 0, "gen": 0,
@@ -91,6 +96,8 @@ class ServerMetrics:
             delta = now_vals[key] - self._last[key]
             if delta > 0:
                 counter.inc(delta)
+        if getattr(eng, "speculative_config", None) is not None:
+            self._spec_step(st)
         self._log_gen += max(0, now_vals["gen"] - self._last["gen"])
         self._log_prompt += max(0, now_vals["prompt"] - self._last["prompt"])
         self._last = now_vals
@@ -114,6 +121,19 @@ class ServerMetrics:
             if m.get("finish_time") is not None:
                 self.e2e.observe(m["finish_time"] - m["arrival_time"])
         self.maybe_log(async_llm)
+
+    def _spec_step(self, st) -> None:
+        """vLLM's ``SpecDecodingProm`` counters, from the engine's totals."""
+        names = (("spec_decode_num_drafts", "Verifications run (one per request and step)."),
+                 ("spec_decode_num_draft_tokens", "Draft tokens verified."),
+                 ("spec_decode_num_accepted_tokens", "Draft tokens accepted."))
+        if self.spec is None:
+            self.spec = {n: [self._metric(Counter, f"vllm:{n}", doc), 0] for n, doc in names}
+        for n, entry in self.spec.items():
+            now = getattr(st, n)
+            if now > entry[1]:
+                entry[0].inc(now - entry[1])
+            entry[1] = now
 
     def maybe_log(self, async_llm, force: bool = False) -> None:
         """The periodic stats line (vLLM's ``LoggingStatLogger``)."""
