@@ -68,6 +68,44 @@ def baseline(llm):
     return base
 
 
+# Speculative-decoding steps (chapter 21) run only in an engine built with
+# speculative_config, on requests it speculates for (no logprobs or penalties).
+SPEC_STEPS = ("rejection_sampler", "spec_decode.ngram")
+SPEC_PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [1, 1, 1, 1, 1, 1, 1], [10, 20, 30, 10, 20, 30]]
+
+
+def spec_workload(llm: LLM) -> dict:
+    assert llm.llm_engine.kv_cache_manager.reset_prefix_cache()
+    before = llm.stats.spec_decode_num_drafts
+    outs = llm.generate(SPEC_PROMPTS, [SamplingParams(temperature=0, max_tokens=14),
+                                       SamplingParams(temperature=0.8, seed=3, max_tokens=14),
+                                       SamplingParams(temperature=0, max_tokens=14)])
+    assert llm.stats.spec_decode_num_drafts > before
+    return {"gen": [o.outputs[0].token_ids for o in outs], "rows": []}
+
+
+@pytest.fixture(scope="module")
+def spec_llm(tiny_model_dir):
+    return LLM(str(tiny_model_dir), dtype="float32", block_size=4, num_gpu_blocks_override=12,
+               max_model_len=40, seed=0,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                   "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+
+
+@pytest.fixture(scope="module")
+def spec_baseline(spec_llm):
+    base = spec_workload(spec_llm)
+    assert same(base, spec_workload(spec_llm))
+    return base
+
+
+def _engine_for(name, request, llm, baseline):
+    if name in SPEC_STEPS:
+        return request.getfixturevalue("spec_llm"), request.getfixturevalue("spec_baseline"), \
+            spec_workload
+    return llm, baseline, workload
+
+
 def counting(fn):
     def wrapper(*args, **kwargs):
         wrapper.calls += 1
@@ -77,7 +115,8 @@ def counting(fn):
 
 
 @pytest.mark.parametrize("name", list(STEPS))
-def test_reference_swap_is_bit_identical_and_restored(llm, baseline, name):
+def test_reference_swap_is_bit_identical_and_restored(llm, baseline, name, request):
+    llm, baseline, workload = _engine_for(name, request, llm, baseline)
     spy = counting(reference(name))
     with llm.swap_step(name, spy):
         got = workload(llm)
@@ -89,7 +128,8 @@ def test_reference_swap_is_bit_identical_and_restored(llm, baseline, name):
 
 
 @pytest.mark.parametrize("name", list(STEPS))
-def test_restored_after_an_exception(llm, baseline, name):
+def test_restored_after_an_exception(llm, baseline, name, request):
+    llm, baseline, workload = _engine_for(name, request, llm, baseline)
     spy = counting(reference(name))
     with pytest.raises(RuntimeError, match="inside"):
         with llm.swap_step(name, spy):
