@@ -320,13 +320,25 @@ class Fp8Method(LinearMethod):
 
 
 def make_method(cfg: QuantConfig) -> LinearMethod:
+    """The linear method for ``cfg``: a built-in one, or the class registered under
+    ``cfg.method`` (:func:`minivllm.quantization.register_quantization_method`).
+
+    Raises:
+        ValueError: no method of that name (the message lists the known ones).
+    """
+    from minivllm.quantization import quantization_methods, registered_method_class
+
     if cfg.method == "int8":
         return Int8Method(cfg)
     if cfg.method in ("int4", "awq", "gptq"):
         return Int4Method(cfg)
     if cfg.method == "fp8":
         return Fp8Method(cfg)
-    raise ValueError(f"Unknown quantization method {cfg.method!r}")
+    cls = registered_method_class(cfg.method)
+    if cls is not None:
+        return cls(cfg)
+    raise ValueError(f"Unknown quantization method {cfg.method!r}; known: "
+                     f"{', '.join(quantization_methods())}")
 
 
 class QuantLinear(nn.Module):

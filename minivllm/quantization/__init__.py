@@ -24,6 +24,46 @@ fp8      W8A8: e4m3 weights per tensor or per channel; e4m3      granularity ("t
          token (dynamic), fp32 accumulation                      ("dynamic")
 ======== ====================================================== ==========================
 
+Options every method accepts:
+
+* ``ignore``: decoder linear layers to leave unquantized (float, bit-equal to the
+  unquantized engine's), in llm-compressor's / compressed-tensors' convention: each entry
+  is a module name (``"layers.0.mlp.down_proj"``, also with HF's ``"model."`` prefix) or
+  a regular expression prefixed ``"re:"`` (``"re:.*layers\\.1[0-9]\\..*"``), matched
+  from the start of the name (``re.match``). Checkpoint shard names address the fused
+  layers: ``q_proj``/``k_proj``/``v_proj`` for ``qkv_proj`` and ``gate_proj``/``up_proj``
+  for ``gate_up_proj``; a fused layer is ignored when all its shards are, and it is an
+  error when only some are (vLLM's ``should_ignore_layer`` requires the same, since a
+  fused layer has one scheme). An entry that names no module of the model is an error
+  (a typo would otherwise quantize the layer silently); ``"lm_head"`` and
+  ``"model.embed_tokens"``, common in llm-compressor recipes, are accepted and change
+  nothing, since those stay float anyway.
+
+Your own method (vLLM's ``@register_quantization_config`` idea, in
+``vllm/model_executor/layers/quantization/__init__.py``): subclass
+:class:`minivllm.layers.linear.LinearMethod` and register it by name::
+
+    from minivllm.layers.linear import LinearMethod
+    from minivllm.quantization import register_quantization_method
+
+    @register_quantization_method("my_int8", options={"granularity": "channel"})
+    class MyInt8(LinearMethod):
+        def quantize(self, weight, stats=None): ...     # -> {"qweight": ..., "weight_scale": ...}
+        def dequantize(self, t): ...                    # -> float32 [out, in]
+        def expected(self, out_features, in_features): ...
+
+    LLM(quantization="my_int8", quantization_config={"granularity": "tensor"})
+
+``options`` are the method's option names and defaults; ``quantization_config`` may set
+them (and ``ignore``), nothing else. Options named like a :class:`QuantConfig` field
+(``granularity``, ``group_size``, ...) are checked as the built-in methods check them and
+read as ``cfg.granularity``; other names are read with ``cfg.option(name)``. Registered
+methods get no calibration data (``stats`` is None). Differences from vLLM: vLLM
+registers a ``QuantizationConfig`` (which then hands out a ``LinearMethodBase`` per
+layer); here the linear method itself is registered, since one config class serves every
+method. vLLM refuses any name already registered; here a built-in name is refused and a
+registered one can be replaced with ``replace=True`` (a notebook cell run twice).
+
 awq, gptq and fp8 with static activation scales need calibration data: by default the
 bundled chat conversations (``calibration="conversations"``, ``calibration_tokens``
 4096), which are not the corpus or QA sets the benchmarks evaluate on.
@@ -42,6 +82,7 @@ KV cache: see :mod:`minivllm.quantization.kv_cache`.
 from __future__ import annotations
 
 import numbers
+import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -64,6 +105,72 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 }
 _CALIBRATED = {"awq", "gptq"}
 _CALIB_DEFAULTS = {"calibration": "conversations", "calibration_tokens": 4096}
+# Methods registered with register_quantization_method: name -> (class, option defaults).
+_REGISTERED: dict[str, tuple[type, dict[str, Any]]] = {}
+
+
+def quantization_methods() -> tuple[str, ...]:
+    """Every method ``quantization=`` accepts now: the built-in ones, then the registered."""
+    return QUANTIZATION_METHODS + tuple(_REGISTERED)
+
+
+def register_quantization_method(name: str, method_cls: Optional[type] = None, *,
+                                 options: Optional[dict] = None, replace: bool = False):
+    """Register a linear method under ``name`` so ``LLM(quantization=name)`` uses it.
+
+    Use as a decorator (``@register_quantization_method("my_int8")``) or call it with
+    the class. See the module docstring for an example and how this differs from vLLM's
+    ``register_quantization_config``.
+
+    Args:
+        name: the ``quantization=`` value, a non-empty string; not a built-in method.
+        method_cls: a subclass of :class:`minivllm.layers.linear.LinearMethod`
+            implementing ``quantize``, ``dequantize`` (weight-only) and ``expected``.
+        options: the method's option names and their defaults (``quantization_config``
+            may set these and ``ignore``). Names of :class:`QuantConfig` fields are
+            validated like the built-in methods' options.
+        replace: allow replacing a method registered earlier under ``name``.
+    Returns:
+        ``method_cls`` (a decorator when it is None).
+    Raises:
+        ValueError: a built-in or already registered name (without ``replace``), a name
+            that is not a non-empty string, options that are not a dict of str keys or
+            that include ``ignore``.
+        TypeError: ``method_cls`` is not a LinearMethod subclass.
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"a quantization method name must be a non-empty string, got {name!r}")
+    if name in QUANTIZATION_METHODS:
+        raise ValueError(f"{name!r} is a built-in quantization method "
+                         f"({', '.join(QUANTIZATION_METHODS)}); register yours under another name")
+    if name in _REGISTERED and not replace:
+        raise ValueError(f"quantization method {name!r} is already registered "
+                         f"({_REGISTERED[name][0].__name__}); pass replace=True to replace it")
+    opts = dict(options or {})
+    if options is not None and not isinstance(options, dict):
+        raise ValueError(f"options must be a dict of option names and defaults, got {options!r}")
+    bad = [k for k in opts if not isinstance(k, str) or k == "ignore"]
+    if bad:
+        raise ValueError(f"option names must be strings other than 'ignore' (every method "
+                         f"accepts ignore), got {bad}")
+    _check_options(name, opts)
+
+    def wrap(cls):
+        from minivllm.layers.linear import LinearMethod
+
+        if not (isinstance(cls, type) and issubclass(cls, LinearMethod)):
+            raise TypeError(f"register_quantization_method({name!r}) needs a subclass of "
+                            f"minivllm.layers.linear.LinearMethod, got {cls!r}")
+        _REGISTERED[name] = (cls, opts)
+        return cls
+
+    return wrap if method_cls is None else wrap(method_cls)
+
+
+def registered_method_class(name: str) -> Optional[type]:
+    """The class registered under ``name``, or None (built-in or unknown)."""
+    entry = _REGISTERED.get(name)
+    return None if entry is None else entry[0]
 
 
 @dataclass(frozen=True)
@@ -82,20 +189,49 @@ class QuantConfig:
     activation_scheme: str = "dynamic"
     calibration: str = "conversations"
     calibration_tokens: int = 4096
+    # Layers left unquantized (module names or "re:" patterns; see the module docstring).
+    ignore: tuple[str, ...] = ()
+    # A registered method's options that are not fields above: ((name, value), ...).
+    extra: tuple[tuple[str, Any], ...] = ()
 
     @property
     def needs_calibration(self) -> bool:
         return self.method in _CALIBRATED or (
             self.method == "fp8" and self.activation_scheme == "static")
 
+    def option(self, name: str) -> Any:
+        """One option's value (a field, or a registered method's own option).
+
+        Raises:
+            KeyError: the method has no such option.
+        """
+        extra = dict(self.extra)
+        if name in extra:
+            return extra[name]
+        if name in self.options():
+            return getattr(self, name)
+        raise KeyError(f"quantization={self.method!r} has no option {name!r}; it has "
+                       f"{sorted(self.options())}")
+
     def options(self) -> dict[str, Any]:
-        """The options that apply to this method (for reports and saved checkpoints)."""
-        keys = list(_DEFAULTS[self.method])
-        if self.needs_calibration:
-            keys += list(_CALIB_DEFAULTS)
-        return {k: getattr(self, k) for k in keys}
+        """The options that apply to this method (for reports and saved checkpoints);
+        ``ignore`` only when it is not empty."""
+        if self.method in _DEFAULTS:
+            keys = list(_DEFAULTS[self.method])
+            if self.needs_calibration:
+                keys += list(_CALIB_DEFAULTS)
+            out = {k: getattr(self, k) for k in keys}
+        else:
+            extra = dict(self.extra)
+            registered = _REGISTERED[self.method][1] if self.method in _REGISTERED else {}
+            out = {k: extra[k] if k in extra else getattr(self, k) for k in registered}
+        if self.ignore:
+            out["ignore"] = list(self.ignore)
+        return out
 
     def label(self) -> str:
+        if self.method not in _DEFAULTS:
+            return self.method
         o = self.options()
         if self.method == "int8":
             return f"int8-{o['granularity']}"
@@ -117,21 +253,30 @@ def parse_quantization(method: Optional[str], options: Optional[dict]) -> Option
         if options:
             raise ValueError("quantization_config was given without quantization")
         return None
-    if not isinstance(method, str) or method not in _DEFAULTS:
-        raise ValueError(f"Unknown quantization {method!r}; allowed: "
-                         f"{', '.join(QUANTIZATION_METHODS)} (or None)")
-    allowed = dict(_DEFAULTS[method])
+    if not isinstance(method, str) or (method not in _DEFAULTS and method not in _REGISTERED):
+        registered = (f"registered: {', '.join(_REGISTERED)}" if _REGISTERED else
+                      "none registered (minivllm.quantization.register_quantization_method)")
+        raise ValueError(f"Unknown quantization {method!r}; allowed: built-in "
+                         f"{', '.join(QUANTIZATION_METHODS)}; {registered} (or None)")
+    registered_opts = _REGISTERED[method][1] if method in _REGISTERED else None
+    allowed = dict(_DEFAULTS[method]) if registered_opts is None else dict(registered_opts)
     if method in _CALIBRATED or method == "fp8":
         allowed.update(_CALIB_DEFAULTS)
     if options is not None and not isinstance(options, dict):
         raise ValueError(f"quantization_config must be a dict of options, got {options!r}")
     options = dict(options or {})
+    ignore = _check_ignore(options.pop("ignore", ()))
     unknown = sorted((str(k) for k in set(options) - set(allowed)))
     if unknown:
         raise ValueError(f"Unknown quantization_config option(s) {unknown} for quantization="
-                         f"{method!r}; allowed: {sorted(allowed)}")
+                         f"{method!r}; allowed: {sorted(allowed) + ['ignore']}")
     values = {**allowed, **options}
     _check_options(method, values)
+    if registered_opts is not None:
+        fields = set(QuantConfig.__dataclass_fields__) - {"method", "ignore", "extra"}
+        extra = tuple(sorted((k, v) for k, v in values.items() if k not in fields))
+        values = {k: v for k, v in values.items() if k in fields}
+        values.update(extra=extra)
     if method == "fp8" and values["activation_scheme"] == "dynamic":
         given = sorted(set(options) & set(_CALIB_DEFAULTS))
         if given:
@@ -142,7 +287,26 @@ def parse_quantization(method: Optional[str], options: Optional[dict]) -> Option
             values[name] = int(values[name])  # numpy integers -> int
     if "percdamp" in values:
         values["percdamp"] = float(values["percdamp"])
-    return QuantConfig(method=method, **values)
+    return QuantConfig(method=method, ignore=ignore, **values)
+
+
+def _check_ignore(ignore) -> tuple[str, ...]:
+    """``ignore`` as a tuple of non-empty strings, every "re:" entry a valid pattern."""
+    if isinstance(ignore, (str, bytes)) or not isinstance(ignore, (list, tuple)):
+        raise ValueError("quantization_config['ignore'] must be a list of module names or "
+                         f"'re:' patterns, e.g. ['layers.0.mlp.down_proj', 're:.*o_proj'], "
+                         f"got {ignore!r}")
+    for entry in ignore:
+        if not isinstance(entry, str) or not entry or entry == "re:":
+            raise ValueError(f"quantization_config['ignore'] entries must be non-empty "
+                             f"strings, got {entry!r}")
+        if entry.startswith("re:"):
+            try:
+                re.compile(entry[3:])
+            except re.error as e:
+                raise ValueError(f"quantization_config['ignore'] entry {entry!r} is not a valid "
+                                 f"regular expression: {e}") from None
+    return tuple(ignore)
 
 
 def _check_options(method: str, o: dict) -> None:

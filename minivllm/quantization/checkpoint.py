@@ -7,6 +7,11 @@ Format (version 1), an HF-style folder:
       "quantization_config": {"quant_method": "minivllm", "format_version": 1,
                               "method": "gptq", "options": {"group_size": 128, ...}}
 
+  (``options`` holds ``ignore`` when layers were left unquantized; those layers are
+  stored as float weights under their fused names, ``...qkv_proj.weight``. A method
+  registered with ``register_quantization_method`` must be registered again, under the
+  same name, before such a folder loads.)
+
 * ``model.safetensors``:
 
   - float tensors under their HF names (``model.embed_tokens.weight``,
@@ -131,7 +136,7 @@ def load_quantized_weights(model, path: Path, quant: QuantConfig) -> None:
     from safetensors import safe_open
 
     from minivllm.layers.linear import QuantLinear, make_method
-    from minivllm.quantization.quantize import _replace, target_layers
+    from minivllm.quantization.quantize import _replace, ignored_layers, target_layers
 
     file = Path(path) / "model.safetensors"
     try:
@@ -140,7 +145,10 @@ def load_quantized_weights(model, path: Path, quant: QuantConfig) -> None:
     except Exception as e:  # missing, truncated or not safetensors
         raise ValueError(f"cannot read {file}: {type(e).__name__}: {e}") from None
     method = make_method(quant)
+    skip = ignored_layers(model, quant.ignore)  # saved as float weights, loaded below
     for name, lin in target_layers(model).items():
+        if name in skip:
+            continue
         prefix = f"model.{name}."
         tensors = {k[len(prefix):]: stored.pop(k) for k in list(stored) if k.startswith(prefix)}
         bias = tensors.pop("bias", None)

@@ -17,6 +17,7 @@ Calibration:
 from __future__ import annotations
 
 import logging
+import re
 from typing import Optional
 
 import torch
@@ -41,6 +42,75 @@ def target_layers(model) -> dict[str, Linear]:
     return out
 
 
+# Checkpoint (unfused) shard names of the fused layers, as vLLM's fused mapping has them.
+FUSED_SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _entry_matches(entry: str, name: str) -> bool:
+    """compressed-tensors' rule (vLLM ``compressed_tensors/utils.py``: ``should_ignore_layer``,
+    ``_is_equal_or_regex_match``): a "re:" entry matches with ``re.match`` (anchored at the
+    start, not the end); any other entry matches the exact name."""
+    if entry.startswith("re:"):
+        return re.match(entry[3:], name) is not None
+    return entry == name
+
+
+def _spellings(name: str) -> tuple[str, str]:
+    """A module name as the engine spells it and as the HF checkpoint does ("model.")."""
+    return (name, name if name == "lm_head" else f"model.{name}")
+
+
+def ignored_layers(model, ignore) -> set[str]:
+    """The decoder linear layers (names as in :func:`target_layers`) that ``ignore``
+    leaves unquantized; see :mod:`minivllm.quantization` for the convention.
+
+    A fused layer (``qkv_proj``, ``gate_up_proj``) is ignored when an entry matches its
+    fused name, or when entries match all of its shards (``q_proj``, ``k_proj``,
+    ``v_proj``; ``gate_proj``, ``up_proj``).
+
+    Raises:
+        ValueError: entries match some shards of a fused layer but not all (it has one
+            scheme); an entry that matches no module of the model (a typo would quantize
+            the layer silently); the message gives example names.
+    """
+    if not ignore:
+        return set()
+    # "lm_head" is a name even when the head is tied to the embeddings (no module)
+    names = [n for n, _ in model.named_modules() if n] + ["lm_head"]
+    used: set[str] = set()
+
+    def hits(name: str) -> list[str]:
+        found = [e for e in ignore if any(_entry_matches(e, s) for s in _spellings(name))]
+        used.update(found)
+        return found
+
+    for n in names:      # embeddings, norms, lm_head...: accepted, they stay float anyway
+        hits(n)
+    out = set()
+    for name in target_layers(model):
+        proj = name.rsplit(".", 1)[-1]
+        if hits(name):
+            out.add(name)
+            continue
+        shards = [name[:-len(proj)] + s for s in FUSED_SHARDS.get(proj, ())]
+        shard_hits = [bool(hits(s)) for s in shards]
+        if any(shard_hits) and not all(shard_hits):
+            some = [s for s, h in zip(shards, shard_hits) if h]
+            raise ValueError(f"quantization_config['ignore'] ignores {some} but not all shards "
+                             f"of the fused layer {name} ({', '.join(shards)}); a fused layer "
+                             "has one scheme: ignore all of its shards or none (or name "
+                             f"{name!r} itself)")
+        if shards and all(shard_hits):
+            out.add(name)
+    unused = [e for e in ignore if e not in used]
+    if unused:
+        raise ValueError(f"quantization_config['ignore'] entries {unused} match no module of "
+                         f"the model; names look like 'layers.0.mlp.down_proj' (or "
+                         f"'model.layers.0.mlp.down_proj', shards 'layers.0.self_attn.q_proj', "
+                         f"'layers.0.mlp.up_proj'), patterns like 're:.*\\.o_proj'")
+    return out
+
+
 def _replace(model, name: str, new) -> None:
     parent_name, _, attr = name.rpartition(".")
     setattr(model.get_submodule(parent_name), attr, new)
@@ -49,7 +119,8 @@ def _replace(model, name: str, new) -> None:
 @torch.inference_mode()
 def quantize_model(model, cfg: QuantConfig, calibration_ids: Optional[list[list[int]]] = None,
                    device="cpu", progress: bool = True) -> None:
-    """Quantize every decoder linear layer of ``model`` (float32 weights) in place.
+    """Quantize every decoder linear layer of ``model`` (float32 weights) in place, except
+    those ``cfg.ignore`` names (:func:`ignored_layers`), which stay as loaded.
 
     Args:
         model: our LlamaForCausalLM, weights loaded, rotary tables set.
@@ -61,7 +132,8 @@ def quantize_model(model, cfg: QuantConfig, calibration_ids: Optional[list[list[
     method = make_method(cfg)
     if cfg.needs_calibration and not calibration_ids:
         raise ValueError(f"quantization={cfg.method!r} needs calibration sequences")
-    targets = target_layers(model)
+    skip = ignored_layers(model, cfg.ignore)  # left float, as loaded
+    targets = {n: m for n, m in target_layers(model).items() if n not in skip}
     bar = tqdm(total=len(targets), desc=f"quantizing ({cfg.label()})", unit="layer",
                disable=not progress)
     if cfg.method in ("awq", "gptq"):
