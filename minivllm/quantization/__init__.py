@@ -256,8 +256,8 @@ def parse_quantization(method: Optional[str], options: Optional[dict]) -> Option
     if not isinstance(method, str) or (method not in _DEFAULTS and method not in _REGISTERED):
         registered = (f"registered: {', '.join(_REGISTERED)}" if _REGISTERED else
                       "none registered (minivllm.quantization.register_quantization_method)")
-        raise ValueError(f"Unknown quantization {method!r}; allowed: built-in "
-                         f"{', '.join(QUANTIZATION_METHODS)}; {registered} (or None)")
+        raise ValueError(f"Unknown quantization {method!r}; allowed: "
+                         f"{', '.join(QUANTIZATION_METHODS)} (built-in); {registered}; or None")
     registered_opts = _REGISTERED[method][1] if method in _REGISTERED else None
     allowed = dict(_DEFAULTS[method]) if registered_opts is None else dict(registered_opts)
     if method in _CALIBRATED or method == "fp8":
