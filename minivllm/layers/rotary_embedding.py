@@ -2,7 +2,10 @@
 
 The cos/sin tables are computed in float32 from ``inv_freq = 1 / theta^(2i/d)`` and cast
 to the activation dtype, exactly as HF ``LlamaRotaryEmbedding`` does, so float32 results
-match transformers bit for bit. vLLM: ``vllm/model_executor/layers/rotary_embedding``.
+match transformers bit for bit. ``rope_scaling`` types linear, dynamic, llama3 and yarn
+change ``inv_freq`` (and, for yarn, scale cos/sin) as transformers' ``ROPE_INIT_FUNCTIONS``
+do (:func:`rope_inv_freq`; tests/test_rope_scaling.py compares them). vLLM:
+``vllm/model_executor/layers/rotary_embedding``. Course chapter 11.
 """
 
 from __future__ import annotations
