@@ -111,8 +111,12 @@ def resolve_auto_dtype(config_dtype: torch.dtype, supported: list[torch.dtype],
         return preferred
     if config_dtype in allowed:
         return config_dtype
-    logger.warning("The device does not support %s; dtype='auto' falls back to %s "
-                   "for compatibility", config_dtype, preferred)
+    if config_dtype in supported:  # supported by the device, excluded for the model type
+        logger.warning("Model type %r does not support %s; dtype='auto' falls back to %s",
+                       model_type, config_dtype, preferred)
+    else:
+        logger.warning("The device does not support %s; dtype='auto' falls back to %s "
+                       "for compatibility", config_dtype, preferred)
     return preferred
 
 

@@ -1,0 +1,505 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Chapter 12. Choosing dtype: auto, half, bfloat16, float32; fp32 checkpoints served in fp16
+#
+# **Learning goals.** After this chapter you can
+#
+# 1. say what vLLM's `dtype="auto"` picks for a checkpoint on a given device, including the
+#    case that surprises people: a **float32 checkpoint is served in 16 bits** (bfloat16 on
+#    CPUs and Ampere+ GPUs, float16 on older GPUs, float16 everywhere in vLLM before mid-2025);
+# 2. measure what each dtype costs on a real model (KL against float32, top-1 agreement, QA
+#    accuracy with intervals, speed) and read why float16 can be *more* accurate than
+#    bfloat16 on one model and produce nothing but NaN on another;
+# 3. tell range from precision: float16 has 3 more mantissa bits than bfloat16 but overflows
+#    at 65504; a model's activation peak decides which of the two wins;
+# 4. pick a safe dtype from a checkpoint's statistics (its activation peaks against each
+#    format's range), and check the choice on the engine.
+#
+# **The incidents, from public sources.**
+#
+# - **allenai/olmo-cookbook #60** (2025-05-07, <https://github.com/allenai/olmo-cookbook/issues/60>):
+#   OLMo 2 checkpoints stored in float32; vLLM printed `"!!!!!!!!"` where HF transformers was
+#   fine. HF run in float16 also gave `"!!!!"`, which pointed at the dtype: vLLM's
+#   `dtype="auto"` had served the float32 checkpoint in float16. Fix: serve in bf16 or fp32.
+# - **vllm PR #18340** (2025-05-19, <https://github.com/vllm-project/vllm/pull/18340>) quotes
+#   the rule of that time (`vllm/config.py`): "if config_dtype == torch.float32: # Following
+#   common practice, we use float16 for float32 models".
+# - **vllm PR #18751** "[Core] Rework dtype resolution" (2025-05-27,
+#   <https://github.com/vllm-project/vllm/pull/18751>): float32 models are now downcast to the
+#   platform's preferred dtype, "This means that models may be downcasted to bfloat16 instead
+#   of float16", and float16 is excluded for `gemma2`, `gemma3`, `plamo2`, `glm4` "because of
+#   reported numerical stability issues". This chapter's engine follows that rule, as read in
+#   `vllm/config/model.py` (`_resolve_auto_dtype`, `_get_and_verify_dtype`) at commit 18ec662
+#   of vLLM's main branch; where the rule changed, the old one is shown beside it.
+# - **huggingface/transformers #36822** (2025-03-19,
+#   <https://github.com/huggingface/transformers/issues/36822>): Gemma 3 in float16 gives empty
+#   output, correct in bfloat16: activations pass float16's 65504 (large RMSNorm weights).
+#   vLLM now refuses `--dtype float16` for Gemma 3 (`_FLOAT16_NOT_SUPPORTED_MODELS`).
+# - **The seed course** (002 §五) gives a dtype table: "auto 是合理起点" (auto is a reasonable
+#   starting point), "FP16 数值范围小…少数模型更容易溢出" (FP16's range is small, a few models
+#   overflow more easily), with bf16 as the safe default and fp32 rarely worth it; seed 003
+#   §1.5 recommends an fp32 KV cache for an fp16 model. Each claim is measured below.
+#
+# Everything below is measured when the notebook runs, on the embedded SmolLM2-135M-Instruct
+# with minivllm on this machine's CPU.
+
+# %%
+# %matplotlib inline
+import json
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from matplotlib.figure import Figure
+
+from minivllm import LLM, SamplingParams
+from minivllm.config import parse_dtype, resolve_auto_dtype, supported_dtypes
+from minivllm.precision import evalsets, metrics
+from minivllm.precision.faults import residual_scale_reparam
+from minivllm.precision.overflow import track_nonfinite
+
+torch.manual_seed(0)
+T0 = time.perf_counter()
+MODEL = "smollm2-135m-instruct"
+COMMON = dict(max_model_len=512, kv_cache_memory_bytes=48 << 20)
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+
+
+class Messages(logging.Handler):
+    """Keeps the engine's log messages (the dtype rule logs what it casts)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(f"{record.levelname}: {record.getMessage()}")
+
+
+log = logging.getLogger("minivllm")
+messages, old_level = Messages(), log.level
+log.addHandler(messages)
+log.setLevel(logging.INFO)
+engines, build_s = {}, {}
+for name in ["float32", "auto", "float16"]:
+    t = time.perf_counter()
+    engines[name] = LLM(MODEL, dtype=name, **COMMON)
+    build_s[name] = time.perf_counter() - t
+log.removeHandler(messages)
+log.setLevel(old_level)
+fp32, auto, fp16 = engines["float32"], engines["auto"], engines["float16"]
+tok = fp32.get_tokenizer()
+config = json.loads((Path(fp32.llm_engine.model_config.path) / "config.json").read_text())
+print(f"checkpoint: model_type={config['model_type']!r}, torch_dtype={config.get('torch_dtype')!r}")
+print(f"dtype='auto' on this CPU resolved to {auto.llm_engine.model_config.dtype}")
+print("the engine's log while building the three engines:", *messages.lines, sep="\n  ")
+
+# %% [markdown]
+# ## 1. What "auto" picks
+#
+# The embedded checkpoint is float32 (it was dequantized from a GGUF file and saved in
+# float32). On this CPU, `dtype="auto"` serves it in **bfloat16**, and says so only at INFO
+# level ("Downcasting"). The rule (`minivllm/config.py:resolve_auto_dtype`, vLLM's
+# `_resolve_auto_dtype`):
+#
+# 1. a **float32** checkpoint is downcast to the platform's *preferred* dtype, the first of
+#    its supported list: bfloat16 on CPUs and on GPUs of compute capability >= 8.0, float16
+#    on older GPUs (T4, V100), which have no bfloat16;
+# 2. a float16 or bfloat16 checkpoint keeps its dtype if the platform supports it;
+# 3. otherwise (bfloat16 on a T4) the preferred dtype, with a warning;
+# 4. for `gemma2`, `gemma3`, `gemma3_text`, `plamo2`, `glm4`, float16 is struck from the list
+#    first (and an explicit `dtype="half"` is an error).
+#
+# Explicit names: `"half"`/`"float16"`, `"bfloat16"`, `"float"`/`"float32"`, in any case;
+# anything else is an error listing those. A cast between the two 16-bit formats logs a
+# **warning** ("Casting torch.bfloat16 to torch.float16."), a downcast from or an upcast to
+# float32 only an INFO line. The table applies the engine's rule (with the platform's list
+# passed in, `parse_dtype(..., supported=...)`) next to vLLM's rule before PR #18751 on a
+# GPU, where every float32 checkpoint went to float16:
+
+# %%
+PLATFORMS = {"CPU (x86/aarch64)": supported_dtypes("cpu"),
+             "GPU, compute capability >= 8.0": [BF16, F16, F32],
+             "GPU, compute capability < 8.0 (T4, V100)": [F16, F32]}
+
+
+def old_rule_gpu(config_dtype, supported):
+    """vLLM before PR #18751 on a GPU (the rule quoted in PR #18340): float32 -> float16;
+    a 16-bit checkpoint keeps its dtype (bfloat16 on a pre-Ampere GPU was an error)."""
+    if config_dtype == F32:
+        return F16
+    return config_dtype if config_dtype in supported else "error"
+
+
+def short(d):
+    return {F32: "float32", F16: "float16", BF16: "bfloat16"}.get(d, str(d))
+
+
+log.setLevel(logging.ERROR)  # the fallback warnings of the table's rows: one example below
+print("| checkpoint | model_type | platform | auto (vLLM >= PR #18751, this engine) | "
+      "auto before PR #18751 (GPU) |\n|---|---|---|---|---|")
+for ckpt, model_type in [(F32, "llama"), (F32, "gemma3"), (BF16, "llama"), (F16, "gemma3")]:
+    for plat, supported in PLATFORMS.items():
+        now = short(parse_dtype("auto", ckpt, supported=supported, model_type=model_type))
+        old = "-" if plat.startswith("CPU") else short(old_rule_gpu(ckpt, supported))
+        if old == "error":
+            old = "error (bfloat16 needs compute capability >= 8.0)"
+        if model_type == "gemma3" and old == "float16":
+            old += " (overflows, transformers #36822)"
+        print(f"| {short(ckpt)} | {model_type} | {plat} | {now} | {old} |")
+log.setLevel(old_level)
+
+messages.lines.clear()
+log.addHandler(messages)
+parse_dtype("half", BF16)            # a bfloat16 checkpoint served in float16
+parse_dtype("auto", BF16, supported=PLATFORMS["GPU, compute capability < 8.0 (T4, V100)"])
+log.removeHandler(messages)
+print("\nthe messages for a bfloat16 checkpoint with dtype='half', then 'auto' on a T4:",
+      *messages.lines, sep="\n  ")
+
+for name in ["half", "BFloat16", "fp16"]:
+    try:
+        print(f"dtype={name!r} -> {short(parse_dtype(name, F32))}")
+    except ValueError as e:
+        print(f"dtype={name!r} -> ValueError: {e}")
+try:
+    parse_dtype("half", BF16, model_type="gemma3")
+except ValueError as e:
+    print(f"dtype='half' for a gemma3 checkpoint -> ValueError: {e}")
+
+# %% [markdown]
+# The OLMo incident's path is in the table: a float32 checkpoint on any GPU before PR
+# #18751, or on a pre-Ampere GPU today, is served in **float16**. (vLLM's CPU backend of that
+# era then turned float16 into bfloat16 with a warning, vllm #12794, so on a CPU the old rule
+# ended in bfloat16 too.)
+#
+# ## 2. What each dtype costs on the embedded model
+#
+# Teacher-forced scoring of 4 corpus windows of 32 tokens (128 positions; the windows are the
+# clusters of the bootstrap interval, chapter 4) and greedy answers to 8 short questions.
+# The float32 engine is the reference; while it scores, a forward hook on every decoder
+# layer records the **peak |x| of the residual stream** (the layer's output), the number
+# that decides whether float16 can hold this model.
+
+# %%
+seqs = evalsets.corpus_sequences(tok, seq_len=32, max_sequences=4)
+qa = evalsets.load_qa()[:8]
+qa_prompts = [tok.encode(tok.apply_chat_template(evalsets.qa_prompt(q.question), tokenize=False,
+                                                 add_generation_prompt=True),
+                         add_special_tokens=False) for q in qa]
+greedy = SamplingParams(temperature=0.0, max_tokens=8)
+n_layers = len(fp32.llm_engine.model_runner.model.layers)
+
+
+def residual_peaks(llm, token_lists):
+    """Score token_lists; return (logit rows, peak |residual| per decoder layer)."""
+    peaks = torch.zeros(n_layers)
+    layers = llm.llm_engine.model_runner.model.layers
+
+    def hook(i):
+        def record(module, args, out):
+            peaks[i] = max(float(peaks[i]), float(out.detach().abs().max()))
+        return record
+
+    handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(layers)]
+    try:
+        rows = llm.score(token_lists, output="logits")
+    finally:
+        for h in handles:
+            h.remove()
+    return rows, peaks
+
+
+RUNS, TIMES = {}, {}
+
+
+def run(name, llm, c=1, answers_from=None):
+    """Score the windows and answer the questions with `llm`, the residual scaled by c.
+    answers_from: take the answers of that run instead of generating (for a run whose
+    logits are checked to be bit for bit that run's: greedy answers are then the same)."""
+    with residual_scale_reparam(llm, c), track_nonfinite(llm) as counts:
+        t = time.perf_counter()
+        rows, peaks = residual_peaks(llm, seqs)
+        TIMES[name] = time.perf_counter() - t
+        before = llm.llm_engine.stats.num_corrupted_requests
+        if answers_from is None:
+            outs = [o.outputs[0] for o in llm.generate(qa_prompts, greedy)]
+        else:
+            assert all(torch.equal(a, b) for a, b in zip(rows, RUNS[answers_from]["rows"]))
+            outs = RUNS[answers_from]["outs"]
+        corrupted = llm.llm_engine.stats.num_corrupted_requests - before
+    RUNS[name] = dict(rows=rows, peaks=peaks, outs=outs, corrupted=corrupted,
+                      first_nonfinite=counts.first())
+    return RUNS[name]
+
+
+def drift(name):
+    r, ref = RUNS[name], RUNS["float32"]
+    kl = [metrics.kl_divergence(a, b).numpy() for a, b in zip(ref["rows"], r["rows"])]
+    finite = all(np.isfinite(k).all() for k in kl)
+    ok = [float(evalsets.answer_matches(o.text, q.answers)) for o, q in zip(r["outs"], qa)]
+    return dict(kl=float(np.concatenate(kl).mean()) if finite else float("nan"),
+                kl_ci=metrics.bootstrap_ci(kl) if finite else (float("nan"),) * 2,
+                top1=metrics.top1_agreement(torch.cat(ref["rows"]), torch.cat(r["rows"])),
+                acc=float(np.mean(ok)), acc_ci=metrics.bootstrap_ci(ok), n=len(ok),
+                errors=sum(o.finish_reason == "error" for o in r["outs"]),
+                corrupted=r["corrupted"], first=r["first_nonfinite"])
+
+
+def table(names):
+    print("| configuration | KL vs float32 (nats) [95% CI] | top-1 agreement | QA accuracy "
+          "[95% CI] | requests ended 'error' | first non-finite module |\n|---|---|---|---|---|---|")
+    for name in names:
+        d = drift(name)
+        print(f"| {name} | {d['kl']:.3g} [{d['kl_ci'][0]:.2g}, {d['kl_ci'][1]:.2g}] | "
+              f"{100 * d['top1']:.2f}% | {100 * d['acc']:.0f}% [{100 * d['acc_ci'][0]:.0f}, "
+              f"{100 * d['acc_ci'][1]:.0f}] of {d['n']} | {d['errors']} of {d['n']} | "
+              f"{d['first'] or '-'} |")
+
+
+run("float32", fp32)
+run("auto (bfloat16)", auto)
+run("float16", fp16)
+table(["float32", "auto (bfloat16)", "float16"])
+peak = float(RUNS["float32"]["peaks"].max())
+print(f"\nresidual peak (float32 engine): {peak:,.0f} at layer "
+      f"{int(RUNS['float32']['peaks'].argmax())}, {100 * peak / torch.finfo(F16).max:.0f}% "
+      f"of float16's max {torch.finfo(F16).max:,.0f}")
+print(f"score time for {sum(map(len, seqs))} positions: " +
+      ", ".join(f"{k} {v:.1f} s" for k, v in TIMES.items()))
+
+# %% [markdown]
+# On this model **float16 is much closer to float32 than bfloat16**, which is what `auto`
+# picks. Both are 16 bits, split differently: float16 has 10 mantissa bits and 5 exponent
+# bits (max 65504), bfloat16 has 7 mantissa bits and float32's 8 exponent bits (max ~3.4e38).
+# Three more mantissa bits are 8x finer rounding, and KL grows with the square of the
+# rounding error, so for a model whose activations fit, float16 wins by well over an order
+# of magnitude (the ratio is in the table). SmolLM2's residual peak is about a third of
+# float16's maximum: it fits, with a factor of ~3 to spare. QA accuracy is the same within
+# its (wide) interval for all three: 8 questions cannot see a KL of 1e-3.
+#
+# The speed line is this CPU's, not a GPU's: float32 is the fastest here (CPUs without
+# native 16-bit matmul units convert), on a GPU 16-bit matmuls are several times faster
+# than float32. Memory halves in 16 bits on both.
+#
+# ## 3. The incident: a model whose activations do not fit float16
+#
+# SmolLM2 does not overflow in float16 on its own (34 % of the range). OLMo 2's float32
+# checkpoints did, and so do Gemma 3 and T5. To show the failure on this model without
+# inventing one, we make its residual stream bigger **without changing the function it
+# computes**: `faults.residual_scale_reparam(llm, c)` multiplies the embeddings and every
+# `o_proj` and `down_proj` output by c and every RMSNorm's eps by c² (through the step
+# registry). RMSNorm(c·x; c²·eps) = RMSNorm(x; eps), so every attention, MLP and the LM head
+# see the numbers they saw before, while the residual stream is c times larger. With c a
+# power of two every scaling only moves exponents, so it is **exact** in float32, bfloat16
+# and float16, until a value passes the format's maximum. This is the shape of a model with
+# large activations (Gemma's embedding scale, T5's `wo`), documented here as a
+# reparametrization, not a property of SmolLM2. With c = 4:
+
+# %%
+C = 4
+run("float32, residual x4", fp32, C, answers_from="float32")
+run("auto (bfloat16), residual x4", auto, C, answers_from="auto (bfloat16)")
+run("float16, residual x4", fp16, C)
+for d in ["float32", "auto (bfloat16)", "float16"]:
+    a, b = torch.cat(RUNS[d]["rows"]), torch.cat(RUNS[f"{d}, residual x4"]["rows"])
+    same = "bit for bit the same logits" if torch.equal(a, b) else \
+        f"different logits (finite: {bool(torch.isfinite(b).all())})"
+    print(f"{d:16} x{C}: peak {float(RUNS[f'{d}, residual x4']['peaks'].max()):,.0f}; {same}")
+table(["float32, residual x4", "auto (bfloat16), residual x4", "float16, residual x4"])
+
+# %% [markdown]
+# The reparametrized model is the same model: float32 and bfloat16 give the same logits bit
+# for bit, peak four times higher (so their greedy answers are the unmodified runs'; `run`
+# asserts the equality before reusing them). In float16 the residual passes 65504 in the MLP of the
+# layer named in the table, becomes inf, then NaN (inf − inf in the next residual add,
+# 0·inf in a norm), and every logit after it is NaN. The engine checks every logit row:
+# each request ends with `finish_reason="error"` and is counted in
+# `stats.num_corrupted_requests` (vLLM's `vllm:corrupted_requests`), so no answer comes
+# out. An engine that samples from NaN logits anyway prints whatever token the argmax of a
+# NaN row gives:
+
+# %%
+nan_row = torch.full((1, tok.vocab_size), float("nan"))
+print(f"torch.argmax of an all-NaN row: {int(nan_row.argmax())}; token 0 of this vocabulary: "
+      f"{tok.convert_ids_to_tokens(0)!r}")
+print(f"corrupted requests so far: float16 engine {fp16.llm_engine.stats.num_corrupted_requests}, "
+      f"bfloat16 {auto.llm_engine.stats.num_corrupted_requests}, float32 "
+      f"{fp32.llm_engine.stats.num_corrupted_requests}")
+
+# %% [markdown]
+# The argmax of a NaN row is token 0. In SmolLM2's vocabulary that is `<|endoftext|>`, so
+# such an engine would stop at once; in the GPT-2-style byte-level BPE vocabularies of GPT-2
+# and OLMo, id 0 is `"!"`, which is consistent with the `"!!!!!!!!"` of olmo-cookbook #60
+# (we did not run OLMo; the vocabulary fact is the tokenizers', the argmax is measured here).
+#
+# Where does it break? The per-layer peaks against each format's maximum:
+
+# %%
+fig = Figure(figsize=(7.5, 4), layout="constrained")
+ax = fig.add_subplot()
+for name, style in [("float32", "o-"), ("float32, residual x4", "s-")]:
+    ax.semilogy(RUNS[name]["peaks"].numpy(), style, ms=3, label=f"{name}: peak |residual|")
+ax.axhline(torch.finfo(F16).max, color="red", ls="--", label="float16 max (65504)")
+ax.axhline(torch.finfo(F16).max / 2, color="red", ls=":", label="float16 max / 2 (margin)")
+ax.set_xlabel("decoder layer")
+ax.set_ylabel("max |x| over the scored tokens")
+ax.set_title("Residual stream peaks (bfloat16's max, 3.4e38, is far off the chart)")
+ax.legend(fontsize=8)
+fig
+
+# %% [markdown]
+# The jump at layer 11 is a *massive activation*: a few hidden dimensions on a few tokens
+# (the first token, some delimiters) carry values hundreds of times the rest; the MLP of
+# layer 11 writes it, later layers keep it. One number per model decides float16's fate, and
+# it is the peak, not the typical value.
+#
+# ## 4. The fix: choose the dtype from the checkpoint's statistics
+#
+# The fix in the incident was "serve in bf16 or fp32". It can be automated: measure the
+# activation peaks once on calibration text in float32 (what the hooks above do), then
+#
+# - keep float16 only where `peak × margin ≤ 65504` (margin 2 here: other text can go
+#   higher than the calibration text), and prefer it then, since it is the more precise
+#   16-bit format;
+# - otherwise bfloat16 if the device has it (same range as float32);
+# - otherwise float32 (a pre-Ampere GPU: the OLMo case).
+#
+# Measured outcomes, each cell a run above (the float32 rows are the reference, KL 0):
+
+# %%
+def choose(peak, supported, margin=2.0):
+    """float16 if it holds peak x margin, else bfloat16 if supported, else float32."""
+    if F16 in supported and peak * margin <= torch.finfo(F16).max:
+        return F16
+    return BF16 if BF16 in supported else F32
+
+
+MEASURED = {(F32, 1): "float32", (BF16, 1): "auto (bfloat16)", (F16, 1): "float16",
+            (F32, C): "float32, residual x4", (BF16, C): "auto (bfloat16), residual x4",
+            (F16, C): "float16, residual x4"}
+
+
+def outcome(dtype, c):
+    d = drift(MEASURED[(dtype, c)])
+    if d["errors"]:
+        return f"{short(dtype)}: NaN, {d['errors']} of {d['n']} requests 'error'"
+    return f"{short(dtype)}: KL {d['kl']:.2g}, QA {100 * d['acc']:.0f}%"
+
+
+print("| model | platform | dtype='auto' | chosen from the peak |\n|---|---|---|---|")
+for c in [1, C]:
+    p = float(RUNS["float32" if c == 1 else "float32, residual x4"]["peaks"].max())
+    for plat, supported in PLATFORMS.items():
+        print(f"| SmolLM2{'' if c == 1 else f', residual x{c}'} (peak {p:,.0f}) | {plat} | "
+              f"{outcome(resolve_auto_dtype(F32, supported), c)} | "
+              f"{outcome(choose(p, supported), c)} |")
+
+# %% [markdown]
+# The check restores every broken configuration (the float16 rows of the x4 model) and, on
+# the unmodified model, picks float16, which is more accurate than `auto`'s bfloat16. What
+# the check cannot know: a prompt unlike the calibration text may go higher (hence the
+# margin); a clamp before the residual add (transformers PR #36832 for Gemma 3, chapter 10)
+# keeps float16 finite but costs accuracy.
+#
+# ## 5. Seed 003 §1.5: an fp32 KV cache for an fp16 model
+#
+# The seed recommends storing K and V in float32 when the model runs in float16. K and V are
+# computed by float16 matmuls, so every value is already a float16 number, and float32 holds
+# it exactly; attention then reads the same numbers:
+
+# %%
+fp16_kv32 = LLM(MODEL, dtype="float16", kv_cache_dtype="float32", **COMMON)
+rows_kv32 = fp16_kv32.score(seqs, output="logits")
+same = all(torch.equal(a, b) for a, b in zip(rows_kv32, RUNS["float16"]["rows"]))
+kv_bytes = {name: llm.llm_engine.model_runner.kv_caches[0].key.element_size()
+            for name, llm in [("float16 KV", fp16), ("float32 KV", fp16_kv32)]}
+print(f"float16 model, float32 KV vs float16 KV: logits bit for bit equal: {same}; bytes per "
+      f"K/V element {kv_bytes['float16 KV']} vs {kv_bytes['float32 KV']}")
+
+# %% [markdown]
+# Bit for bit the same, at twice the KV memory (the seed's "32 → 24 concurrency"): the fp32
+# cache buys nothing when the values written into it are float16 already. (The attention
+# here computes in the model dtype after reading; an engine that read K/V into a float32
+# softmax would gain from a float32 *computation*, not from float32 storage.) vLLM does not
+# offer the option: its `kv_cache_dtype` choices (`CacheDType` in `vllm/config/cache.py`) are
+# `auto`, `bfloat16`, the fp8 variants, and in some versions `float16` or `int8`, no `float32`.
+#
+# ## 6. Claim vs measurement
+
+# %%
+d32, dbf, d16 = drift("float32"), drift("auto (bfloat16)"), drift("float16")
+d16x, dbfx = drift("float16, residual x4"), drift("auto (bfloat16), residual x4")
+claims = [
+    ("'auto' keeps the checkpoint's dtype",
+     f"not for float32 checkpoints: this float32 checkpoint runs in "
+     f"{short(auto.llm_engine.model_config.dtype)} on this CPU, in float16 on a pre-Ampere GPU "
+     "(and on every GPU before vLLM PR #18751)"),
+    ("'auto' is a reasonable starting point (seed 002 §五)",
+     f"for this model on this CPU: bfloat16, KL {dbf['kl']:.2g}, QA {100 * dbf['acc']:.0f}% "
+     f"(float32 {100 * d32['acc']:.0f}%); but float16 is {dbf['kl'] / d16['kl']:.0f}x closer to "
+     f"float32 (KL {d16['kl']:.2g}), and on a pre-Ampere GPU 'auto' is float16, which gives NaN for "
+     f"the x4 model ({d16x['errors']} of {d16x['n']} requests 'error')"),
+    ("bf16 is the safe default (seed 002)",
+     f"safe in range: the x4 model in bfloat16 gives the same logits as unmodified "
+     f"(KL {dbfx['kl']:.2g}); not the most accurate 16-bit choice where the peak fits float16"),
+    ("FP16's range is small, a few models overflow more easily (seed 002 §五)",
+     f"yes, and which models is a number: SmolLM2 peaks at {peak:,.0f} "
+     f"({100 * peak / 65504:.0f}% of 65504), fine; x4 peaks at "
+     f"{float(RUNS['float32, residual x4']['peaks'].max()):,.0f}, NaN from {d16x['first']}"),
+    ("fp32 is rarely worth it", f"on this CPU float32 scores fastest "
+     f"({TIMES['float32']:.1f} s against {TIMES['auto (bfloat16)']:.1f} s for bfloat16 and "
+     f"{TIMES['float16']:.1f} s for float16) and is the reference; on a GPU it costs speed and "
+     "twice the memory, and it is the only safe choice for the x4 model on a pre-Ampere GPU"),
+    ("an fp32 KV cache helps an fp16 model (seed 003 §1.5)",
+     f"bit for bit the same logits as the float16 KV cache: {same}; twice the KV bytes"),
+    ("vLLM serves fp32 checkpoints in fp16 (olmo-cookbook #60, PR #18340)",
+     "true before PR #18751; since then bfloat16 where the platform has it, float16 on "
+     "pre-Ampere GPUs"),
+]
+print("| claim | measured |\n|---|---|")
+for c_, m in claims:
+    print(f"| {c_} | {m} |")
+
+# %% [markdown]
+# ## Common misconceptions
+#
+# - *"`dtype='auto'` means the checkpoint's dtype."* For 16-bit checkpoints, yes; float32
+#   checkpoints are downcast to the platform's preferred 16-bit format, quietly (INFO).
+# - *"bfloat16 is more accurate than float16, it is the newer format."* bfloat16 has 3
+#   mantissa bits *fewer*; it wins on range only. On a model that fits, float16 is the more
+#   accurate 16-bit format (here by the factor in section 6).
+# - *"Overflow shows up as slightly worse answers."* It shows up as inf, then NaN, then no
+#   answer at all (this engine) or a constant token (an engine that samples NaN logits:
+#   token 0, "!" in GPT-2-style vocabularies).
+# - *"The typical activation size tells me whether float16 is safe."* The peak decides: one
+#   massive activation in one layer (layer 11 here) is enough.
+# - *"A float32 KV cache protects a float16 model."* It stores float16 values exactly,
+#   which the float16 cache already did: bit for bit the same here.
+# - *"Casting bfloat16 weights to float16 is harmless."* vLLM warns about it
+#   ("Casting torch.bfloat16 to torch.float16."): a bfloat16 model's activations were
+#   trained with float32's range and may not fit 65504.
+#
+# ## Lab
+#
+# `labs/source/ch12/` hands you the rule and the check: you write vLLM's dtype resolution,
+# the per-layer activation peaks, and the choice of a safe dtype from them; the grader
+# builds engines with your choice on prompts you have not seen, for the x4 model on a
+# pre-Ampere platform (where `auto` gives NaN) and for the unmodified model (where your
+# choice must beat `auto`'s bfloat16).
+
+# %%
+print(f"chapter 12 ran in {time.perf_counter() - T0:.0f} s")
