@@ -246,6 +246,14 @@ def run(name, llm, c=1, answers_from=None):
     return RUNS[name]
 
 
+def wilson(k, n, z=1.96):
+    """95 % Wilson score interval of a proportion k/n (stays informative at 0/n and n/n,
+    where a bootstrap of n equal outcomes collapses to a point)."""
+    p, d = k / n, 1 + z * z / n
+    mid, half = (p + z * z / (2 * n)) / d, z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return mid - half, mid + half
+
+
 def drift(name):
     r, ref = RUNS[name], RUNS["float32"]
     kl = [metrics.kl_divergence(a, b).numpy() for a, b in zip(ref["rows"], r["rows"])]
@@ -254,7 +262,7 @@ def drift(name):
     return dict(kl=float(np.concatenate(kl).mean()) if finite else float("nan"),
                 kl_ci=metrics.bootstrap_ci(kl) if finite else (float("nan"),) * 2,
                 top1=metrics.top1_agreement(torch.cat(ref["rows"]), torch.cat(r["rows"])),
-                acc=float(np.mean(ok)), acc_ci=metrics.bootstrap_ci(ok), n=len(ok),
+                acc=float(np.mean(ok)), acc_ci=wilson(sum(ok), len(ok)), n=len(ok),
                 errors=sum(o.finish_reason == "error" for o in r["outs"]),
                 corrupted=r["corrupted"], first=r["first_nonfinite"])
 
@@ -291,13 +299,16 @@ print(f"score time for {sum(map(len, seqs))} positions: " +
 # float16's maximum: it fits, with a factor of ~3 to spare. QA accuracy is the same within
 # its (wide) interval for all three: 8 questions cannot see a KL of 1e-3.
 #
-# The speed line is this CPU's, not a GPU's: float32 is the fastest here (CPUs without
-# native 16-bit matmul units convert), on a GPU 16-bit matmuls are several times faster
-# than float32. Memory halves in 16 bits on both.
+# The speed line is this CPU's, in this run (noisy on a busy machine), not a GPU's: a CPU
+# without native 16-bit matmul units converts, so 16 bits buys it no speed (the course's
+# instructor guide notes bfloat16 ~3x slower than float32 on the 2-core CPU it was built on),
+# while on a GPU 16-bit matmuls are several times faster than float32. Memory halves in 16
+# bits on both.
 #
 # ## 3. The incident: a model whose activations do not fit float16
 #
-# SmolLM2 does not overflow in float16 on its own (34 % of the range). OLMo 2's float32
+# SmolLM2 does not overflow in float16 on its own (its peak, printed above, is about a third
+# of the range). OLMo 2's float32
 # checkpoints did, and so do Gemma 3 and T5. To show the failure on this model without
 # inventing one, we make its residual stream bigger **without changing the function it
 # computes**: `faults.residual_scale_reparam(llm, c)` multiplies the embeddings and every
@@ -362,10 +373,30 @@ ax.legend(fontsize=8)
 fig
 
 # %% [markdown]
-# The jump at layer 11 is a *massive activation*: a few hidden dimensions on a few tokens
-# (the first token, some delimiters) carry values hundreds of times the rest; the MLP of
-# layer 11 writes it, later layers keep it. One number per model decides float16's fate, and
-# it is the peak, not the typical value.
+# The jump at layer 11 is a *massive activation*: one MLP writes values hundreds of times the
+# typical size into a few hidden dimensions of a few tokens, and later layers carry them
+# along. Which tokens and dimensions, on the first window (float32 engine, layer 11's output):
+
+# %%
+captured = []
+hook = fp32.llm_engine.model_runner.model.layers[11].register_forward_hook(
+    lambda m, a, out: captured.append(out.detach().abs().clone()))
+try:
+    fp32.score(seqs[:1], output="logits")
+finally:
+    hook.remove()
+x = captured[-1]                                   # [tokens, hidden]
+per_token = x.amax(-1)
+print(f"layer 11 output: median |x| {float(x.median()):.3g}; per-token max, largest 4:")
+for i in per_token.argsort(descending=True)[:4].tolist():
+    top = x[i].topk(3)
+    print(f"  position {i:2d} {tok.convert_ids_to_tokens(seqs[0][i])!r:14} max {float(per_token[i]):8,.0f} "
+          f"in dims {top.indices.tolist()} ({', '.join(f'{v:,.0f}' for v in top.values.tolist())})")
+print(f"tokens with max |x| > 1000: {int((per_token > 1000).sum())} of {len(per_token)}")
+del captured, x
+
+# %% [markdown]
+# One number per model decides float16's fate, and it is the peak, not the typical value.
 #
 # ## 4. The fix: choose the dtype from the checkpoint's statistics
 #
@@ -460,10 +491,11 @@ claims = [
      f"yes, and which models is a number: SmolLM2 peaks at {peak:,.0f} "
      f"({100 * peak / 65504:.0f}% of 65504), fine; x4 peaks at "
      f"{float(RUNS['float32, residual x4']['peaks'].max()):,.0f}, NaN from {d16x['first']}"),
-    ("fp32 is rarely worth it", f"on this CPU float32 scores fastest "
-     f"({TIMES['float32']:.1f} s against {TIMES['auto (bfloat16)']:.1f} s for bfloat16 and "
-     f"{TIMES['float16']:.1f} s for float16) and is the reference; on a GPU it costs speed and "
-     "twice the memory, and it is the only safe choice for the x4 model on a pre-Ampere GPU"),
+    ("fp32 is rarely worth it",
+     f"on this CPU, this run: bfloat16 scored in {TIMES['auto (bfloat16)'] / TIMES['float32']:.1f}x "
+     f"and float16 in {TIMES['float16'] / TIMES['float32']:.1f}x float32's time, so 16 bits bought "
+     "no speed here; on a GPU float32 costs speed and twice the memory, and it is the only safe "
+     "choice for the x4 model on a pre-Ampere GPU"),
     ("an fp32 KV cache helps an fp16 model (seed 003 §1.5)",
      f"bit for bit the same logits as the float16 KV cache: {same}; twice the KV bytes"),
     ("vLLM serves fp32 checkpoints in fp16 (olmo-cookbook #60, PR #18340)",
