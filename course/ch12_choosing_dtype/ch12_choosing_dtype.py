@@ -312,8 +312,8 @@ print(f"score time for {sum(map(len, seqs))} positions: " +
 # checkpoints did, and so do Gemma 3 and T5. To show the failure on this model without
 # inventing one, we make its residual stream bigger **without changing the function it
 # computes**: `faults.residual_scale_reparam(llm, c)` multiplies the embeddings and every
-# `o_proj` and `down_proj` output by c and every RMSNorm's eps by c² (through the step
-# registry). RMSNorm(c·x; c²·eps) = RMSNorm(x; eps), so every attention, MLP and the LM head
+# `o_proj` and `down_proj` output by c (through the step registry's "embedding" and
+# "linear" steps) and every RMSNorm's eps by c². RMSNorm(c·x; c²·eps) = RMSNorm(x; eps), so every attention, MLP and the LM head
 # see the numbers they saw before, while the residual stream is c times larger. With c a
 # power of two every scaling only moves exponents, so it is **exact** in float32, bfloat16
 # and float16, until a value passes the format's maximum. This is the shape of a model with
