@@ -1,0 +1,313 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Chapter 21. Speculative decoding: rejection sampling, greedy equality, verification numerics
+#
+# **Learning goals.** After this chapter you can
+#
+# 1. describe one speculative step in vLLM's terms: a proposer (n-gram prompt lookup, or
+#    a draft model) proposes k tokens; the scheduler schedules 1 + k tokens for the
+#    request; the target scores the k + 1 positions in **one** forward (a prefill chunk
+#    with context); the rejection sampler keeps a prefix of the drafts and adds one
+#    target token; the rejected drafts are rolled back (`num_computed_tokens`), never
+#    cached;
+# 2. state the rejection rule (accept d with probability min(1, p(d)/q(d)), else sample
+#    from normalize(max(0, p - q)); a bonus token when all are accepted) and check on a
+#    small vocabulary that it reproduces the target distribution whatever q is;
+# 3. say what "lossless" means: exact in distribution, and for greedy decoding equal to
+#    plain decoding **up to the numerics of scoring k + 1 positions at once**, and
+#    measure that difference in float32 and bfloat16;
+# 4. catch a verifier that accepts the first draft token unchecked.
+#
+# **The incidents** (INCIDENTS.md #23).
+#
+# - **vllm #7627** (2024-08-17, <https://github.com/vllm-project/vllm/issues/7627>):
+#   opt-6.7b with an opt-125m draft at temperature 0 left the target-only output partway
+#   through 128 tokens. vLLM's answer, **PR #7962** (docs, 2024-09-05): speculative
+#   decoding is lossless "up to hardware numerics"; verification scores k + 1 tokens in
+#   one forward, a different batch shape, so the logits differ in the last bits.
+#   **transformers #39421** gives the same explanation for assisted decoding.
+# - **ohdearquant/lattice #243** (2026-06-23): a real bug, the n-gram verifier accepted
+#   draft[0] without checking it.
+#
+# Everything below is measured when the notebook runs, on the embedded
+# SmolLM2-135M-Instruct (minivllm, this machine's CPU). There is no second, smaller
+# SmolLM2 here, so the drafts come from prompt lookup (`method="ngram"`); the draft-model
+# path (`method="draft_model"`, e.g. the same model in bfloat16 drafting for itself) is
+# measured by `benchmarks/spec_decode.py` (numbers in `benchmarks/RESULTS.md`). The
+# verifier bug is **planted** through the step registry (`faults.spec_accept_first_unverified`,
+# the `"rejection_sampler"` step).
+
+# %%
+# %matplotlib inline
+import time
+
+import torch
+from matplotlib.figure import Figure
+
+from minivllm import LLM, SamplingParams
+from minivllm.precision import faults, metrics
+from minivllm.spec_decode import rejection_sampler_ref
+
+T0 = time.perf_counter()
+MODEL = "smollm2-135m-instruct"
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}
+plain32 = LLM(MODEL, dtype="float32", max_model_len=256, max_num_seqs=8)
+spec32 = LLM(MODEL, dtype="float32", max_model_len=256, max_num_seqs=8, speculative_config=NGRAM)
+tok = plain32.get_tokenizer()
+
+
+def chat(text: str) -> list[int]:
+    conv = [{"role": "user", "content": text}]
+    return tok.encode(tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True),
+                      add_special_tokens=False)
+
+
+def gen(llm, prompts, sp):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def spec_counts(llm):
+    s = llm.llm_engine.stats
+    return (s.spec_decode_num_drafts, s.spec_decode_num_draft_tokens,
+            s.spec_decode_num_accepted_tokens, s.num_steps)
+
+
+print("engines built in", round(time.perf_counter() - T0, 1), "s")
+
+# %% [markdown]
+# ## 1. The rejection rule keeps the target distribution
+#
+# Leviathan et al. 2023 (arXiv:2211.17192), Algorithm 1, as vLLM's
+# `vllm/v1/sample/rejection_sampler.py` implements it and `minivllm/spec_decode/
+# rejection_sampler.py` does here. On a vocabulary of 8 with a random target p and a
+# random draft q (k = 2 drafts sampled from q), the first emitted token must follow p,
+# not q. The planted fault accepts draft 0 unchecked, so its first token follows q.
+
+# %%
+V, K, TRIALS = 8, 2, 4000
+torch.manual_seed(0)  # p and q below
+p = torch.distributions.Dirichlet(torch.ones(V)).sample((K + 1,))
+q = torch.distributions.Dirichlet(torch.ones(V) * 0.5).sample((K,))
+
+
+def first_token_freq(fn, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(V)
+    n_out = 0
+    for _ in range(TRIALS):
+        draft = [int(torch.multinomial(q[j], 1, generator=g)) for j in range(K)]
+        out = fn(draft, q, p, None, g)
+        counts[out[0]] += 1
+        n_out += len(out)
+    return counts / TRIALS, n_out / TRIALS
+
+
+def chi2_pvalue(freq, probs, n):
+    exp = probs.double() * n
+    stat = float(((freq.double() * n - exp) ** 2 / exp).sum())
+    return float(torch.special.gammaincc(torch.tensor((V - 1) / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+ok_freq, ok_len = first_token_freq(rejection_sampler_ref)
+bad_freq, _ = first_token_freq(faults.rejection_sampler_first_unverified)
+pv_ok, pv_bad = chi2_pvalue(ok_freq, p[0], TRIALS), chi2_pvalue(bad_freq, p[0], TRIALS)
+tv_ok = 0.5 * float((ok_freq - p[0]).abs().sum())
+tv_bad = 0.5 * float((bad_freq - p[0]).abs().sum())
+print(f"correct: TV(first token, p0) {tv_ok:.4f}, chi-square p-value {pv_ok:.3g}; "
+      f"tokens per step {ok_len:.2f}")
+print(f"fault  : TV(first token, p0) {tv_bad:.4f}, chi-square p-value {pv_bad:.3g}; "
+      f"TV(p0, q0) {0.5 * float((p[0] - q[0]).abs().sum()):.4f}")
+
+fig = Figure(figsize=(8, 3))
+ax = fig.subplots()
+x = torch.arange(V)
+for i, (vals, name) in enumerate([(p[0], "target p0"), (q[0], "draft q0"),
+                                  (ok_freq, "rejection sampler"), (bad_freq, "draft 0 unverified")]):
+    ax.bar(x + (i - 1.5) * 0.2, vals, width=0.2, label=name)
+ax.set_xlabel("token")
+ax.set_ylabel("probability / frequency")
+ax.set_title(f"first emitted token, {TRIALS} trials, V={V}, k={K}")
+ax.legend(fontsize=7)
+fig
+
+# %% [markdown]
+# ## 2. Greedy: speculative output equals plain output in float32
+#
+# Eight chat prompts, 24 tokens each, greedy, n-gram drafts (k = 3, n-grams of 1 to 3
+# tokens). Half the prompts ask to repeat a passage, where prompt lookup finds the
+# answer in the prompt; half ask open questions.
+
+# %%
+PASSAGES = ["The keeper lit the lamp at six and wrote the weather in his log.",
+            "def mean(xs):\n    return sum(xs) / len(xs)\n",
+            "Bees turn nectar into honey and feed pollen to the young.",
+            "Rain fell all night; by morning the river was high."]
+OPEN = ["Write a short poem about the ocean.", "Explain volcanoes to a child.",
+        "Give two facts about the moon.", "Describe a quiet village morning."]
+PROMPTS = [chat(f"Repeat exactly: {t}") for t in PASSAGES] + [chat(t) for t in OPEN]
+GREEDY = SamplingParams(temperature=0, max_tokens=24)
+
+want32 = gen(plain32, PROMPTS, GREEDY)
+got32, by_kind = [], {}
+for kind, part in (("repeat", PROMPTS[:4]), ("open", PROMPTS[4:])):
+    before = spec_counts(spec32)
+    out = gen(spec32, part, GREEDY)
+    by_kind[kind] = [a - b for a, b in zip(spec_counts(spec32), before)][:3] + [sum(map(len, out))]
+    got32 += out
+d, dt, acc = (by_kind["repeat"][i] + by_kind["open"][i] for i in range(3))
+equal32 = sum(a == b for a, b in zip(want32, got32))
+print(f"float32: {equal32}/{len(PROMPTS)} outputs identical")
+print(f"verifications {d}, draft tokens {dt}, accepted {acc}: acceptance {acc / dt:.3f}, "
+      f"{1 + acc / d:.2f} tokens per verification")
+for i in (0, 4):
+    print(repr(tok.decode(got32[i])[:70]))
+
+# %% [markdown]
+# ## 3. Why "lossless up to hardware numerics": scoring k + 1 positions at once
+#
+# A verification runs the pending token and the k drafts as one chunk; plain decoding
+# runs one token per step. Same positions, same weights, a different shape: different
+# GEMM row counts and a different attention path (masked chunk versus paged decode).
+# `LLM.score` computes the same rows both ways (`mode="prefill"`: all positions in one
+# pass; `mode="decode"`: one token per step through the paged KV cache).
+
+# %%
+seq = PROMPTS[4] + want32[4]
+bf16 = LLM(MODEL, dtype="bfloat16", max_model_len=256, max_num_seqs=8)
+num_rows = {}
+for name, engine in (("float32", plain32), ("bfloat16", bf16)):
+    a = engine.score(seq, mode="prefill", output="logits")
+    b = engine.score(seq, mode="decode", output="logits")
+    num_rows[name] = (float((a - b).abs().max()),
+                      float((a.argmax(-1) != b.argmax(-1)).float().mean()),
+                      metrics.mean_kl(torch.log_softmax(a, -1), torch.log_softmax(b, -1)))
+    print(f"{name:9s} chunk vs step-by-step: max |dlogit| {num_rows[name][0]:.3g}, argmax "
+          f"differs at {100 * num_rows[name][1]:.2f}% of {len(seq)} positions, mean KL "
+          f"{num_rows[name][2]:.2e}")
+
+# %% [markdown]
+# ## 4. bfloat16: does greedy speculation still equal plain decoding?
+#
+# vllm #7627's setting: greedy, bf16-class arithmetic. The four open prompts (long
+# answers; bfloat16 matmuls are slow on this CPU, so not all eight) with the same
+# drafter, plain versus speculative, in bfloat16.
+
+# %%
+spec16 = LLM(MODEL, dtype="bfloat16", max_model_len=256, max_num_seqs=8, speculative_config=NGRAM)
+OPEN_IDS = PROMPTS[4:]
+want16 = gen(bf16, OPEN_IDS, GREEDY)
+got16 = gen(spec16, OPEN_IDS, GREEDY)
+div16 = [metrics.first_divergence(a, b) for a, b in zip(want16, got16)]
+equal16 = sum(x is None for x in div16)
+print(f"bfloat16: {equal16}/{len(OPEN_IDS)} identical; first divergence per prompt: {div16}")
+
+# %% [markdown]
+# Where a prompt diverges, it is the #7627 mechanism: a near-tie between the two best
+# tokens, decided one way by the chunk's logits and the other by the decode step's. In
+# float32 the per-position differences of section 3 are too small to flip a greedy
+# token on these prompts; in bfloat16 they are larger (section 3), and whether a tie
+# falls inside them depends on the prompt. Neither engine is "wrong": each is the
+# model's argmax under its own rounding.
+
+# %% [markdown]
+# ## 5. The planted verifier bug (lattice #243)
+#
+# `faults.spec_accept_first_unverified` swaps the `"rejection_sampler"` step for one that
+# accepts draft 0 without looking at the target. On "1 1 1 1 ..." prompts prompt lookup
+# always proposes another "1"; the model does not always want one.
+
+# %%
+ONES = [chat("1 1 1 1 1 1 1 1"), chat("Count: 1 1 1 1 1 1"), chat("ha ha ha ha ha ha"),
+        chat("Repeat exactly: 7 7 7 7 7 7 7")]
+SHORT = SamplingParams(temperature=0, max_tokens=24)
+want_ones = gen(plain32, ONES, SHORT)
+good_ones = gen(spec32, ONES, SHORT)
+with faults.spec_accept_first_unverified(spec32):
+    bad_ones = gen(spec32, ONES, SHORT)
+div_bad = [metrics.first_divergence(a, b) for a, b in zip(want_ones, bad_ones)]
+div_good = [metrics.first_divergence(a, b) for a, b in zip(want_ones, good_ones)]
+print("correct verifier, first divergence from plain:", div_good)
+print("draft 0 unverified, first divergence from plain:", div_bad)
+i_bad = next((i for i, x in enumerate(div_bad) if x is not None), None)
+if i_bad is not None:
+    print("plain :", repr(tok.decode(want_ones[i_bad])))
+    print("buggy :", repr(tok.decode(bad_ones[i_bad])))
+
+# %% [markdown]
+# ## 6. What speculation buys here
+#
+# Steps are the sequential work: a batch-1 request needs one forward per token plainly,
+# about 1 / (tokens per verification) of that with speculation. Whether that is faster
+# depends on how much a (k + 1)-token forward costs next to a 1-token one.
+
+# %%
+# Each target forward of a request yields one target token plus the drafts it accepted,
+# so forwards = tokens - accepted drafts (plain decoding: one forward per token).
+for kind, (d_, dt_, acc_, toks) in by_kind.items():
+    print(f"{kind:6s}: acceptance {acc_ / max(dt_, 1):.3f}; {toks} tokens from "
+          f"{toks - acc_} target forwards (plain: {toks}), {toks / (toks - acc_):.2f}x fewer")
+
+# %% [markdown]
+# Measured elsewhere (`benchmarks/spec_decode.py`, batch 1, float32, k = 3; the command and
+# numbers are in `benchmarks/RESULTS.md`): prompt lookup speeds up the "repeat" prompts
+# and costs little on open ones; the bf16 self-draft accepts nearly every token but
+# costs a full forward per draft token, so on a CPU it is slower than plain decoding.
+# A draft model pays only when it is much cheaper than the target.
+
+# %% [markdown]
+# ## Claims versus measurements
+#
+# Every number is printed by a cell above when the notebook runs.
+
+# %%
+claims = [
+    ("rejection sampling keeps the target distribution (any q)",
+     f"V=8, {TRIALS} trials: TV {tv_ok:.4f}, chi-square p {pv_ok:.2g}"),
+    ("accepting draft 0 unverified breaks it",
+     f"TV {tv_bad:.4f}, chi-square p {pv_bad:.2g}"),
+    ("greedy speculative == plain in fp32 [est]",
+     f"{equal32}/{len(PROMPTS)} identical (24 tokens, n-gram k=3)"),
+    ("#7962: lossless up to hardware numerics (k+1 in one forward)",
+     f"chunk vs step max |dlogit|: fp32 {num_rows['float32'][0]:.2g}, bf16 {num_rows['bfloat16'][0]:.2g}"),
+    ("bf16: divergences expected, as in #7627 [est]",
+     f"{len(OPEN_IDS) - equal16}/{len(OPEN_IDS)} open prompts diverged (first at {div16})"),
+    ("the planted draft[0] bug diverges on '1 1 1 1' prompts",
+     f"{sum(x is not None for x in div_bad)}/{len(ONES)} diverged; correct verifier "
+     f"{sum(x is not None for x in div_good)}/{len(ONES)}"),
+    ("acceptance rate / tokens per verification (fp32, 8 prompts)",
+     f"{acc / dt:.3f} / {1 + acc / d:.2f}"),
+]
+for c, m in claims:
+    print(f"- {c}\n    measured: {m}")
+print(f"\nchapter wall time: {time.perf_counter() - T0:.1f} s")
+
+# %% [markdown]
+# **Misconceptions.**
+#
+# - *"Speculative decoding is an approximation."* With a correct rejection sampler the
+#   output distribution is exactly the target's (section 1); the draft only changes how
+#   many tokens a step yields.
+# - *"Greedy speculative output is bit-identical to plain output."* Only up to the
+#   numerics of scoring k + 1 positions at once (section 3); in float32 that was below
+#   a greedy flip on these prompts, in bfloat16 it can flip near-ties (section 4).
+# - *"The first draft token is safe to accept: it continues the prompt."* It is a guess
+#   like the others; accepting it unchecked changes the output (section 5).
+# - *"More accepted tokens means faster."* Only if a draft token is cheaper than a
+#   target step: a self-draft accepts almost everything and is slower on a CPU.
+# - *"Rejected drafts are harmless leftovers."* Their K/V is in the cache; the engine
+#   must roll `num_computed_tokens` back and never register those blocks in the prefix
+#   cache (`tests/test_spec_decode.py` checks both).
