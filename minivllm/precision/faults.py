@@ -774,7 +774,10 @@ def qk_scale_reparam(llm, c: float = 256.0, layers=None):
 
     Planted on the "linear" step of each chosen layer's ``self_attn.qkv_proj`` (its output's
     query columns times ``c``; float weights only) plus the layer's ``scaling`` attribute
-    (divided by ``c``; restored on exit). Both backends read ``scaling``.
+    (divided by ``c``; restored on exit). Both backends read ``scaling``. While it is
+    planted, those ``qkv_proj`` layers compute through ``linear_ref`` (the reference
+    path: the engine's own in the default configuration, but not its TF32 emulation or
+    its batch-invariant row-by-row path).
 
     Args:
         c: the factor, > 0 (a power of two keeps it exact).
