@@ -309,7 +309,7 @@ def _kl(ref, llm):
 
 try:  # the learner's engine first: a method the engine refuses fails before the others
     _yours = LLM(MODEL, **COMMON, quantization="lab_int8",
-                 quantization_config={"granularity": "channel"})
+                 quantization_config=dict(granularity="channel"))
 except Exception as _e:
     raise checks.CheckFailed(f"the engine could not load with your method: {type(_e).__name__}: "
                              f"{_e}") from None

@@ -206,7 +206,7 @@ def rejection_sample(draft, draft_probs, target_probs, generator):
             q[d] = 1.0
         else:
             q = draft_probs[j].float()
-        u = float(torch.rand(1, generator=generator))
+        u = torch.rand(1, generator=generator).item()
         if float(q[d]) > 0 and float(p[d]) / float(q[d]) >= u:
             out.append(d)
             continue
