@@ -57,6 +57,27 @@ def test_fixture_file_matches_the_lab(lab):
     assert fx.FIXTURES["solution"].score == fx.MAX_SCORE and fx.FIXTURES["release"].score == 0
 
 
+@pytest.mark.parametrize("lab", LABS)
+def test_no_secret_line_is_also_in_the_task_prose(lab):
+    """No line of a reference solution or hidden test (stripped, over 25 characters) also
+    appears in the lab's markdown, which the site shows on the lab's page. tests/test_site.py
+    checks the rendered page the same way, but only after building the whole site (minutes
+    when run alone); this catches it in a second, while writing a lab."""
+    import re
+
+    jupytext = pytest.importorskip("jupytext")
+    (src,) = sorted((ROOT / "labs" / "source" / lab).glob("*.py"))
+    source = src.read_text()
+    secret = [ln.strip() for block in re.findall(
+        r"### BEGIN (?:SOLUTION|HIDDEN TESTS)\n(.*?)### END", source, re.S)
+        for ln in block.splitlines() if len(ln.strip()) > 25]
+    assert secret, f"{lab}: no solution or hidden-test block found"
+    prose = "\n".join(c.source for c in jupytext.read(src).cells if c.cell_type == "markdown")
+    leaked = [ln for ln in secret if ln in prose]
+    assert not leaked, (f"{lab}: these secret lines also appear in the task prose "
+                        f"(reword one side): {leaked[:3]}")
+
+
 def test_generic_fixtures_build_from_a_solution_cell():
     code = "def f(x: int) -> float:\n    y = x + 1\n    return y / 2\n"
     made = {n: g.make(code) for n, g in fixtures.GENERIC_FIXTURES.items()}
