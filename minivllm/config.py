@@ -417,6 +417,14 @@ class EngineArgs:
     # "draft_model", "num_speculative_tokens": k, "prompt_lookup_max": ...,
     # "prompt_lookup_min": ..., "model": ...}; see :class:`SpeculativeConfig`.
     speculative_config: Optional[dict] = None
+    # NOT a vLLM option (course chapter 24): on CPU, decode steps replay emulated CUDA
+    # graphs (minivllm/worker/cuda_graph.py: EmulatedCUDAGraphRunner): the same capture
+    # sizes, static buffers and padded rows as the CUDA runner, and a replay that re-runs
+    # the ops recorded at capture, so a hook or patch added later is not seen unless the
+    # runner steps aside (can_run, suspended()). No speed-up; each capture size costs one
+    # forward at capture, with keys padded to max_model_len (keep both small). Needs
+    # device="cpu", the TORCH backend and enforce_eager=False.
+    emulate_cuda_graphs: bool = False
 
     def validate(self) -> None:
         """Check arguments that can be checked without the model.
@@ -463,6 +471,14 @@ class EngineArgs:
                 and all(isinstance(k, str) for k in self.hf_overrides)):
             raise ValueError(f"hf_overrides must be None, a dict of config fields or a "
                              f"callable, got {self.hf_overrides!r}")
+        if not isinstance(self.emulate_cuda_graphs, bool):
+            raise ValueError(f"emulate_cuda_graphs must be True or False, "
+                             f"got {self.emulate_cuda_graphs!r}")
+        if self.emulate_cuda_graphs and (self.device != "cpu" or self.enforce_eager):
+            raise ValueError("emulate_cuda_graphs=True emulates CUDA graphs on the CPU: it needs "
+                             f"device='cpu' and enforce_eager=False (got device={self.device!r}, "
+                             f"enforce_eager={self.enforce_eager!r}); on CUDA the engine "
+                             "captures real graphs")
         self._validate_kv_scales()
         self._validate_quantization()
         parse_speculative_config(self.speculative_config)

@@ -172,7 +172,8 @@ class LLMEngine:
             model, self.model_config, self.cache_config, device, args.seed,
             cuda_graph_max_batch_size=None if args.enforce_eager
             else min(self.scheduler_config.max_num_seqs, 256),
-            batch_invariant=batch_invariant_enabled(args))
+            batch_invariant=batch_invariant_enabled(args),
+            emulate_cuda_graphs=args.emulate_cuda_graphs)
         if args.calculate_kv_scales:
             self.calibrate_kv_scales()
         self.speculative_config = None

@@ -945,3 +945,35 @@ def spec_accept_first_unverified(llm):
     an LLM built with ``speculative_config``."""
     with llm.swap_step("rejection_sampler", rejection_sampler_first_unverified):
         yield
+
+
+# --- CUDA graphs (chapter 24) ---------------------------------------------------------------
+
+@contextlib.contextmanager
+def stale_cuda_graph_capture(llm):
+    """The graph runner as it was before commit b4220d8: a pure decode step that fits a
+    captured graph replays it even while a forward hook is registered or the runner is
+    :meth:`~minivllm.worker.cuda_graph.CUDAGraphRunner.suspended` (which the planted
+    faults above and ``LLM.swap_step`` enter). A replay runs what was captured, so such a
+    hook misses every graph step and such a patch is silently not applied on them (on
+    the H200 a hook registered after capture ran for 1 of 6 steps). Needs an LLM with
+    graphs: ``device="cuda"``, or ``emulate_cuda_graphs=True`` on the CPU.
+
+    Raises:
+        ValueError: the LLM has no graph runner (``enforce_eager=True``, or CPU without
+            ``emulate_cuda_graphs``).
+    """
+    graphs = llm.llm_engine.model_runner.cuda_graphs
+    if graphs is None:
+        raise ValueError("stale_cuda_graph_capture needs an LLM with CUDA graphs (device='cuda' "
+                         "with the TRITON backend, or emulate_cuda_graphs=True on the CPU)")
+
+    def can_run(scheduled) -> bool:  # no hook check, no suspension check
+        return 0 < len(scheduled) <= graphs.max_batch_size \
+            and all(n == 1 and req.score is None for req, n in scheduled)
+
+    graphs.can_run = can_run
+    try:
+        yield
+    finally:
+        del graphs.can_run

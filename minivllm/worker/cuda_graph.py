@@ -35,6 +35,7 @@ import contextlib
 import logging
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from minivllm.attention.metadata import AttentionMetadata, PagedMetadata
 from minivllm.engine.request import Request
@@ -75,7 +76,6 @@ class CUDAGraphRunner:
         self.model = model
         self._alloc_buffers(max_batch_size, max_model_len, block_size, device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
-        self.pool = torch.cuda.graph_pool_handle()
         self._capture_all()
         self._watch_model()
 
@@ -134,6 +134,7 @@ class CUDAGraphRunner:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
+        self.pool = torch.cuda.graph_pool_handle()
         # Largest first, so smaller graphs reuse the memory pool the largest allocated.
         for bs in reversed(self.sizes):
             stream = torch.cuda.Stream()
@@ -212,3 +213,228 @@ class CUDAGraphRunner:
         graph, (logits, finite) = self.graphs[bs]
         graph.replay()
         return logits[:b], finite[:b]
+
+
+# --------------------------------------------------------------------------------------
+# CPU emulation (course chapter 24). NOT a vLLM feature: vLLM captures graphs on GPUs only
+# and runs its CPU backend eagerly. It exists so that a laptop can show what a replay
+# bound at capture time does (padding, static buffers, a stale capture).
+# --------------------------------------------------------------------------------------
+
+# Ops whose only effect is a host value (a sync). The Python branch that value decided
+# was frozen at capture; a replay, like a CUDA graph's, skips them.
+_HOST_ONLY_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default,
+                  torch.ops.aten.equal.default}
+
+
+class EmulatedCUDAGraph:
+    """A CPU stand-in for ``torch.cuda.CUDAGraph``: :meth:`capture` runs a function once
+    and records every ATen op it dispatches (a ``TorchDispatchMode``); :meth:`replay`
+    re-executes that op list, and nothing else.
+
+    What is recorded is what a CUDA graph records: the ops, their arguments and the
+    tensors they read and write. Tensors that existed before capture (weights, the KV
+    cache, static input buffers, constants) are referenced, so a replay reads their
+    *current* contents; tensors made during capture are recomputed. Everything Python
+    decided during capture is frozen: which module ran, a forward hook (or its absence),
+    a patched function or step, a branch on a host value (``int(t.min()) > 0``), shapes.
+    So a hook registered, or a step patched, after capture is never run by a replay.
+
+    The outputs are static too: a replay copies its results into the tensors the
+    captured function returned (as a CUDA graph writes into its captured outputs).
+    Unlike a CUDA graph, a replay runs the ops from Python, one by one: no speed-up
+    (course chapter 24 cites the H200's measured one instead).
+    """
+
+    def __init__(self):
+        self._ops: list = []
+        self._num_slots = 0
+        self._out_slots: list[int] = []
+        self.outputs = None
+
+    def capture(self, fn, *args):
+        """Run ``fn(*args)`` once, recording its ops; returns (and keeps) its outputs, a
+        tensor or a tuple of tensors, which each :meth:`replay` overwrites in place."""
+        from torch.utils._pytree import tree_flatten
+
+        tape = _Tape()
+        with tape:
+            out = fn(*args)
+        self._ops, self._num_slots = tape.ops, len(tape.made)
+        leaves, _ = tree_flatten(out)
+        self._out_slots = [tape.slot[id(t)] for t in leaves]
+        self.outputs = out
+        self._out_leaves = leaves
+        return out
+
+    @torch.inference_mode()
+    def replay(self) -> None:
+        """Re-execute the recorded ops on the current contents of the static tensors; the
+        results land in the captured outputs."""
+        from torch.utils._pytree import tree_unflatten
+
+        env: list = [None] * self._num_slots
+        for func, args, kwargs, top, nested, spec, out_slots in self._ops:
+            if spec is not None:  # a tensor made during capture sits inside kwargs
+                leaves = list(args)
+                for pos, slot in top:
+                    leaves[pos] = env[slot]
+                args, kwargs = tree_unflatten(leaves, spec)
+            elif top or nested:
+                args = list(args)
+                for pos, slot in top:
+                    args[pos] = env[slot]
+                copied = set()
+                for pos, j, slot in nested:  # a list argument (cat, index_put's indices)
+                    if pos not in copied:
+                        args[pos] = list(args[pos])  # a copy: the template stays as it is
+                        copied.add(pos)
+                    args[pos][j] = env[slot]
+            out = func(*args, **kwargs)
+            if out_slots is None:
+                continue
+            if isinstance(out, torch.Tensor):
+                if out_slots[0] >= 0:
+                    env[out_slots[0]] = out
+            else:
+                for slot, t in zip(out_slots, out):
+                    if slot >= 0:
+                        env[slot] = t
+        for static, slot in zip(self._out_leaves, self._out_slots):
+            static.copy_(env[slot])
+
+
+class _Tape(TorchDispatchMode):
+    """Records ``(op, argument leaves, tree spec, [(leaf, slot)] of tensors made during
+    capture, output slots)`` for :class:`EmulatedCUDAGraph`."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # no torch._dynamo wrapper (and import) around every recorded op
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list = []
+        self.made: list[torch.Tensor] = []  # strong refs: ids stay unique during capture
+        self.slot: dict[int, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_flatten
+
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        single = isinstance(out, torch.Tensor)
+        out_leaves = [out] if single else (list(out) if isinstance(out, (tuple, list)) else [out])
+        if func in _HOST_ONLY_OPS and not any(isinstance(t, torch.Tensor) for t in out_leaves):
+            return out
+        made = self.slot
+        ext_ids: set[int] = set()
+
+        def ref(x):
+            if isinstance(x, torch.Tensor):
+                if id(x) in made:
+                    return made[id(x)]
+                ext_ids.add(id(x))
+            return None
+
+        spec = None
+        top, nested = [], []
+        if any(ref(x) is not None for x in tree_flatten(kwargs)[0]):
+            leaves, spec = tree_flatten((args, kwargs))
+            top = [(i, ref(x)) for i, x in enumerate(leaves) if ref(x) is not None]
+            leaves = list(leaves)
+            for i, _ in top:
+                leaves[i] = None
+            stored_args, stored_kwargs = tuple(leaves), None
+        else:
+            stored = list(args)
+            for i, x in enumerate(args):
+                if ref(x) is not None:
+                    top.append((i, made[id(x)]))
+                    stored[i] = None
+                elif isinstance(x, (list, tuple)):
+                    inner = [(i, j, made[id(y)]) for j, y in enumerate(x) if ref(y) is not None]
+                    if inner:
+                        nested += inner
+                        stored[i] = [None if ref(y) is not None else y for y in x]
+            stored_args, stored_kwargs = tuple(stored), dict(kwargs)
+        out_slots = []
+        for t in out_leaves:
+            if not isinstance(t, torch.Tensor) or id(t) in ext_ids:
+                out_slots.append(-1)  # a non-tensor, or an in-place op on an outside tensor
+            elif id(t) in made:
+                out_slots.append(made[id(t)])  # in place on a tensor made during capture
+            else:
+                made[id(t)] = len(self.made)
+                out_slots.append(len(self.made))
+                self.made.append(t)
+        if single or not isinstance(out, (tuple, list)):
+            out_slots = out_slots[:1]
+        if all(sl < 0 for sl in out_slots):
+            out_slots = None
+        # Tensors made during capture are not kept in the op (the replay supplies its own).
+        self.ops.append((func, stored_args, stored_kwargs, tuple(top), tuple(nested), spec,
+                         None if out_slots is None else tuple(out_slots)))
+        return out
+
+
+class EmulatedCUDAGraphRunner(CUDAGraphRunner):
+    """:class:`CUDAGraphRunner` on CPU with :class:`EmulatedCUDAGraph` (the engine's
+    ``emulate_cuda_graphs=True``; NOT a vLLM option, see ``EngineArgs``).
+
+    Same capture sizes (:func:`capture_sizes`), the same static buffers written in place
+    by the same ``_fill_inputs`` (padding rows: token 0, position 0, slot -1, length 0),
+    the same ``can_run`` / :meth:`suspended` rules and the same ``run``. What differs:
+
+    * the TORCH backend reads K/V through slots, not block tables, so the captured step
+      derives the read slots ``[bs, max_model_len]`` and the key mask from the static
+      block tables and lengths (these ops are in the capture, so each replay recomputes
+      them from the buffers' current contents). Keys are padded to ``max_model_len``,
+      not to the longest sequence of the step as an eager step pads them;
+    * the CPU cache store has no "skip slot -1": the model runner gives the cache one
+      spare slot at the end, which slot -1 indexes and no block covers;
+    * the capture runs once on the padding rows (every length 0), so branches on host
+      values are frozen as the padding decided them (the fully-masked-row guard of
+      ``decode_attention_ref`` always runs, as on a GPU).
+
+    Numerics: a replayed row equals the same row computed eagerly at the padded shape,
+    bit for bit. Against an ordinary eager step it can differ where a kernel's bits
+    depend on the shape: float32 SDPA on CPU depends on the padded key length (a few
+    1e-8 in the attention output), MKL float32 ``F.linear`` on the row count M
+    (``PACK_CPU_WEIGHTS = False``); oneDNN-packed float32 linears do not (tests in
+    ``tests/test_cpu_graph_emulation.py``, course chapter 24).
+
+    Args: as :class:`CUDAGraphRunner`; ``device`` must be the CPU.
+    """
+
+    def __init__(self, model, max_batch_size: int, max_model_len: int, block_size: int,
+                 device: torch.device):
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"EmulatedCUDAGraphRunner runs on the CPU, got device {device!r} "
+                             "(on CUDA use CUDAGraphRunner, real graphs)")
+        if getattr(model.layers[0].self_attn.backend, "name", None) != "TORCH":
+            raise ValueError("EmulatedCUDAGraphRunner needs the TORCH attention backend")
+        super().__init__(model, max_batch_size, max_model_len, block_size, device)
+
+    def _meta(self, bs: int) -> AttentionMetadata:
+        from minivllm.attention.metadata import DecodeGroup, slot_mapping_ref
+
+        L = self.max_model_len
+        j = torch.arange(L)
+        lens = self.seq_lens[:bs].long()
+        group = DecodeGroup(
+            rows=torch.arange(bs),
+            kv_slots=slot_mapping_ref(self.block_tables[:bs].long(), j.expand(bs, L),
+                                      self.block_size),
+            seq_lens=lens,
+            mask=(j[None, :] < lens[:, None])[:, None, None, :])
+        return AttentionMetadata(slot_mapping=self.slot_mapping[:bs], decodes=[group])
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        self._forward(self.sizes[-1])  # warm-up: fills the weight caches (packed, TF32)
+        for bs in reversed(self.sizes):
+            graph = EmulatedCUDAGraph()
+            out = graph.capture(self._forward, bs)
+            self.graphs[bs] = (graph, out)
+        logger.info("captured emulated CUDA graphs (CPU) for decode batch sizes %s", self.sizes)

@@ -88,12 +88,16 @@ class ModelRunner:
             it runs eagerly.
         batch_invariant: the batch-invariant mode (``EngineArgs.batch_invariant``; see
             :meth:`_use_batch_invariant`): a request's logits do not depend on the batch.
+        emulate_cuda_graphs: on CPU, with ``cuda_graph_max_batch_size``, capture decode
+            steps in emulated graphs (``EngineArgs.emulate_cuda_graphs``, not a vLLM
+            option; :class:`~minivllm.worker.cuda_graph.EmulatedCUDAGraphRunner`). The
+            cache then gets one spare slot at the end, where padding rows' slot -1 writes.
     """
 
     def __init__(self, model, model_config: ModelConfig, cache_config: CacheConfig,
                  device: str = "cpu", seed: int = 0,
                  cuda_graph_max_batch_size: Optional[int] = None,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, emulate_cuda_graphs: bool = False):
         self.model = model
         self.batch_invariant = bool(batch_invariant)
         self.model_config = model_config
@@ -101,6 +105,9 @@ class ModelRunner:
         self.device = torch.device(device)
         self.block_size = cache_config.block_size
         num_slots = cache_config.num_blocks * cache_config.block_size
+        emulate = bool(emulate_cuda_graphs and cuda_graph_max_batch_size
+                       and self.device.type == "cpu")
+        num_slots += emulate  # the spare slot that padding rows' slot -1 indexes
         shape = (num_slots, model_config.num_kv_heads, model_config.head_dim)
         # Zero-filled: padded (masked) reads then never meet NaN garbage.
         self.kv_caches: list[LayerKVCache] = []
@@ -158,6 +165,21 @@ class ModelRunner:
                 self.cuda_graphs = CUDAGraphRunner(
                     model, cuda_graph_max_batch_size, model_config.max_model_len,
                     self.block_size, self.device)
+        if emulate:
+            why = None
+            if self.batch_invariant:
+                why = "batch_invariant=True computes the LM head one row at a time"
+            elif self.paged:
+                why = f"the emulation needs the TORCH attention backend, not {self.backend.name}"
+            elif cache_config.cache_dtype == torch.int8:
+                why = "an int8 KV cache checks every step for NaN/inf K/V (a host sync)"
+            if why:
+                raise ValueError(f"emulate_cuda_graphs=True cannot be used here: {why}")
+            from minivllm.worker.cuda_graph import EmulatedCUDAGraphRunner
+
+            self.cuda_graphs = EmulatedCUDAGraphRunner(
+                model, cuda_graph_max_batch_size, model_config.max_model_len,
+                self.block_size, self.device)
 
     def _use_batch_invariant(self) -> None:
         """Make every step's per-request result independent of the batch (chapter 5;
