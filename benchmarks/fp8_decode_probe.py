@@ -16,7 +16,7 @@ against the production kernel:
   (exact: checked on all 256 bytes, NaN kept; equal to prod only at scale 1.0).
 
 Findings (H200, 2026-12-02) are in ``benchmarks/RESULTS.md``: none of these reaches the
-bandwidth; the time per tile, not the conversion, bounds the fp8 kernel.
+bandwidth; neither the conversion nor the shared-memory detour nor the launch configuration is what bounds the fp8 kernel.
 
 Usage: ``python benchmarks/fp8_decode_probe.py [--out DIR]`` (writes ``probe.json`` and each
 variant's Triton IR dump under DIR).
