@@ -176,7 +176,7 @@ def _patch(variant: str) -> None:
 
 
 def child(variant: str, stages: int | None, block_n: int | None, out: Path,
-          warps: int | None = None) -> None:
+          warps: int | None = None, maxnreg: int | None = None) -> None:
     import torch
     from triton.testing import do_bench
 
@@ -191,6 +191,8 @@ def child(variant: str, stages: int | None, block_n: int | None, out: Path,
         PA.DECODE_CONFIG_QUANT["BLOCK_N"] = block_n
     if warps:
         PA.DECODE_CONFIG_QUANT["num_warps"] = warps
+    if maxnreg:
+        PA.DECODE_CONFIG_QUANT["maxnreg"] = maxnreg
     g = torch.Generator(device="cuda").manual_seed(0)
     max_tokens = max(b * c for b, c in SHAPES)
     nblk = max_tokens // BS + 16
@@ -243,26 +245,27 @@ def main() -> None:
     ap.add_argument("--stages", type=int, default=None)
     ap.add_argument("--block-n", type=int, default=None)
     ap.add_argument("--warps", type=int, default=None)
+    ap.add_argument("--maxnreg", type=int, default=None)
     ap.add_argument("--variants", default="prod,direct,kt,kt_direct")
-    ap.add_argument("--extra", default="", help="variant:stages:block_n[:warps],... also run")
+    ap.add_argument("--extra", default="", help="variant:stages:block_n[:warps[:maxnreg]],... also run")
     args = ap.parse_args()
     out = Path(args.out)
     if args.child:
-        child(args.child, args.stages, args.block_n, out, args.warps)
+        child(args.child, args.stages, args.block_n, out, args.warps, args.maxnreg)
         return
     import torch
 
     out.mkdir(parents=True, exist_ok=True)
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
-    runs = [(v, None, None, None) for v in args.variants.split(",")]
+    runs = [(v, None, None, None, None) for v in args.variants.split(",")]
     for e in filter(None, args.extra.split(",")):
-        v, st, bn, *w = e.split(":") + [""]
+        v, st, bn, w, nreg = (e.split(":") + ["", ""])[:5]
         runs.append((v, int(st) if st else None, int(bn) if bn else None,
-                     int(w[0]) if w[0] else None))
+                     int(w) if w else None, int(nreg) if nreg else None))
     rows = []
-    for v, st, bn, w in runs:
-        name = f"{v}_s{st}_n{bn}" + (f"_w{w}" if w else "")
+    for v, st, bn, w, nreg in runs:
+        name = f"{v}_s{st}_n{bn}" + (f"_w{w}" if w else "") + (f"_r{nreg}" if nreg else "")
         d = out / name
         d.mkdir(exist_ok=True)
         env = dict(os.environ, TRITON_KERNEL_DUMP="1", TRITON_DUMP_DIR=str(d / "ir"),
@@ -274,6 +277,8 @@ def main() -> None:
             cmd += ["--block-n", str(bn)]
         if w:
             cmd += ["--warps", str(w)]
+        if nreg:
+            cmd += ["--maxnreg", str(nreg)]
         p = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if p.returncode:
             print(f"{name}: failed\n{p.stderr[-3000:]}", flush=True)
