@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import math
 import numbers
+import os
 import re
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
@@ -45,6 +46,19 @@ ALLOWED_KV_CACHE_DTYPES = tuple(_KV_CACHE_DTYPES)
 
 # lm_head_dtype values besides None (the model dtype): see EngineArgs.lm_head_dtype.
 LM_HEAD_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32}
+
+# EngineArgs.logprobs_mode values (vLLM's LogprobsMode, vllm/config/model.py): what the
+# ``logprobs`` and ``prompt_logprobs`` of an output hold. "raw": from the model's logits
+# before anything the sampler does; "processed": after min_tokens, penalties and (for
+# sampled rows) temperature, min_p, top_k and top_p, the distribution the token was drawn
+# from (tokens those removed have -inf). Prompt positions are never processed, so the
+# processed modes return the raw values there.
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+
+# The sampling fields a model's generation_config.json may set as defaults, as vLLM reads
+# them (ModelConfig.get_diff_sampling_param); max_new_tokens becomes max_tokens.
+GENERATION_CONFIG_FIELDS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p",
+                            "max_new_tokens")
 
 # Default KV-cache size on CPU when neither num_gpu_blocks_override nor
 # kv_cache_memory_bytes is given (vLLM's CPU backend uses VLLM_CPU_KVCACHE_SPACE,
@@ -425,6 +439,19 @@ class EngineArgs:
     # forward at capture, with keys padded to max_model_len (keep both small). Needs
     # device="cpu", the TORCH backend and enforce_eager=False.
     emulate_cuda_graphs: bool = False
+    # vLLM's generation_config: where default sampling parameters come from. "auto" (vLLM's
+    # default since v0.8): the model folder's generation_config.json, as transformers
+    # reads it (only fields that differ from transformers' defaults); "vllm": none, the
+    # SamplingParams defaults; or a folder holding a generation_config.json. Only
+    # GENERATION_CONFIG_FIELDS are used. They fill what a request leaves unset: LLM.generate
+    # without sampling_params (LLM.get_default_sampling_params) and OpenAI requests without
+    # temperature/top_p/... (course chapters 20, 29: lm-evaluation-harness #3154).
+    generation_config: str = "auto"
+    # vLLM's override_generation_config: fields applied over the generation config, e.g.
+    # {"temperature": 0.5}; with generation_config="vllm" they are the only defaults.
+    override_generation_config: Optional[dict] = None
+    # vLLM's logprobs_mode: see LOGPROBS_MODES.
+    logprobs_mode: str = "raw_logprobs"
 
     def validate(self) -> None:
         """Check arguments that can be checked without the model.
@@ -479,6 +506,17 @@ class EngineArgs:
                              f"device='cpu' and enforce_eager=False (got device={self.device!r}, "
                              f"enforce_eager={self.enforce_eager!r}); on CUDA the engine "
                              "captures real graphs")
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder holding a "
+                             f"generation_config.json, got {self.generation_config!r}")
+        if self.override_generation_config is not None and not (
+                isinstance(self.override_generation_config, dict)
+                and all(isinstance(k, str) for k in self.override_generation_config)):
+            raise ValueError(f"override_generation_config must be None or a dict of "
+                             f"generation-config fields, got {self.override_generation_config!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, "
+                             f"got {self.logprobs_mode!r}")
         self._validate_kv_scales()
         self._validate_quantization()
         parse_speculative_config(self.speculative_config)
@@ -555,6 +593,45 @@ class EngineArgs:
 
     def replace(self, **changes) -> "EngineArgs":
         return dataclasses.replace(self, **changes)
+
+
+def default_sampling_params(generation_config: str, model_path: str,
+                            overrides: Optional[dict] = None) -> dict:
+    """The model's default sampling fields, as vLLM's ``ModelConfig.get_diff_sampling_param``
+    (``vllm/config/model.py``): the generation config's ``GENERATION_CONFIG_FIELDS`` that
+    differ from transformers' ``GenerationConfig`` defaults, then ``overrides`` on top;
+    ``max_new_tokens`` is renamed ``max_tokens``. Values are checked when a SamplingParams
+    is built from them.
+
+    Args:
+        generation_config: "auto" (``model_path``), "vllm" (nothing) or a folder.
+        model_path: the model's local folder.
+        overrides: EngineArgs.override_generation_config.
+    Returns:
+        {field: value}, empty when nothing is set (then SamplingParams' own defaults apply).
+    Raises:
+        ValueError: a folder without a readable generation_config.json.
+    """
+    config: dict = {}
+    if generation_config != "vllm":
+        folder = model_path if generation_config == "auto" else generation_config
+        file = os.path.join(folder, "generation_config.json")
+        if os.path.isfile(file):
+            from transformers import GenerationConfig
+
+            try:
+                config = GenerationConfig.from_pretrained(folder).to_diff_dict()
+            except (OSError, ValueError) as e:
+                raise ValueError(f"generation_config: could not read {file}: {e}") from None
+        elif generation_config != "auto":
+            raise ValueError(f"generation_config={generation_config!r}: no "
+                             f"generation_config.json in that folder; use 'auto' (the "
+                             f"model's), 'vllm' (none) or a folder that has one")
+    config.update(overrides or {})
+    diff = {k: config[k] for k in GENERATION_CONFIG_FIELDS if config.get(k) is not None}
+    if "max_new_tokens" in diff:
+        diff["max_tokens"] = diff.pop("max_new_tokens")
+    return diff
 
 
 BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"

@@ -110,6 +110,12 @@ class LLM:
         """Preemptions, KV usage, prefix-cache queries/hits, free blocks, per-step history."""
         return self.llm_engine.stats
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams a call without ``sampling_params`` uses (vLLM's name): the
+        fields the model's generation config sets (``EngineArgs.generation_config``,
+        ``override_generation_config``), SamplingParams' defaults for the rest."""
+        return self.llm_engine.get_default_sampling_params()
+
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
@@ -120,7 +126,8 @@ class LLM:
                 A prompt dict is vLLM's ``{"prompt": text}`` or ``{"prompt_token_ids":
                 [...]}``, optionally with ``"cache_salt": str`` (non-empty): requests
                 with different salts never share prefix-cache blocks.
-            sampling_params: one for all prompts, or one per prompt (default: SamplingParams()).
+            sampling_params: one for all prompts, or one per prompt (default:
+                :meth:`get_default_sampling_params`, the generation config's defaults).
             use_tqdm: show a progress bar over finished requests.
         Raises:
             ValueError: bad prompts or a sampling_params list of the wrong length. When one
@@ -135,7 +142,7 @@ class LLM:
                             f"a list of those, got {type(prompts).__name__}")
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:

@@ -11,8 +11,10 @@ class Logprob:
     """Log-probability of one token.
 
     Attributes:
-        logprob: natural-log probability under the raw model distribution (float, nats).
-        rank: 1-based rank of the token in that distribution.
+        logprob: natural-log probability under the raw model distribution (float, nats),
+            or what the engine's ``logprobs_mode`` asks for instead (raw logits, or the
+            processed log-probs / logits the sampler drew from).
+        rank: 1-based rank of the token among those values.
         decoded_token: the token's text.
     """
 

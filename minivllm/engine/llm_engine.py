@@ -11,6 +11,7 @@ import itertools
 import numbers
 import operator
 import os
+import logging
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -20,7 +21,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import torch
 
-from minivllm.config import batch_invariant_enabled
+from minivllm.config import batch_invariant_enabled, default_sampling_params
 from minivllm.config import (DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig, EngineArgs, ModelConfig,
                              SchedulerConfig, parse_dtype, parse_kv_cache_dtype)
 from minivllm.core.kv_cache_manager import KVCacheManager
@@ -31,6 +32,8 @@ from minivllm.quantization.kv_cache import is_quantized
 from minivllm.sampling_params import SamplingParams
 from minivllm.utils import check_valid_unicode
 from minivllm.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -143,6 +146,20 @@ class LLMEngine:
             num_kv_heads=cfg.get("num_key_value_heads", num_heads),
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
             eos_token_ids=eos_ids)
+        # vLLM's generation_config: the defaults a request's unset fields take (checked
+        # here by building a SamplingParams from them, so a bad value fails at start)
+        self.default_sampling_params = default_sampling_params(
+            args.generation_config, str(path), args.override_generation_config)
+        if self.default_sampling_params:
+            try:
+                SamplingParams(**self.default_sampling_params)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"generation_config / override_generation_config give "
+                                 f"{self.default_sampling_params}, which SamplingParams "
+                                 f"refuses: {e}") from None
+            logger.info("Default sampling parameters from the generation config: %s (use "
+                        "generation_config='vllm' for SamplingParams' own defaults)",
+                        self.default_sampling_params)
         self.cache_config = self._make_cache_config(cache_dtype)
         self.scheduler_config = self._make_scheduler_config()
         device = args.device
@@ -173,7 +190,7 @@ class LLMEngine:
             cuda_graph_max_batch_size=None if args.enforce_eager
             else min(self.scheduler_config.max_num_seqs, 256),
             batch_invariant=batch_invariant_enabled(args),
-            emulate_cuda_graphs=args.emulate_cuda_graphs)
+            emulate_cuda_graphs=args.emulate_cuda_graphs, logprobs_mode=args.logprobs_mode)
         if args.calculate_kv_scales:
             self.calibrate_kv_scales()
         self.speculative_config = None
@@ -401,6 +418,11 @@ class LLMEngine:
                                enable_chunked_prefill=a.enable_chunked_prefill)
 
     # --- requests ---------------------------------------------------------------------
+    def get_default_sampling_params(self) -> SamplingParams:
+        """A new SamplingParams with the generation config's defaults (vLLM's
+        ``LLM.get_default_sampling_params``); SamplingParams() when it sets none."""
+        return SamplingParams(**self.default_sampling_params)
+
     def add_request(self, prompt: Union[str, list[int], dict], params: Optional[SamplingParams] = None,
                     request_id: Optional[str] = None) -> str:
         """Queue a prompt (text or token ids). Returns the request id.
@@ -423,7 +445,7 @@ class LLMEngine:
         cache_salt = None
         if isinstance(prompt, dict):
             prompt, cache_salt = parse_prompt_dict(prompt)
-        params = params if params is not None else SamplingParams()
+        params = params if params is not None else self.get_default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         if request_id is not None and not isinstance(request_id, str):

@@ -13,14 +13,15 @@ import json
 import sys
 from typing import Optional
 
-from minivllm.config import ALLOWED_DTYPES, ALLOWED_KV_CACHE_DTYPES, EngineArgs
+from minivllm.config import ALLOWED_DTYPES, ALLOWED_KV_CACHE_DTYPES, LOGPROBS_MODES, EngineArgs
 from minivllm.quantization import QUANTIZATION_METHODS
 
 _CHOICES = {"dtype": ALLOWED_DTYPES, "kv_cache_dtype": ALLOWED_KV_CACHE_DTYPES,
             "device": None, "quantization": QUANTIZATION_METHODS,
             "kv_scale_type": ("static", "dynamic"), "kv_scale_granularity": ("tensor", "head"),
             "float32_matmul_precision": ("highest", "high"),
-            "attention_backend": ("TORCH", "TRITON"), "load_format": ("auto", "dummy")}
+            "attention_backend": ("TORCH", "TRITON"), "load_format": ("auto", "dummy"),
+            "logprobs_mode": LOGPROBS_MODES}
 
 
 def _json_object(text: str) -> dict:
@@ -59,6 +60,9 @@ def add_engine_args(parser: argparse.ArgumentParser, only_given: bool = False) -
         elif f.name == "hf_overrides":  # vLLM's --hf-overrides: a JSON object
             group.add_argument(flag, type=_json_object, default=default,
                                help='JSON object of config fields, e.g. \'{"rope_theta": 10000}\'')
+        elif f.name == "override_generation_config":  # vLLM's --override-generation-config
+            group.add_argument(flag, type=_json_object, default=default,
+                               help='JSON object, e.g. \'{"temperature": 0.5}\'')
         elif f.name == "speculative_config":  # vLLM's --speculative-config
             group.add_argument(flag, type=_json_object, default=default,
                                help='JSON object, e.g. \'{"method": "ngram", '

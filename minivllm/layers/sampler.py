@@ -4,7 +4,9 @@ vLLM: ``vllm/v1/sample/sampler.py``, ``ops/penalties.py``, ``ops/topk_topp_sampl
 For a batch of rows (one per request that needs a token this step):
 
 1. raw log-probs = log_softmax(logits), kept for ``logprobs`` (vLLM v1 returns log-probs
-   of the raw model distribution, before penalties and temperature);
+   of the raw model distribution, before penalties and temperature, unless the engine's
+   ``logprobs_mode`` says otherwise: raw logits, or the processed values of steps 2-5,
+   see :class:`Sampler`);
 2. ``min_tokens``: EOS and stop token ids get -inf until enough tokens exist;
 3. penalties: repetition (CTRL, arXiv:1909.05858: divide positive logits, multiply
    negative ones, for tokens in prompt or output), then frequency (times the count in
@@ -69,7 +71,8 @@ class SamplingMetadata:
 class SamplerOutput:
     """sampled: [B] int64. When logprobs were asked: topk_ids/topk_logprobs [B, N]
     (N = max_num_logprobs), sampled_logprobs [B] float32, sampled_ranks [B] int64
-    (1-based rank in the raw distribution)."""
+    (1-based rank among the returned values). Those values are log-probs or logits, raw
+    or processed, as the sampler's ``logprobs_mode`` says (default raw log-probs)."""
 
     sampled: torch.Tensor
     topk_ids: Optional[torch.Tensor] = None
@@ -198,40 +201,67 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator],
 
 class Sampler:
     """Callable sampler. ``penalties`` and ``top_k_top_p`` are the "sampler.penalties" and
-    "sampler.top_k_top_p" steps (:mod:`minivllm.steps`; swap them with ``LLM.swap_step``)."""
+    "sampler.top_k_top_p" steps (:mod:`minivllm.steps`; swap them with ``LLM.swap_step``).
 
-    def __init__(self, generator: Optional[torch.Generator] = None):
+    ``logprobs_mode`` (vLLM's, ``vllm/v1/sample/sampler.py``; values in
+    :data:`minivllm.config.LOGPROBS_MODES`) picks what ``logprobs`` return: "raw_logprobs"
+    (default) log_softmax of the model's logits; "raw_logits" those logits; the
+    "processed_" modes the values the token was chosen from: for greedy rows the logits
+    after min_tokens and penalties, for sampled rows after temperature, min_p, top_k and
+    top_p too (removed tokens are -inf), as logits or log_softmax of them.
+    """
+
+    def __init__(self, generator: Optional[torch.Generator] = None,
+                 logprobs_mode: str = "raw_logprobs"):
+        from minivllm.config import LOGPROBS_MODES
+
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, "
+                             f"got {logprobs_mode!r}")
         self.generator = generator
+        self.logprobs_mode = logprobs_mode
         self.penalties = penalties_ref
         self.top_k_top_p = apply_top_k_top_p
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits: [B, V] float32. Returns SamplerOutput."""
         logits = logits.float()
-        raw_logprobs = None
-        if meta.max_num_logprobs is not None:
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        want = meta.max_num_logprobs is not None
+        raw = self.logprobs_mode.startswith("raw")
+        values = None  # what the logprobs report: [B, V]
+        if want and raw:
+            values = torch.log_softmax(logits, dim=-1) if self.logprobs_mode == "raw_logprobs" \
+                else logits.clone()
         if meta.min_tokens_block:
             logits = logits.clone()
             for row, ids in meta.min_tokens_block.items():
                 logits[row, ids] = NEG_INF
         logits = apply_penalties(logits, meta, self.penalties)
 
+        processed = None
+        if want and not raw:  # greedy rows keep these; sampled rows are replaced below
+            processed = logits.clone()
         if meta.all_greedy:
             sampled = logits.argmax(dim=-1)
         else:
-            sampled = self._sample_mixed(logits, meta)
+            sampled = self._sample_mixed(logits, meta, processed)
         out = SamplerOutput(sampled=sampled)
-        if raw_logprobs is not None:
+        if want:
+            if not raw:
+                values = torch.log_softmax(processed, dim=-1) \
+                    if self.logprobs_mode == "processed_logprobs" else processed
             n = meta.max_num_logprobs
             if n > 0:
-                out.topk_logprobs, out.topk_ids = raw_logprobs.topk(n, dim=-1)
-            out.sampled_logprobs = raw_logprobs.gather(1, sampled[:, None]).squeeze(1)
-            out.sampled_ranks = (raw_logprobs > out.sampled_logprobs[:, None]).sum(-1) + 1
+                out.topk_logprobs, out.topk_ids = values.topk(n, dim=-1)
+            out.sampled_logprobs = values.gather(1, sampled[:, None]).squeeze(1)
+            out.sampled_ranks = (values > out.sampled_logprobs[:, None]).sum(-1) + 1
         return out
 
-    def _sample_mixed(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """Greedy rows (temperature < 1e-5) by argmax, the others sampled. [B] int64."""
+    def _sample_mixed(self, logits: torch.Tensor, meta: SamplingMetadata,
+                      processed: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Greedy rows (temperature < 1e-5) by argmax, the others sampled. [B] int64.
+        ``processed`` [B, V] (processed logprobs modes): the sampled rows' final logits
+        are written into it."""
         greedy_mask = meta.temperature < 1e-5
         sampled = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
         if greedy_mask.any():
@@ -244,6 +274,8 @@ class Sampler:
             sub = self.top_k_top_p(
                 sub, None if meta.top_k is None else meta.top_k[rows],
                 None if meta.top_p is None else meta.top_p[rows])
+            if processed is not None:
+                processed[rows] = sub
             probs = torch.softmax(sub, dim=-1)
             row_list = rows.tolist()
             gens = {i: meta.generators[r] for i, r in enumerate(row_list) if r in meta.generators}

@@ -97,7 +97,8 @@ class ModelRunner:
     def __init__(self, model, model_config: ModelConfig, cache_config: CacheConfig,
                  device: str = "cpu", seed: int = 0,
                  cuda_graph_max_batch_size: Optional[int] = None,
-                 batch_invariant: bool = False, emulate_cuda_graphs: bool = False):
+                 batch_invariant: bool = False, emulate_cuda_graphs: bool = False,
+                 logprobs_mode: str = "raw_logprobs"):
         self.model = model
         self.batch_invariant = bool(batch_invariant)
         self.model_config = model_config
@@ -127,7 +128,7 @@ class ModelRunner:
             self.kv_caches.append(kv)
         gen = torch.Generator(device=self.device)
         gen.manual_seed(seed)
-        self.sampler = Sampler(gen)
+        self.sampler = Sampler(gen, logprobs_mode)
         # The "slot_mapping" step (minivllm.steps) sets both: the slots a step writes
         # (slot_mapping) and the TORCH backend's read slots (read_slot_mapping; the
         # "slot_mapping.read" step alone; the TRITON kernels walk the block tables
@@ -710,7 +711,11 @@ class ModelRunner:
         return bad
 
     def _prompt_logprobs(self, req: Request, hidden: torch.Tensor, pos0: int) -> PromptLogprobsChunk:
-        logprobs = torch.log_softmax(self._compute_logits(hidden), dim=-1)
+        """Prompt positions pos0 + 1... as the sampler's logprobs_mode says: log-probs or
+        logits (a prompt position is never processed, so "processed_" = "raw_")."""
+        logits = self._compute_logits(hidden).float()
+        logprobs = logits if self.sampler.logprobs_mode.endswith("logits") \
+            else torch.log_softmax(logits, dim=-1)
         targets = torch.tensor(req.prompt_token_ids[pos0 + 1:pos0 + 1 + hidden.shape[0]],
                                dtype=torch.int64, device=logprobs.device)
         tok_lp = logprobs.gather(1, targets[:, None]).squeeze(1)

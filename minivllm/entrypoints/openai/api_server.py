@@ -121,7 +121,8 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: Optional[st
 
     def sampling_params(body, default_max_tokens, logprobs):
         try:
-            return body.sampling_params(default_max_tokens, logprobs)
+            return body.sampling_params(default_max_tokens, logprobs,
+                                        llm.engine.default_sampling_params)
         except ValueError as e:
             raise APIError(400, str(e)) from None
 

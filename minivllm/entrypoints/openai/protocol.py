@@ -17,6 +17,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from minivllm.sampling_params import SamplingParams
 
 
+# vLLM's defaults for the fields a generation config may set (ChatCompletionRequest.
+# _DEFAULT_SAMPLING_PARAMS), used when neither the request nor the model sets them.
+_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+                      "repetition_penalty": 1.0}
+
+
 class _Base(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -28,17 +34,18 @@ class StreamOptions(_Base):
 class _SamplingFields(_Base):
     model: str
     max_tokens: Optional[int] = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
+    # None (not sent): the model's generation-config default, else _SAMPLING_DEFAULTS
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
     n: int = 1
     seed: Optional[int] = None
     stop: Optional[Union[str, list[str]]] = None
     stop_token_ids: Optional[list[int]] = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: Optional[float] = None
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
@@ -68,18 +75,34 @@ class _SamplingFields(_Base):
         key = "prompt" if isinstance(token_ids, str) else "prompt_token_ids"
         return {key: token_ids, "cache_salt": self.cache_salt}
 
-    def sampling_params(self, default_max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
-        """Raises ValueError for values SamplingParams does not allow, or n != 1."""
+    def sampling_params(self, default_max_tokens: Optional[int], logprobs: Optional[int],
+                        defaults: Optional[dict] = None) -> SamplingParams:
+        """The request's SamplingParams. A sampling field the request does not send takes
+        ``defaults`` (the engine's ``default_sampling_params``, from the model's generation
+        config), else :data:`_SAMPLING_DEFAULTS`; a generation-config ``max_tokens`` caps
+        the request's, as vLLM's ``get_max_tokens`` (``vllm/entrypoints/utils.py``).
+
+        Raises ValueError for values SamplingParams does not allow, or n != 1."""
         if self.n != 1:
             raise ValueError(f"n={self.n} is not supported (only n=1)")
+        defaults = defaults or {}
+
+        def pick(name):
+            value = getattr(self, name)
+            return value if value is not None else defaults.get(name, _SAMPLING_DEFAULTS[name])
+
+        max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
+        if defaults.get("max_tokens") is not None:
+            max_tokens = defaults["max_tokens"] if max_tokens is None \
+                else min(max_tokens, defaults["max_tokens"])
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         return SamplingParams(
-            max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            min_p=self.min_p, seed=self.seed, stop=stop,
+            max_tokens=max_tokens,
+            temperature=pick("temperature"), top_p=pick("top_p"), top_k=pick("top_k"),
+            min_p=pick("min_p"), seed=self.seed, stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos,
+            repetition_penalty=pick("repetition_penalty"), ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
             truncate_prompt_tokens=self.truncate_prompt_tokens)
