@@ -305,8 +305,12 @@ class EmulatedCUDAGraph:
 
 
 class _Tape(TorchDispatchMode):
-    """Records ``(op, argument leaves, tree spec, [(leaf, slot)] of tensors made during
-    capture, output slots)`` for :class:`EmulatedCUDAGraph`."""
+    """Records, per dispatched op, ``(op, args, kwargs, top, nested, spec, out_slots)``
+    for :class:`EmulatedCUDAGraph`: the arguments with every tensor made during capture
+    replaced by None, where those go (``top``: (arg index, slot); ``nested``: (arg index,
+    list index, slot); or, when one sits in kwargs, ``spec``, a pytree spec over the
+    flattened (args, kwargs) and ``top`` indexes its leaves), and the slot of each output
+    made here (-1: a non-tensor or an outside tensor changed in place; None: none)."""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
