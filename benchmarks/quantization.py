@@ -76,6 +76,8 @@ SCHEMES: dict[str, dict] = {
     "fp8-channel-dynamic": {"quantization": "fp8", "quantization_config": {"granularity": "channel"}},
     "fp8-tensor-static": {"quantization": "fp8",
                           "quantization_config": {"activation_scheme": "static"}},
+    "mxfp4": {"quantization": "mxfp4"},
+    "nvfp4 (modelopt_fp4)": {"quantization": "modelopt_fp4"},
 }
 QUICK = ("int8-tensor", "int8-channel", "int4-sym-g128", "gptq-sym-g128-actorder-damp1",
          "fp8-tensor-dynamic")

@@ -149,6 +149,10 @@ FORMATS: dict[str, FloatFormat] = {
                             "S.1111.111 only (no infinities)"),
     "fp8_e5m2": FloatFormat("fp8_e5m2", 5, 2, 15, 1.75 * 2.0**15, 2.0**-14, 2.0**-16, True,
                             _IEEE_NAN),
+    # OCP MX E2M1 (the elements of MXFP4 and NVFP4; minivllm.quantization.fp4): values
+    # +-{0, 0.5, 1, 1.5, 2, 3, 4, 6}; no infinities and no NaN.
+    "fp4_e2m1": FloatFormat("fp4_e2m1", 2, 1, 1, 6.0, 1.0, 0.5, False,
+                            "none (no NaN, no infinities)"),
 }
 
 # float32 bit-pattern constants (magnitudes, sign bit clear).

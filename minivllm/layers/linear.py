@@ -220,9 +220,14 @@ class LinearMethod:
             if x.dtype != dtype or tuple(x.shape) != tuple(shape):
                 raise ValueError(f"{name} must be {dtype} of shape {list(shape)}, got "
                                  f"{x.dtype} of shape {list(x.shape)}")
-            if name in ("weight_scale", "scales", "awq_scale", "input_scale") and not bool(
-                    (torch.isfinite(x) & (x > 0)).all()):
-                raise ValueError(f"{name} must be finite and positive")
+            if name in ("weight_scale", "weight_scale_2", "scales", "awq_scale", "input_scale"):
+                if x.dtype == torch.float32 and not bool((torch.isfinite(x) & (x > 0)).all()):
+                    raise ValueError(f"{name} must be finite and positive")
+                if x.dtype == torch.float8_e4m3fn and not bool(
+                        (torch.isfinite(x.float()) & (x.float() >= 0)).all()):
+                    raise ValueError(f"{name} (E4M3 block scales) must be finite and >= 0")
+                if x.dtype == torch.uint8 and bool((x == 255).any()):
+                    raise ValueError(f"{name} (E8M0 scale bytes) must not be 255 (NaN)")
         if "zeros" in t and int(t["zeros"].max()) > 15:
             raise ValueError("zeros must be int4 codes (0..15)")
         if "zeros" in t and self.cfg.symmetric and not bool((t["zeros"] == 8).all()):
@@ -319,6 +324,46 @@ class Fp8Method(LinearMethod):
         return y.reshape(*shape[:-1], y.shape[-1])
 
 
+class Mxfp4Method(LinearMethod):
+    """MXFP4 weight-only (:mod:`minivllm.quantization.fp4`): packed E2M1 + E8M0 bytes."""
+
+    def quantize(self, weight, stats=None):
+        from minivllm.quantization import fp4
+
+        q, scale = fp4.quantize_mxfp4(weight)
+        return {"qweight": q, "weight_scale": scale}
+
+    def dequantize(self, t):
+        from minivllm.quantization import fp4
+
+        return fp4.dequantize_mxfp4(t["qweight"], t["weight_scale"])
+
+    def expected(self, out_features, in_features):
+        return {"qweight": (torch.uint8, (out_features, in_features // 2)),
+                "weight_scale": (torch.uint8, (out_features, in_features // 32))}
+
+
+class Nvfp4Method(LinearMethod):
+    """NVFP4 weight-only (vLLM's ``modelopt_fp4`` names): packed E2M1, E4M3 block scales
+    ``weight_scale`` and the float32 tensor scale ``weight_scale_2``."""
+
+    def quantize(self, weight, stats=None):
+        from minivllm.quantization import fp4
+
+        q, block_scale, global_scale = fp4.quantize_nvfp4(weight)
+        return {"qweight": q, "weight_scale": block_scale, "weight_scale_2": global_scale}
+
+    def dequantize(self, t):
+        from minivllm.quantization import fp4
+
+        return fp4.dequantize_nvfp4(t["qweight"], t["weight_scale"], t["weight_scale_2"])
+
+    def expected(self, out_features, in_features):
+        return {"qweight": (torch.uint8, (out_features, in_features // 2)),
+                "weight_scale": (torch.float8_e4m3fn, (out_features, in_features // 16)),
+                "weight_scale_2": (torch.float32, ())}
+
+
 def make_method(cfg: QuantConfig) -> LinearMethod:
     """The linear method for ``cfg``: a built-in one, or the class registered under
     ``cfg.method`` (:func:`minivllm.quantization.register_quantization_method`).
@@ -334,6 +379,10 @@ def make_method(cfg: QuantConfig) -> LinearMethod:
         return Int4Method(cfg)
     if cfg.method == "fp8":
         return Fp8Method(cfg)
+    if cfg.method == "mxfp4":
+        return Mxfp4Method(cfg)
+    if cfg.method == "modelopt_fp4":
+        return Nvfp4Method(cfg)
     cls = registered_method_class(cfg.method)
     if cls is not None:
         return cls(cfg)

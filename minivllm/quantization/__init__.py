@@ -22,7 +22,13 @@ gptq     int4 from GPTQ's Hessian-based error feedback           group_size (128
 fp8      W8A8: e4m3 weights per tensor or per channel; e4m3      granularity ("tensor"),
          activations per tensor (static, calibrated) or per      activation_scheme
          token (dynamic), fp32 accumulation                      ("dynamic")
+mxfp4    E2M1 weights in blocks of 32 with a power-of-two        none
+         (E8M0) scale per block (OCP MX); weight-only
+modelo-  NVFP4: E2M1 weights in blocks of 16 with an E4M3 scale  none
+pt_fp4   per block and a float32 scale per tensor; weight-only
 ======== ====================================================== ==========================
+
+The FP4 formats and their scale rules: :mod:`minivllm.quantization.fp4`.
 
 Options every method accepts:
 
@@ -88,7 +94,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-QUANTIZATION_METHODS = ("int8", "int4", "awq", "gptq", "fp8")
+QUANTIZATION_METHODS = ("int8", "int4", "awq", "gptq", "fp8", "mxfp4", "modelopt_fp4")
 CALIBRATION_SETS = ("conversations", "corpus")
 
 # Options each method accepts, with its defaults.
@@ -102,6 +108,8 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "gptq": {"group_size": 128, "symmetric": True, "act_order": True, "percdamp": 1.0,
              "block_size": 128},
     "fp8": {"granularity": "tensor", "activation_scheme": "dynamic"},
+    "mxfp4": {},  # block size and scale rule are the format's
+    "modelopt_fp4": {},
 }
 _CALIBRATED = {"awq", "gptq"}
 _CALIB_DEFAULTS = {"calibration": "conversations", "calibration_tokens": 4096}
@@ -237,6 +245,8 @@ class QuantConfig:
             return f"int8-{o['granularity']}"
         if self.method == "fp8":
             return f"fp8-{o['granularity']}-{o['activation_scheme']}"
+        if self.method in ("mxfp4", "modelopt_fp4"):
+            return self.method
         sym = "sym" if o["symmetric"] else "asym"
         extra = "-actorder" if o.get("act_order") else ""
         return f"{self.method}-{sym}-g{o['group_size']}{extra}"
