@@ -977,3 +977,71 @@ def stale_cuda_graph_capture(llm):
         yield
     finally:
         del graphs.can_run
+
+
+# --- KV-cache scale delivery (chapter 18) --------------------------------------------------
+
+KV_SCALE_SIDES = ("read", "write")
+
+
+def quantize_kv_scale_dropped(x: torch.Tensor, cache_dtype: torch.dtype,
+                              scale: torch.Tensor | float = 1.0) -> torch.Tensor:
+    """The "kv.quantize" step with its scale lost on the way: stores ``Q(x / 1.0)``
+    whatever scale the layer holds. Same signature as ``quantize_kv``."""
+    from minivllm.quantization.kv_cache import quantize_kv
+
+    return quantize_kv(x, cache_dtype, 1.0)
+
+
+def dequantize_kv_scale_dropped(x: torch.Tensor, dtype: torch.dtype,
+                                scale: torch.Tensor | float = 1.0) -> torch.Tensor:
+    """The "kv.dequantize" step with its scale lost on the way: reads back ``stored *
+    1.0`` whatever scale the layer holds. Same signature as ``dequantize_kv``."""
+    from minivllm.quantization.kv_cache import dequantize_kv
+
+    return dequantize_kv(x, dtype, 1.0)
+
+
+@contextlib.contextmanager
+def kv_scale_dropped(llm, side: str = "read", layers=None):
+    """One side of the quantized KV cache loses its scales: the writer quantizes with the
+    layer's scale and the reader dequantizes with 1.0 (``side="read"``), or the writer
+    quantizes with 1.0 and the reader multiplies by the layer's scale (``side="write"``).
+
+    The incidents (INCIDENTS.md #10): NVIDIA/TensorRT-LLM PR #16916 (Kimi K3, fp8 KV: the
+    MLA generation path passed ``None`` for ``kv_scale_orig_quant`` / ``kv_scale_quant_orig``;
+    GSM8K 96.44 with a bf16 KV cache, 74.45 with fp8 KV, 96.89 once scale buffers of 1.0
+    were passed, 96.74 with 4.0); sgl-project/sglang #18818 (scales loaded from
+    ``--quantization-param-path`` never reached ``set_kv_buffer``); flashinfer-ai/flashinfer
+    #1023 (``k_scale``/``v_scale`` passed positionally and dropped).
+
+    Every stored K (and V) value comes back multiplied by ``s`` (read side dropped: by
+    ``1 / s``, write side dropped: by ``s``), where ``s`` is that layer's scale, so the
+    damage is set by how far the scale is from 1.0, not by the fp8 rounding. With scales
+    of 1.0 (vLLM's default when a checkpoint ships none) the fault changes nothing: the
+    logits are bit-identical. Planted on the "kv.quantize" (write) or "kv.dequantize"
+    (read) step of :mod:`minivllm.steps` (TORCH attention backend).
+
+    Args:
+        llm: an ``LLM`` with a quantized KV cache (fp8_e4m3, fp8_e5m2, int8), static or
+            dynamic scales.
+        side: "read" or "write": the side that drops its scale.
+        layers: None (every layer), a layer index or a list of them.
+    Raises:
+        ValueError: an unknown side, a float KV cache (it has no scale to drop), layer
+            indices out of range, or the TRITON backend (the kernels apply the scales).
+        TypeError: not an ``LLM``, or malformed ``layers``.
+    """
+    from minivllm.quantization.kv_cache import is_quantized
+
+    if side not in KV_SCALE_SIDES:
+        raise ValueError(f"side must be one of {KV_SCALE_SIDES}, got {side!r}")
+    idx = _layer_indices(llm, layers)
+    dtype = llm.llm_engine.cache_config.cache_dtype
+    if not is_quantized(dtype):
+        raise ValueError(f"kv_scale_dropped needs a quantized KV cache (fp8_e4m3, fp8_e5m2 "
+                         f"or int8); this engine stores K/V as {dtype}, which has no scale")
+    step, fn = (("kv.dequantize", dequantize_kv_scale_dropped) if side == "read"
+                else ("kv.quantize", quantize_kv_scale_dropped))
+    with llm.swap_step(step, fn, where=None if layers is None else idx):
+        yield

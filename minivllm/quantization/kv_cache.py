@@ -98,6 +98,34 @@ def dequantize_kv(x: torch.Tensor, dtype: torch.dtype,
     return y.to(dtype)
 
 
+def kv_scales_from_amax(amax: torch.Tensor, qmax_value: float) -> torch.Tensor:
+    """Static KV scales from calibrated maxima: ``amax / qmax``, and 1.0 where amax is 0
+    (a channel, head or layer that stored only zeros: any scale reads zeros back, and
+    0 would divide by zero on the next write).
+
+    Args:
+        amax: largest |K| or |V| seen in calibration, float32, any shape ([] per tensor,
+            [num_kv_heads] per head); finite and >= 0.
+        qmax_value: the storage format's largest magnitude (:func:`qmax`: 448 for e4m3,
+            57344 for e5m2, 127 for int8).
+    Returns:
+        float32 scales, the shape of ``amax``, so that ``amax / scale == qmax``: the
+        calibrated maximum lands on the format's largest value.
+    Raises:
+        ValueError: qmax_value <= 0 or not finite, or amax negative or not finite.
+
+    vLLM: ``calculate_kv_scales`` (``vllm/attention/layer.py``) divides the first batch's
+    amax by headroom constants instead (``K_SCALE_CONSTANT`` = 200, ``V_SCALE_CONSTANT`` =
+    100); llm-compressor's calibrated checkpoints store ``amax / qmax`` as here.
+    """
+    if not (isinstance(qmax_value, (int, float)) and 0 < float(qmax_value) < float("inf")):
+        raise ValueError(f"qmax_value must be a finite positive number, got {qmax_value!r}")
+    amax = amax.float()
+    if not bool(torch.isfinite(amax).all()) or bool((amax < 0).any()):
+        raise ValueError(f"amax must be finite and >= 0, got {amax.tolist()}")
+    return torch.where(amax > 0, amax / float(qmax_value), torch.ones_like(amax))
+
+
 def write_kv_slots(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
     """cache: [num_slots, ...]; slots: [T] int64; values: [T, ...] already in cache's dtype."""
     if is_fp8(cache.dtype):

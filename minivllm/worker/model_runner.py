@@ -26,7 +26,7 @@ from minivllm.config import CacheConfig, ModelConfig
 from minivllm.engine.request import Request
 from minivllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 from minivllm.quantization.kv_cache import (LayerKVCache, calibrate_kv_amax, is_quantized, qmax,
-                                            kv_scale_bytes_per_token)
+                                            kv_scale_bytes_per_token, kv_scales_from_amax)
 
 logger = logging.getLogger("minivllm")
 
@@ -255,7 +255,7 @@ class ModelRunner:
             scales = []
             for amax in (k_amax, v_amax):
                 a = amax if per_head else amax.max()
-                scales.append(torch.where(a > 0, a / m, torch.ones_like(a)).to(self.device))
+                scales.append(kv_scales_from_amax(a, m).to(self.device))
             kv.set_scales(*scales)
 
     def kv_cache_scales(self) -> dict:
