@@ -110,6 +110,11 @@ class LLM:
         """Preemptions, KV usage, prefix-cache queries/hits, free blocks, per-step history."""
         return self.llm_engine.stats
 
+    def set_precision_monitor(self, monitor) -> None:
+        """Feed every finished request's sampled tokens (raw log-probs, entropies) to a
+        :class:`minivllm.precision.monitor.DriftMonitor`; None stops. Not a vLLM API."""
+        self.llm_engine.set_precision_monitor(monitor)
+
     def get_default_sampling_params(self) -> SamplingParams:
         """The SamplingParams a call without ``sampling_params`` uses (vLLM's name): the
         fields the model's generation config sets (``EngineArgs.generation_config``,

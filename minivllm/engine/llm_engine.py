@@ -148,6 +148,7 @@ class LLMEngine:
             eos_token_ids=eos_ids)
         # vLLM's generation_config: the defaults a request's unset fields take (checked
         # here by building a SamplingParams from them, so a bad value fails at start)
+        self.precision_monitor = None  # set_precision_monitor
         self.default_sampling_params = default_sampling_params(
             args.generation_config, str(path), args.override_generation_config)
         if self.default_sampling_params:
@@ -418,6 +419,16 @@ class LLMEngine:
                                enable_chunked_prefill=a.enable_chunked_prefill)
 
     # --- requests ---------------------------------------------------------------------
+    def set_precision_monitor(self, monitor) -> None:
+        """Feed every finished generate request's sampled tokens to ``monitor`` (a
+        :class:`minivllm.precision.monitor.DriftMonitor`, or None to stop): their raw
+        log-probs and entropies, whatever the request's own ``logprobs`` and
+        ``logprobs_mode``. Costs one log_softmax over the vocabulary per sampled row and
+        step. Requests decoded with speculative decoding are not fed (their drafts skip
+        the sampler). Not a vLLM feature."""
+        self.precision_monitor = monitor
+        self.model_runner.sampler.track_stats = monitor is not None
+
     def get_default_sampling_params(self) -> SamplingParams:
         """A new SamplingParams with the generation config's defaults (vLLM's
         ``LLM.get_default_sampling_params``); SamplingParams() when it sets none."""
@@ -690,6 +701,11 @@ class LLMEngine:
                 req.first_token_time = now
             if req.logprobs is not None:
                 self._append_logprobs(req, so, i, token)
+            if so is not None and so.raw_sampled_logprobs is not None:
+                if req.monitor_stats is None:
+                    req.monitor_stats = ([], [])
+                req.monitor_stats[0].append(float(so.raw_sampled_logprobs[i]))
+                req.monitor_stats[1].append(float(so.raw_entropy[i]))
             status = self._check_stop(req, token)
             if status is not None:
                 self.scheduler.finish_request(req, status)
@@ -798,6 +814,10 @@ class LLMEngine:
                 chunk.topk_ids[j] if n else None, chunk.topk_logprobs[j] if n else None))
 
     def _make_output(self, req: Request) -> RequestOutput:
+        if (self.precision_monitor is not None and req.status.finished
+                and req.monitor_stats is not None):
+            self.precision_monitor.update(*req.monitor_stats)
+            req.monitor_stats = None  # counted once
         if req.stop_reason is None or not isinstance(req.stop_reason, str):
             ids = req.output_token_ids
             if req.status == RequestStatus.FINISHED_STOPPED \

@@ -163,6 +163,9 @@ class Request:
         self.generator: Optional[torch.Generator] = None
         self.logprobs: Optional[list[dict[int, Logprob]]] = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
+        # The precision monitor's per-token statistics (LLMEngine.set_precision_monitor):
+        # raw log-prob of each sampled token and the entropy it was drawn from, or None.
+        self.monitor_stats: Optional[tuple[list[float], list[float]]] = None
         self.prompt_logprobs: Optional[list] = [None] if params.prompt_logprobs is not None else None
         self.output_text = ""
         # Output text as of the last step, kept (only) for requests with stop strings so

@@ -79,6 +79,10 @@ class SamplerOutput:
     topk_logprobs: Optional[torch.Tensor] = None
     sampled_logprobs: Optional[torch.Tensor] = None
     sampled_ranks: Optional[torch.Tensor] = None
+    # with Sampler.track_stats (the precision monitor): [B] float32, the sampled token's
+    # raw log-prob and the raw distribution's entropy (nats)
+    raw_sampled_logprobs: Optional[torch.Tensor] = None
+    raw_entropy: Optional[torch.Tensor] = None
 
 
 # --- penalties ----------------------------------------------------------------------
@@ -220,6 +224,9 @@ class Sampler:
                              f"got {logprobs_mode!r}")
         self.generator = generator
         self.logprobs_mode = logprobs_mode
+        # set by LLMEngine.set_precision_monitor: every row's raw sampled log-prob and
+        # entropy are returned (one log_softmax of [B, V] per step more)
+        self.track_stats = False
         self.penalties = penalties_ref
         self.top_k_top_p = apply_top_k_top_p
 
@@ -229,9 +236,10 @@ class Sampler:
         want = meta.max_num_logprobs is not None
         raw = self.logprobs_mode.startswith("raw")
         values = None  # what the logprobs report: [B, V]
+        raw_lp = torch.log_softmax(logits, dim=-1) if self.track_stats or (
+            want and self.logprobs_mode == "raw_logprobs") else None
         if want and raw:
-            values = torch.log_softmax(logits, dim=-1) if self.logprobs_mode == "raw_logprobs" \
-                else logits.clone()
+            values = raw_lp if self.logprobs_mode == "raw_logprobs" else logits.clone()
         if meta.min_tokens_block:
             logits = logits.clone()
             for row, ids in meta.min_tokens_block.items():
@@ -246,6 +254,10 @@ class Sampler:
         else:
             sampled = self._sample_mixed(logits, meta, processed)
         out = SamplerOutput(sampled=sampled)
+        if self.track_stats:
+            out.raw_sampled_logprobs = raw_lp.gather(1, sampled[:, None]).squeeze(1)
+            p = raw_lp.exp()
+            out.raw_entropy = -(p * raw_lp.masked_fill(p == 0, 0.0)).sum(-1)
         if want:
             if not raw:
                 values = torch.log_softmax(processed, dim=-1) \

@@ -439,13 +439,17 @@ def usage(out: RequestOutput) -> dict:
 def run_server(engine_args, host: str = "127.0.0.1", port: int = 8000,
                served_model_names: Optional[list[str]] = None, api_key: Optional[str] = None,
                max_waiting_requests: Optional[int] = None, log_stats: bool = True,
-               log_interval_s: float = 5.0) -> None:
-    """Start the engine and serve until interrupted (``minivllm serve``)."""
+               log_interval_s: float = 5.0, precision_monitor=None) -> None:
+    """Start the engine and serve until interrupted (``minivllm serve``).
+    ``precision_monitor``: a :class:`minivllm.precision.monitor.DriftMonitor` fed every
+    finished request (its state is exported as ``minivllm:precision_monitor_*`` gauges)."""
     import uvicorn
 
     names = served_model_names or [engine_args.model]
     metrics = ServerMetrics(names[0], log_interval_s if log_stats else None)
     llm = AsyncLLM(engine_args, max_waiting_requests, on_step=metrics.on_step)
+    if precision_monitor is not None:
+        llm.engine.set_precision_monitor(precision_monitor)
     app = build_app(llm, names, api_key, metrics)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(message)s")
     logger.info("serving %s on http://%s:%d (max_model_len %d)", ", ".join(names), host, port,

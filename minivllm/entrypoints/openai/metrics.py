@@ -15,6 +15,11 @@ will see them from ``vllm serve``:
   ``vllm:spec_decode_num_accepted_tokens_total``
 * histograms ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
   ``vllm:e2e_request_latency_seconds``
+* with a precision monitor only (``run_server(precision_monitor=...)``; not vLLM
+  metrics, hence the ``minivllm:`` prefix; :mod:`minivllm.precision.monitor`):
+  ``minivllm:precision_monitor_requests`` (requests counted), ``..._alarm`` (0 or 1),
+  ``..._score`` (largest CUSUM, standard deviations), ``..._sampled_logprob`` and
+  ``..._entropy`` (the last finished request's means, nats)
 
 prometheus-client appends ``_total`` to counter names itself, so counters are declared
 without it.
@@ -98,6 +103,9 @@ class ServerMetrics:
                 counter.inc(delta)
         if getattr(eng, "speculative_config", None) is not None:
             self._spec_step(st)
+        monitor = getattr(eng, "precision_monitor", None)
+        if monitor is not None:
+            self._monitor_step(monitor)
         self._log_gen += max(0, now_vals["gen"] - self._last["gen"])
         self._log_prompt += max(0, now_vals["prompt"] - self._last["prompt"])
         self._last = now_vals
@@ -121,6 +129,27 @@ class ServerMetrics:
             if m.get("finish_time") is not None:
                 self.e2e.observe(m["finish_time"] - m["arrival_time"])
         self.maybe_log(async_llm)
+
+    def _monitor_step(self, monitor) -> None:
+        if getattr(self, "monitor_gauges", None) is None:
+            self.monitor_gauges = {
+                key: self._metric(Gauge, f"minivllm:precision_monitor_{key}", doc)
+                for key, doc in (
+                    ("requests", "Finished requests the precision monitor has counted."),
+                    ("alarm", "1 once the drift monitor's CUSUM passed its threshold."),
+                    ("score", "Largest CUSUM of the drift monitor, in standard deviations."),
+                    ("sampled_logprob", "Last request's mean raw log-prob of its sampled "
+                                        "tokens (nats)."),
+                    ("entropy", "Last request's mean entropy of the raw distribution (nats)."))}
+        state = monitor.state()
+        g = self.monitor_gauges
+        g["requests"].set(state["requests"])
+        g["alarm"].set(1.0 if state["alarm"] else 0.0)
+        g["score"].set(state["score"])
+        if "logprob" in state["last"]:
+            g["sampled_logprob"].set(state["last"]["logprob"])
+        if "entropy" in state["last"]:
+            g["entropy"].set(state["last"]["entropy"])
 
     def _spec_step(self, st) -> None:
         """vLLM's ``SpecDecodingProm`` counters, from the engine's totals."""
