@@ -105,6 +105,17 @@ print(f"captured sizes {graphs.sizes} in {time.perf_counter() - T0:.1f} s "
 # The gain shrinks as the batch grows: the GPU's work grows, the launch cost does not.
 # On a CPU, where each op takes longer than its launch, there is nothing to gain, which
 # is why vLLM's CPU backend runs eagerly.
+#
+# And numerically, on the same GPU: `python benchmarks/graph_vs_eager.py` (H200,
+# 2026-12-02, `benchmarks/RESULTS.md` "CUDA graphs against eager, numerically";
+# SmolLM2-135M's shapes with **random** weights, because the device has no copy of the
+# embedded model; 16 prompts x 32 greedy tokens) found graph and eager log-probs
+# **identical bit for bit**, in bfloat16 and float32, for batches of 16 (no padding), of 5
+# (the size-8 graph, 3 padding rows), and for 5 prompts alone (M = 1) against padded
+# (M = 8): the kernels did not change with M there. Batch-1 cost, prefill included:
+# 1.73 ms per token with graphs against 20.46 eagerly (bfloat16), 1.96 against 19.81
+# (float32). Whether cuBLAS keeps its kernel for every M, model and GPU is not promised;
+# section 5 shows on this CPU a library that does not.
 
 # %% [markdown]
 # ## 2. Capture sizes and padded rows
@@ -424,7 +435,10 @@ print(f"| graph and eager give the same numbers (the enforce-eager check) | not 
       f"{e2e_tokens}/{len(prompts)} prompts; on the GPU the decode kernel is invariant to "
       f"the padded length and a tiny fp32 Llama's greedy tokens matched (RESULTS.md) |")
 print("| graphs speed up decoding | on the H200, 4.26x at batch 1 falling to 1.44x at batch "
-      "256 (RESULTS.md); on the CPU, none (a replay runs the same ops) |")
+      "256 (RESULTS.md, 8B shapes); on the CPU, none (a replay runs the same ops) |")
+print("| on a GPU, padding to a capture size changes the logits' last bits | not measured "
+      "so on the H200: SmolLM2 shapes (random weights), bf16 and fp32, graph vs eager and "
+      "alone vs padded all bit-identical (RESULTS.md, graph_vs_eager.py) |")
 
 # %% [markdown]
 # ## Common misconceptions
