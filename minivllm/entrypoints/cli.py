@@ -1,4 +1,4 @@
-"""``minivllm`` command line: ``generate``, ``compare``, ``demo``, ``serve``, ``bench serve``.
+"""``minivllm`` command line: ``generate``, ``compare``, ``bisect``, ``demo``, ``serve``, ``bench serve``.
 
 Engine flags are generated from :class:`minivllm.config.EngineArgs`, spelled as
 ``vllm serve`` spells them (``--kv-cache-dtype``, ``--max-num-seqs``,
@@ -195,6 +195,101 @@ def _cmd_compare(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bisect(ns: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
+    from minivllm.precision.bisect import KLMeasure, bisect_config
+
+    if not (ns.threshold > 0 and ns.threshold < float("inf")):
+        raise ValueError(f"--threshold must be a finite number > 0, got {ns.threshold}")
+    if ns.num_prompts < 1 or ns.prompt_len < 2:
+        raise ValueError(f"--num-prompts must be >= 1 and --prompt-len >= 2, got "
+                         f"{ns.num_prompts} and {ns.prompt_len}")
+    common = {k: v for k, v in vars(ns).items() if k in EngineArgs.__dataclass_fields__}
+    mys = None
+    if ns.mystery is not None:
+        from minivllm.precision.mystery import mystery
+
+        mys = mystery(ns.mystery)
+        common = {**mys.base, **common}
+    if ns.bad is None and mys is None:
+        raise ValueError("give the bad configuration: --bad \"--kv-cache-dtype fp8_e4m3 ...\" "
+                         "(or --mystery SEED for a planted one)")
+    configs = {}
+    for name, text in (("good", ns.good), ("bad", ns.bad)):
+        if text is None and mys is not None:
+            configs[name] = dict(getattr(mys, name))
+            continue
+        text = "--dtype float32" if text is None else text
+        cfg = parse_config(text)
+        if "reference" in cfg:
+            raise ValueError(f"--{name} must be engine flags, not the HF reference {text!r}")
+        configs[name] = cfg
+    for name, cfg in configs.items():
+        try:
+            EngineArgs(**{**common, **cfg}).validate()
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"--{name}: {e}") from None
+    good, bad = configs["good"], configs["bad"]
+    # a key given on one side only is compared against the EngineArgs default
+    defaults = EngineArgs()
+    for a, b in ((good, bad), (bad, good)):
+        for k in b:
+            if k not in a:
+                a[k] = common.get(k, getattr(defaults, k))
+    common.setdefault("num_gpu_blocks_override", 64)
+    common.setdefault("max_model_len", max(128, ns.prompt_len))
+
+    from minivllm.llm import LLM
+    from minivllm.precision import evalsets
+
+    ref_cfg = parse_config(ns.reference)
+    ref_common = {k: v for k, v in common.items() if k in ("model", "max_model_len",
+                                                          "num_gpu_blocks_override")}
+    if "reference" in ref_cfg:
+        from minivllm.precision.reference import ReferenceModel
+
+        ref = ReferenceModel(common.get("model", EngineArgs.model), dtype=ref_cfg["reference"])
+        tok = ref.tokenizer
+    else:
+        ref = LLM(**{**ref_common, **ref_cfg})
+        tok = ref.get_tokenizer()
+    prompts = evalsets.corpus_sequences(tok, ns.prompt_len, ns.num_prompts)
+    if len(prompts) < ns.num_prompts:
+        raise ValueError(f"the corpus holds only {len(prompts)} windows of {ns.prompt_len} tokens")
+    if "reference" in ref_cfg:
+        reference = [ref.score(p, output="logits") for p in prompts]
+    else:
+        reference = ref.score(prompts, output="logits")
+    del ref
+    measure = KLMeasure(prompts, reference, base=common,
+                        build=(lambda args: mys.build(args)) if mys is not None else None)
+    bar = tqdm(desc="bisect", unit="config", disable=ns.json)
+
+    def progress(m):
+        bar.update(1)
+        bar.set_postfix_str(f"{'+'.join(m.keys) or 'good'}: KL {m.value:.2e}")
+
+    try:
+        res = bisect_config(good, bad, measure, ns.threshold, progress=progress)
+    finally:
+        bar.close()
+    out = res.to_json()
+    out["reference"] = ns.reference
+    out["prompts"] = {"num": len(prompts), "tokens": ns.prompt_len}
+    if mys is not None and ns.reveal:
+        out["mystery"] = mys.reveal()
+    if ns.json:
+        print(json.dumps(out))
+    else:
+        print(f"measure: mean KL (nats) against {ns.reference!r} on {len(prompts)} corpus "
+              f"windows of {ns.prompt_len} tokens")
+        print(res.to_text())
+        if "mystery" in out:
+            print(f"mystery {ns.mystery} revealed: {out['mystery']}")
+    return 0
+
+
 def _cmd_demo(ns: argparse.Namespace) -> int:
     from minivllm.entrypoints.demo import run_demo
 
@@ -268,6 +363,36 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(c, only_given=True)
     c.set_defaults(func=_cmd_compare)
 
+    b = sub.add_parser(
+        "bisect", help="find the config key(s) that make a bad engine configuration drift",
+        description="Bisect from a good engine configuration to a bad one, one key at a time: "
+                    "each configuration is built and scored on a few corpus windows, and "
+                    "its mean KL against a float32 reference decides good (< --threshold) "
+                    "or bad. Prints the culprit key(s) with the numbers. Engine flags given "
+                    "here apply to every engine; --good and --bad take a quoted string of "
+                    "vLLM-style engine flags.",
+        epilog='example: minivllm bisect --good "--dtype float32" --bad "--dtype float32 '
+               '--kv-cache-dtype fp8_e4m3 --block-size 32 --no-enable-prefix-caching"')
+    b.add_argument("--good", default=None,
+                   help="engine flags of the good configuration (default: --dtype float32, "
+                        "or the mystery's)")
+    b.add_argument("--bad", default=None, help="engine flags of the bad configuration")
+    b.add_argument("--reference", default="--dtype float32 --kv-cache-dtype float32",
+                   help="what KL is measured against: engine flags, or 'hf' / 'hf-float64' "
+                        "(default: %(default)r)")
+    b.add_argument("--threshold", type=float, default=1e-8,
+                   help="a configuration is bad when its mean KL >= this, in nats (default "
+                        "%(default)s: 1000x the float32 noise floor of ~1e-11)")
+    b.add_argument("--num-prompts", type=int, default=3, help="corpus windows to score")
+    b.add_argument("--prompt-len", type=int, default=32, help="tokens per window")
+    b.add_argument("--mystery", type=int, default=None, metavar="SEED",
+                   help="bisect a mystery engine (a planted fault behind one key; "
+                        "minivllm.precision.mystery)")
+    b.add_argument("--reveal", action="store_true", help="print the mystery's answer at the end")
+    b.add_argument("--json", action="store_true", help="print one JSON object (no progress bar)")
+    add_engine_args(b, only_given=True)
+    b.set_defaults(func=_cmd_bisect)
+
     v = sub.add_parser("serve", help="OpenAI-compatible HTTP server (like vllm serve)")
     v.add_argument("model_tag", nargs="?", default=None,
                    help="the model (alias or folder); same as --model")
@@ -311,7 +436,8 @@ def _join_flag_values(argv: list[str]) -> list[str]:
     out, i = [], 0
     while i < len(argv):
         a = argv[i]
-        if a in ("--candidate", "--baseline") and i + 1 < len(argv) \
+        if a in ("--candidate", "--baseline", "--good", "--bad", "--reference") \
+                and i + 1 < len(argv) \
                 and argv[i + 1].startswith("-") and " " not in argv[i + 1]:
             out.append(f"{a}={argv[i + 1]}")
             i += 2
@@ -324,7 +450,7 @@ def _join_flag_values(argv: list[str]) -> list[str]:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["compare"]:
+    if argv[:1] in (["compare"], ["bisect"]):
         argv = _join_flag_values(argv)
     ns = parser.parse_args(argv)
     try:
