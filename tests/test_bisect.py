@@ -137,19 +137,28 @@ def test_each_harmless_change_is_exact_in_float32_and_the_mystery_plants_only_wh
     assert not all(torch.equal(a, b) for a, b in zip(bad.score(seqs, output="logits"), want))
 
 
+@pytest.fixture(scope="module")
+def pair():
+    """Two float32 engines of one configuration (one gets the faults), freed after."""
+    from minivllm import LLM
+
+    base = {"model": "smollm2-135m-instruct", "dtype": "float32", "max_model_len": 64,
+            "num_gpu_blocks_override": 8}
+    engines = [LLM(**base), LLM(**base)]
+    yield engines
+    engines.clear()
+
+
 @pytest.mark.parametrize("name", sorted(MYSTERY_FAULTS))
-def test_layer_diff_names_each_mystery_fault_at_its_layer_and_block(name):
+def test_layer_diff_names_each_mystery_fault_at_its_layer_and_block(name, pair):
     """Each fault in the first and the last layer and one drawn layer: ``layer_diff``
     against a clean engine of the same configuration names that layer and the fault's
-    block (every layer of every fault was checked once: see course chapter 27)."""
-    from minivllm import LLM
+    block (every layer of every fault: ``minivllm.precision.mystery.survey()``)."""
     from minivllm.precision import evalsets
     from minivllm.precision.layer_diff import layer_diff
 
     plant, block = MYSTERY_FAULTS[name]
-    base = {"model": "smollm2-135m-instruct", "dtype": "float32", "max_model_len": 64,
-            "num_gpu_blocks_override": 8}
-    llm, ref = _pair(base)
+    llm, ref = pair
     ids = evalsets.corpus_sequences(llm.get_tokenizer(), 24, 1)[0]
     for layer in (0, random.randrange(1, 29), 29):
         with plant(llm, layer):
@@ -157,17 +166,6 @@ def test_layer_diff_names_each_mystery_fault_at_its_layer_and_block(name):
         print(f"{name} at layer {layer}: first jump {d.first_jump_layer} "
               f"{d.first_jump_block}, error there {d.error(f'layers.{layer}'):.2e}")
         assert (d.first_jump_layer, d.first_jump_block) == (layer, block)
-
-
-_PAIR = {}
-
-
-def _pair(base):
-    from minivllm import LLM
-
-    if "pair" not in _PAIR:
-        _PAIR["pair"] = (LLM(**base), LLM(**base))
-    return _PAIR["pair"]
 
 
 def test_cli_bisect_finds_a_mystery_trigger_exactly(capsys):

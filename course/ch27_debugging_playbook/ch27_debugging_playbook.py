@@ -105,8 +105,8 @@ print(f"block_size 32, max_num_seqs 1, no prefix cache: KL {relayout:.2e}")
 print(f"(one engine build and score: {time.perf_counter() - t:.1f} s)")
 
 # %% [markdown]
-# Both are exactly zero: in float32 on this CPU, these keys do not change a single bit
-# of the logits. A measure with a zero (or 1e-11) noise floor makes the threshold easy:
+# On this CPU both print zero: in float32, these keys do not change a single bit of the
+# logits (the scheduler and the cache layout move data; the arithmetic stays the same). A measure with a zero (or 1e-11) noise floor makes the threshold easy:
 # anything at or above 1e-8 nats is not noise. In bf16 the floor is higher (chapter 4),
 # and the threshold must move with it.
 #
@@ -188,9 +188,22 @@ del bad_llm
 # %% [markdown]
 # ## 5. A mystery engine, solved with the playbook
 #
-# `mystery(seed)` draws a fault (one of the library's faults that change a float32
-# prefill in one layer), a layer, a bad configuration (four of the six harmless keys
-# changed) and the trigger among them. We pretend not to know any of it.
+# `mystery(seed)` draws a fault, a layer, a bad configuration (four of the six harmless
+# keys changed) and the trigger among them. We pretend not to know any of it.
+#
+# Which faults can hide in a mystery? Of the fault library's 24 planted faults
+# (`minivllm/precision/faults.py`), a mystery needs one that changes a float32 prefill
+# in **one** layer, enough to leave a KL above the threshold and a first jump at that
+# layer. Sampling faults leave teacher-forced scoring untouched; preemption,
+# prefix-cache and speculative-decoding faults need those events; the paging and
+# chunked-prefill faults hit every layer at once; the float16 faults are exact in
+# float32; the decode-only softmax fault needs the 20x slower decode scoring. Four
+# candidates remain, and a survey planted each in each of the 30 layers (measured
+# elsewhere: `python -c "from minivllm.precision.mystery import survey; survey()"`,
+# about 3 minutes idle): float16 RMSNorm before attention, before the MLP, and a wrong
+# rope theta were found at their layer and block in 90 of 90 cases, KL at least
+# 9.6e-8 nats; a bf16 rotary table in one layer was missed in 3 of 30 (its error stays
+# under the diff's 1e-5 jump floor, KL down to 2.2e-8), so mysteries leave it out.
 
 # %%
 SEED = 2030
@@ -288,6 +301,11 @@ rows = [
     ("SYLLABUS: layer_diff gives the first-jump layer and block",
      f"mystery {SEED}: layer {d_near.first_jump_layer} ({d_near.first_jump_block}), "
      f"revealed {answer['layer']} ({answer['block']}); the largest error is at layer {worst}"),
+    ("SYLLABUS: bisect dtype, kv_cache_dtype, chunked prefill, prefix caching, "
+     "quantization, batch size",
+     "run here: kv_cache_dtype, chunked prefill, prefix caching, max_num_seqs, block_size, "
+     "enforce_eager; dtype and quantization are keys like the others for `minivllm bisect` "
+     "but not run here (a bfloat16 engine is ~3x slower on a CPU)"),
     ("SYLLABUS: remove the fault, KL back to the noise floor",
      f"culprit reverted: KL {kl_fixed:.1e} (bad {kl_bad:.1e})"),
 ]

@@ -7,8 +7,8 @@ holds
 
 * a good configuration (float32, the engine's defaults) and a bad one that changes a few
   keys, each of them harmless on its own in float32 (they change the schedule or the
-  memory layout, not the arithmetic; ``tests/test_bisect.py`` checks that each gives the
-  good configuration's logits bit for bit);
+  memory layout, not the arithmetic; ``tests/test_bisect.py`` checks that all of them
+  together give the good configuration's logits bit for bit);
 * a *trigger*: one of those keys; an engine built with the trigger at its bad value gets
   the fault planted, any other engine is clean;
 * the fault: one of :data:`MYSTERY_FAULTS`, planted in one decoder layer through the step
@@ -27,13 +27,25 @@ layer): ``fp16_rmsnorm`` before attention or before the MLP and ``wrong_rope_the
 (10,000 for the model's 100,000) are found at their layer and block in all 90 cases,
 with a mean KL of at least 9.6e-8 nats. ``low_precision_rope_table`` (bf16 angles, one
 layer) is too faint: in layers 14, 15 and 20 its error stays under the diff's 1e-5 jump
-floor (no layer found) and its KL falls to 2.2e-8, so it is left out. The others do
-not qualify: sampling faults (greedy scoring never
-samples), preemption and prefix-cache faults (need preemptions or cache hits), the
-chunked-prefill and paging faults (every layer at once, no layer to find), float16-only
-faults (``rmsnorm_no_upcast``, ``softmax_without_max``, ``eager_kq_attention``: exact or at
-the noise floor in float32), and ``decode_softmax_low_precision`` (decode-only: it shows
-only under ``LLM.score(mode="decode")``, 20x slower than a prefill on a CPU).
+floor (no layer found) and its KL falls to 2.2e-8, so it is a candidate that does not
+qualify (:data:`CANDIDATE_FAULTS`; :func:`survey` repeats the measurement). The rest of
+the library (24 context managers in :mod:`minivllm.precision.faults` when this was
+written) does not qualify either:
+
+* sampling: ``top_p_before_top_k``, ``penalty_accounting_mixed``,
+  ``penalty_prompt_accounting`` (teacher-forced scoring never samples);
+* scheduler and cache state: ``drop_outputs_on_resume``, ``double_append_on_resume``
+  (need a preemption), ``unchained_block_hash``, ``skip_prefix_reset_on_rescale`` (need
+  prefix-cache hits), ``spec_accept_first_unverified`` (needs speculative decoding);
+* every layer at once, so no layer to find: ``off_by_one_slots``, ``reader_block_size``,
+  ``zeroed_block_tables``, ``chunk_seqlen_k_full``, ``chunk_no_past_kv``;
+* the prompt, not the network: ``doubled_bos``, ``right_truncation``;
+* exact or at the noise floor in float32 (float16 faults): ``rmsnorm_no_upcast``,
+  ``softmax_without_max``, ``eager_kq_attention``, and the exact reparametrizations
+  ``residual_scale_reparam``, ``qk_scale_reparam``;
+* decode-only: ``decode_softmax_low_precision`` shows only under
+  ``LLM.score(mode="decode")``, 20x slower than a prefill on a CPU (32 tokens: 8 s
+  against 0.4 s).
 """
 
 from __future__ import annotations
@@ -45,13 +57,18 @@ from typing import Callable
 
 import torch
 
-# name -> (plant(llm, layer) -> context manager, the block the layer diff must name)
+# name -> (plant(llm, layer) -> context manager, the block the layer diff must name):
+# the layer-local faults considered (CANDIDATE_FAULTS) and those that qualify
+# (MYSTERY_FAULTS, what mysteries draw from); :func:`survey` measures them.
+CANDIDATE_FAULTS: dict[str, tuple[Callable, str]] = {}
 MYSTERY_FAULTS: dict[str, tuple[Callable, str]] = {}
 
 
-def _register(name: str, block: str):
+def _register(name: str, block: str, qualifies: bool = True):
     def deco(fn):
-        MYSTERY_FAULTS[name] = (fn, block)
+        CANDIDATE_FAULTS[name] = (fn, block)
+        if qualifies:
+            MYSTERY_FAULTS[name] = (fn, block)
         return fn
     return deco
 
@@ -75,6 +92,57 @@ def _rope_theta(llm, layer):
     from minivllm.precision import faults
 
     return faults.wrong_rope_theta(llm, layer, 10000.0)
+
+
+@_register("rope_table_bf16_angles", "self_attn", qualifies=False)
+def _rope_bf16(llm, layer):
+    from minivllm.precision import faults
+
+    return faults.low_precision_rope_table(llm, torch.bfloat16, "angles", layer)
+
+
+def survey(faults=None, layers=None, num_windows: int = 3, window: int = 24,
+           progress: bool = True) -> list[dict]:
+    """Measure which faults qualify for a mystery: plant each in each layer of a float32
+    engine and record the mean KL against a clean engine on corpus windows and what
+    ``layer_diff`` names. The numbers in this module's docstring come from
+    ``python -c "from minivllm.precision.mystery import survey; survey()"`` (all 4
+    candidates x 30 layers: about 3 minutes on an idle 2-core CPU).
+
+    Returns:
+        one dict per (fault, layer): fault, layer, found_layer, found_block, block, kl, ok.
+    """
+    from minivllm.llm import LLM
+    from minivllm.precision import evalsets, metrics
+    from minivllm.precision.layer_diff import layer_diff
+
+    base = {"model": "smollm2-135m-instruct", "dtype": "float32", "max_model_len": 128,
+            "num_gpu_blocks_override": 16}
+    llm, ref = LLM(**base), LLM(**base)
+    seqs = evalsets.corpus_sequences(llm.get_tokenizer(), window, num_windows)
+    want = ref.score(seqs, output="logits")
+    rows = []
+    for name in (faults or sorted(CANDIDATE_FAULTS)):
+        plant, block = CANDIDATE_FAULTS[name]
+        for layer in (layers if layers is not None else range(len(llm.llm_engine.model_runner.model.layers))):
+            with plant(llm, layer):
+                d = layer_diff(llm, ref, seqs[0])
+                got = llm.score(seqs, output="logits")
+            kl = sum(metrics.mean_kl(a, b) for a, b in zip(want, got)) / len(seqs)
+            row = {"fault": name, "layer": layer, "block": block, "kl": kl,
+                   "found_layer": d.first_jump_layer, "found_block": d.first_jump_block,
+                   "ok": (d.first_jump_layer, d.first_jump_block) == (layer, block)}
+            rows.append(row)
+            if progress:
+                print(f"{name:28s} layer {layer:2d}: found {d.first_jump_layer} "
+                      f"{d.first_jump_block}, KL {kl:.2e}{'' if row['ok'] else '  MISSED'}",
+                      flush=True)
+    if progress:
+        for name in sorted({r["fault"] for r in rows}):
+            rs = [r for r in rows if r["fault"] == name]
+            print(f"{name}: found {sum(r['ok'] for r in rs)}/{len(rs)}, min KL "
+                  f"{min(r['kl'] for r in rs):.2e}")
+    return rows
 
 
 GOOD_CONFIG: dict = {"dtype": "float32", "kv_cache_dtype": "auto", "block_size": 16,

@@ -59,8 +59,12 @@ def engine():
 
 
 def windows(n, length, skip=0):
-    """n corpus windows of ``length`` tokens (after skipping ``skip`` windows)."""
-    return evalsets.corpus_sequences(engine().get_tokenizer(), length, skip + n)[skip:]
+    """n consecutive corpus windows of ``length`` tokens (after skipping ``skip``)."""
+    if "corpus" not in _ENGINES:  # tokenized once
+        _ENGINES["corpus"] = engine().get_tokenizer().encode(evalsets.load_corpus(),
+                                                             add_special_tokens=False)
+    ids = _ENGINES["corpus"]
+    return [ids[i * length:(i + 1) * length] for i in range(skip, skip + n)]
 
 
 def kl_measure(m, prompts):
@@ -448,8 +452,8 @@ for _case in range(8):
     _L = _rng.randrange(3, 30)
     _jump = None if _case == 0 else _rng.randrange(_L)
     _block = _rng.choice(["self_attn", "mlp"])
-    _bad_s, _good_s = _fake_states(_L, _jump, _block, _rng.choice([0.0, 1e-9, 1e-7]),
-                                   nan=_case == 7)
+    _noise = (1e-7, 1e-9, 0.0)[_case] if _case < 3 else _rng.choice([0.0, 1e-9, 1e-7])
+    _bad_s, _good_s = _fake_states(_L, _jump, _block, _noise, nan=_case == 7)
     _got = locate(_bad_s, _good_s)
     _errs = {p: relative_error(_bad_s[p], _good_s[p]) for p in _good_s}
     _want = find_first_jump(_errs, _L)
