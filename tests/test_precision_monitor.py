@@ -124,3 +124,14 @@ def test_the_server_exports_the_monitor_as_minivllm_gauges(tiny_model_dir):
     assert 'minivllm:precision_monitor_alarm{model_name="m"} 1.0' in text
     assert 'minivllm:precision_monitor_requests{model_name="m"} 1.0' in text
     assert 'minivllm:precision_monitor_sampled_logprob{model_name="m"} -3.0' in text
+
+
+@pytest.mark.parametrize("options, message", [
+    ('{"bogus": 1}', "unexpected keyword argument 'bogus'; options: warmup"),
+    ('{"warmup": 1}', "warmup must be an integer >= 2"),
+])
+def test_serve_refuses_bad_monitor_options_before_building_an_engine(options, message, capsys):
+    from minivllm.entrypoints.cli import main
+
+    assert main(["serve", "--precision-monitor", options]) == 2
+    assert message in capsys.readouterr().err

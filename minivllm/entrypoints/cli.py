@@ -408,6 +408,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no periodic stats log line")
     v.add_argument("--log-interval", type=float, default=5.0,
                    help="seconds between stats log lines (default: %(default)s)")
+    v.add_argument("--precision-monitor", type=_json_object, default=None, metavar="JSON",
+                   help="watch served log-probs for drift (not a vLLM flag): DriftMonitor "
+                        "options as a JSON object, e.g. '{}' or '{\"warmup\": 200}'; "
+                        "exported as minivllm:precision_monitor_* gauges on /metrics")
     add_engine_args(v)
     v.set_defaults(func=_cmd_serve)
 
@@ -423,10 +427,20 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         ns.model = ns.model_tag
     if ns.max_waiting_requests is not None and ns.max_waiting_requests < 0:
         raise ValueError(f"--max-waiting-requests must be >= 0, got {ns.max_waiting_requests}")
+    monitor = None
+    if ns.precision_monitor is not None:
+        from minivllm.precision.monitor import DriftMonitor
+
+        try:
+            monitor = DriftMonitor(**ns.precision_monitor)
+        except TypeError as e:  # an unknown option
+            raise ValueError(f"--precision-monitor: {e}; options: warmup, threshold, "
+                             "allowance, min_tokens, reference") from None
     run_server(engine_args_from(ns), host=ns.host, port=ns.port,
                served_model_names=ns.served_model_name, api_key=ns.api_key,
                max_waiting_requests=ns.max_waiting_requests,
-               log_stats=not ns.disable_log_stats, log_interval_s=ns.log_interval)
+               log_stats=not ns.disable_log_stats, log_interval_s=ns.log_interval,
+               precision_monitor=monitor)
     return 0
 
 
