@@ -232,3 +232,58 @@ def test_registration_refuses_what_it_cannot_serve(registry):
         Q.register_quantization_method("int6_rows", Int6Rows)
     Q.register_quantization_method("int6_rows", Int6Rows, options={"qmax": 15}, replace=True)
     assert Q.parse_quantization("int6_rows", None).option("qmax") == 15
+
+
+# --- registered methods that calibrate --------------------------------------------------
+
+class _SeenAWQ(LinearMethod):
+    """AWQ's scale search on the calibration rows it is given, then RTN of W * s; the
+    layer computes x @ (deq / s)^T. Records what each call received."""
+
+    seen: list = []
+
+    def quantize(self, weight, stats=None):
+        from minivllm.quantization import weight_quant as wq
+
+        type(self).seen.append(None if stats is None else tuple(stats.sample.shape))
+        s, _ = wq.awq_search_scale([weight], stats.sample, 32, False, n_grid=4)
+        q, scale, zero = wq.quantize_int4(weight * s, 32, False)
+        return {"qweight": q, "scales": scale, "zeros": zero, "awq_scale": s}
+
+    def dequantize(self, t):
+        from minivllm.quantization import weight_quant as wq
+
+        return wq.dequantize_int4(t["qweight"], t["scales"], t["zeros"], 32) / t["awq_scale"]
+
+    def expected(self, out_features, in_features):
+        g = -(-in_features // 32)
+        return {"qweight": (torch.uint8, (out_features, in_features)),
+                "scales": (torch.float32, (out_features, g)),
+                "zeros": (torch.uint8, (out_features, g)),
+                "awq_scale": (torch.float32, (in_features,))}
+
+
+def test_a_calibrated_registered_method_gets_input_rows_layer_by_layer(tiny_model_dir, registry,
+                                                                       float_llm, one_thread):
+    from minivllm.precision import metrics
+
+    calib = {"calibration": "corpus", "calibration_tokens": 64}
+    opts = {"group_size": 32, "symmetric": False}  # check_tensors reads these
+    Q.register_quantization_method("seen_awq", _SeenAWQ, options=opts, calibrated=True)
+    _SeenAWQ.seen = []
+    llm = make(tiny_model_dir, "seen_awq", calib)
+    n_layers = len(layers(llm))
+    hidden = layers(float_llm)["layers.0.mlp.down_proj"].in_features
+    # every quantized layer got the 64 calibration rows of its own input
+    assert len(_SeenAWQ.seen) == n_layers and (64, hidden) in _SeenAWQ.seen
+    assert all(s[0] == 64 for s in _SeenAWQ.seen)
+    assert llm.llm_engine.quant_config.options()["calibration_tokens"] == 64
+    kl = torch.cat([metrics.kl_divergence(a, b)
+                    for a, b in zip(float_llm.score(IDS), llm.score(IDS))]).mean()
+    assert torch.isfinite(kl) and kl > 0
+    # without calibrated=True the method gets None, and calibration options are refused
+    Q.register_quantization_method("seen_awq", _SeenAWQ, options=opts, replace=True)
+    with pytest.raises(ValueError, match="Unknown quantization_config option"):
+        make(tiny_model_dir, "seen_awq", calib)
+    with pytest.raises(ValueError, match="calibrated must be True or False"):
+        Q.register_quantization_method("other", _SeenAWQ, calibrated="yes")

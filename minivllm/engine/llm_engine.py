@@ -314,42 +314,15 @@ class LLMEngine:
         return self.model_runner.kv_cache_scales()
 
     def _calibration_sequences(self, name: str, max_tokens: Optional[int]) -> list[list[int]]:
-        """Calibration token sequences from a bundled set, ``max_tokens`` in total (None:
-        up to 2048), in windows of at most 1024 tokens and max_model_len.
-
-        Raises:
-            ValueError: more tokens asked for than the set holds, or max_model_len < 2.
-        """
-        from minivllm.precision import evalsets as E
+        """Calibration token sequences from a bundled set
+        (:func:`minivllm.quantization.calibration.calibration_sequences`)."""
+        from minivllm.quantization.calibration import calibration_sequences
 
         if self.tokenizer is None:
             raise ValueError("calibration on the bundled text needs a tokenizer "
                              "(skip_tokenizer_init=True); pass token ids instead")
-        limit = min(1024, self.model_config.max_model_len)
-        if limit < 2:
-            raise ValueError(f"calibration needs max_model_len >= 2 (got "
-                             f"{self.model_config.max_model_len})")
-        if name == "conversations":
-            seqs = E.conversation_sequences(self.tokenizer)
-        else:
-            seqs = E.corpus_sequences(self.tokenizer, seq_len=limit)
-        # each sequence cut into windows of at most `limit` tokens
-        windows = [ids[i:i + limit] for ids in seqs for i in range(0, len(ids), limit)]
-        available = sum(map(len, windows))
-        if max_tokens is None:
-            max_tokens = min(2048, available)
-        elif max_tokens > available:
-            raise ValueError(f"calibration_tokens={max_tokens} but the {name!r} calibration "
-                             f"set holds {available} tokens with this tokenizer; ask for at "
-                             f"most {available}")
-        out, total = [], 0
-        for ids in windows:
-            ids = ids[:max_tokens - total]
-            if not ids:
-                break
-            out.append(ids)
-            total += len(ids)
-        return out
+        return calibration_sequences(self.tokenizer, name, max_tokens,
+                                     self.model_config.max_model_len)
 
     def weight_bytes(self) -> dict[str, int]:
         """Bytes of the model's weights as stored (quantized layers count their packed

@@ -64,7 +64,13 @@ Your own method (vLLM's ``@register_quantization_config`` idea, in
 them (and ``ignore``), nothing else. Options named like a :class:`QuantConfig` field
 (``granularity``, ``group_size``, ...) are checked as the built-in methods check them and
 read as ``cfg.granularity``; other names are read with ``cfg.option(name)``. Registered
-methods get no calibration data (``stats`` is None). Differences from vLLM: vLLM
+methods get no calibration data (``stats`` is None) unless registered with
+``calibrated=True``: then, as for awq, the bundled calibration text runs layer by layer
+(each layer fitted to the outputs of the already quantized layers below it) and
+``quantize(weight, stats)`` gets an
+:class:`~minivllm.quantization.calibration.InputObserver` with ``stats.sample`` (up to
+512 input rows of that layer, float32 ``[rows, in]``) and ``stats.amax``; such a method
+also accepts ``calibration`` and ``calibration_tokens``. Differences from vLLM: vLLM
 registers a ``QuantizationConfig`` (which then hands out a ``LinearMethodBase`` per
 layer); here the linear method itself is registered, since one config class serves every
 method. vLLM refuses any name already registered; here a built-in name is refused and a
@@ -115,6 +121,9 @@ _CALIBRATED = {"awq", "gptq"}
 _CALIB_DEFAULTS = {"calibration": "conversations", "calibration_tokens": 4096}
 # Methods registered with register_quantization_method: name -> (class, option defaults).
 _REGISTERED: dict[str, tuple[type, dict[str, Any]]] = {}
+# Registered methods that get calibration statistics (register_quantization_method(...,
+# calibrated=True)).
+_REGISTERED_CALIBRATED: set[str] = set()
 
 
 def quantization_methods() -> tuple[str, ...]:
@@ -123,7 +132,8 @@ def quantization_methods() -> tuple[str, ...]:
 
 
 def register_quantization_method(name: str, method_cls: Optional[type] = None, *,
-                                 options: Optional[dict] = None, replace: bool = False):
+                                 options: Optional[dict] = None, replace: bool = False,
+                                 calibrated: bool = False):
     """Register a linear method under ``name`` so ``LLM(quantization=name)`` uses it.
 
     Use as a decorator (``@register_quantization_method("my_int8")``) or call it with
@@ -138,6 +148,8 @@ def register_quantization_method(name: str, method_cls: Optional[type] = None, *
             may set these and ``ignore``). Names of :class:`QuantConfig` fields are
             validated like the built-in methods' options.
         replace: allow replacing a method registered earlier under ``name``.
+        calibrated: the method's ``quantize(weight, stats)`` gets calibration statistics
+            (input rows, layer by layer, as awq gets them); see the module docstring.
     Returns:
         ``method_cls`` (a decorator when it is None).
     Raises:
@@ -148,6 +160,8 @@ def register_quantization_method(name: str, method_cls: Optional[type] = None, *
     """
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"a quantization method name must be a non-empty string, got {name!r}")
+    if not isinstance(calibrated, bool):
+        raise ValueError(f"calibrated must be True or False, got {calibrated!r}")
     if name in QUANTIZATION_METHODS:
         raise ValueError(f"{name!r} is a built-in quantization method "
                          f"({', '.join(QUANTIZATION_METHODS)}); register yours under another name")
@@ -170,6 +184,10 @@ def register_quantization_method(name: str, method_cls: Optional[type] = None, *
             raise TypeError(f"register_quantization_method({name!r}) needs a subclass of "
                             f"minivllm.layers.linear.LinearMethod, got {cls!r}")
         _REGISTERED[name] = (cls, opts)
+        if calibrated:
+            _REGISTERED_CALIBRATED.add(name)
+        else:
+            _REGISTERED_CALIBRATED.discard(name)
         return cls
 
     return wrap if method_cls is None else wrap(method_cls)
@@ -204,7 +222,7 @@ class QuantConfig:
 
     @property
     def needs_calibration(self) -> bool:
-        return self.method in _CALIBRATED or (
+        return self.method in _CALIBRATED or self.method in _REGISTERED_CALIBRATED or (
             self.method == "fp8" and self.activation_scheme == "static")
 
     def option(self, name: str) -> Any:
@@ -233,6 +251,8 @@ class QuantConfig:
             extra = dict(self.extra)
             registered = _REGISTERED[self.method][1] if self.method in _REGISTERED else {}
             out = {k: extra[k] if k in extra else getattr(self, k) for k in registered}
+            if self.needs_calibration:
+                out.update({k: getattr(self, k) for k in _CALIB_DEFAULTS})
         if self.ignore:
             out["ignore"] = list(self.ignore)
         return out
@@ -270,7 +290,7 @@ def parse_quantization(method: Optional[str], options: Optional[dict]) -> Option
                          f"{', '.join(QUANTIZATION_METHODS)} (built-in); {registered}; or None")
     registered_opts = _REGISTERED[method][1] if method in _REGISTERED else None
     allowed = dict(_DEFAULTS[method]) if registered_opts is None else dict(registered_opts)
-    if method in _CALIBRATED or method == "fp8":
+    if method in _CALIBRATED or method == "fp8" or method in _REGISTERED_CALIBRATED:
         allowed.update(_CALIB_DEFAULTS)
     if options is not None and not isinstance(options, dict):
         raise ValueError(f"quantization_config must be a dict of options, got {options!r}")

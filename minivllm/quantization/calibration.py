@@ -121,3 +121,45 @@ def observe_inputs(modules: dict[str, nn.Module], **observer_kwargs) -> Iterator
     finally:
         for h in handles:
             h.remove()
+
+
+def calibration_sequences(tokenizer, name: str, max_tokens: int | None,
+                          max_model_len: int) -> list[list[int]]:
+    """Calibration token sequences from a bundled set (what an engine calibrates on).
+
+    Args:
+        tokenizer: the model's tokenizer (the chat template renders the conversations).
+        name: ``"conversations"`` (the bundled chats) or ``"corpus"`` (the prose).
+        max_tokens: tokens in total; None: up to 2048.
+        max_model_len: windows are at most ``min(1024, max_model_len)`` tokens.
+    Returns:
+        Token-id lists, the set cut into windows and truncated to ``max_tokens`` in total.
+    Raises:
+        ValueError: more tokens asked for than the set holds, or max_model_len < 2.
+    """
+    from minivllm.precision import evalsets as E
+
+    limit = min(1024, max_model_len)
+    if limit < 2:
+        raise ValueError(f"calibration needs max_model_len >= 2 (got {max_model_len})")
+    if name == "conversations":
+        seqs = E.conversation_sequences(tokenizer)
+    else:
+        seqs = E.corpus_sequences(tokenizer, seq_len=limit)
+    # each sequence cut into windows of at most `limit` tokens
+    windows = [ids[i:i + limit] for ids in seqs for i in range(0, len(ids), limit)]
+    available = sum(map(len, windows))
+    if max_tokens is None:
+        max_tokens = min(2048, available)
+    elif max_tokens > available:
+        raise ValueError(f"calibration_tokens={max_tokens} but the {name!r} calibration "
+                         f"set holds {available} tokens with this tokenizer; ask for at "
+                         f"most {available}")
+    out, total = [], 0
+    for ids in windows:
+        ids = ids[:max_tokens - total]
+        if not ids:
+            break
+        out.append(ids)
+        total += len(ids)
+    return out

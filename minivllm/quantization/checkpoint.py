@@ -172,3 +172,252 @@ def load_quantized_weights(model, path: Path, quant: QuantConfig) -> None:
     missing = [n for n in params if not n.endswith(".bias")]
     if missing:
         raise ValueError(f"{file} is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+# --- quantized checkpoints built once and cached ------------------------------------------
+
+CACHE_FORMAT = 1
+MANIFEST = "minivllm-cache.json"
+# The code that decides what a quantized checkpoint holds: a change to any of these
+# files makes every cached checkpoint stale (a conservative stand-in for "the quantizer's
+# version": it also rebuilds on edits that change nothing).
+_QUANTIZER_SOURCES = ("quantization/__init__.py", "quantization/weight_quant.py",
+                      "quantization/quantize.py", "quantization/calibration.py",
+                      "quantization/checkpoint.py", "layers/linear.py", "models/llama.py")
+
+
+class QuantizedCacheError(ValueError):
+    """A cached quantized checkpoint failed its hash check (tampered, truncated, or a
+    build that did not finish). The message names the file and the way out."""
+
+
+def _sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _sha256_json(obj) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":"))
+                          .encode("utf-8")).hexdigest()
+
+
+def _source_digest(src: Path, memo_file: Path) -> str:
+    """sha256 over the source folder's config.json and weight files (names and contents).
+
+    Hashing 540 MB takes about a second, so each file's digest is remembered in
+    ``memo_file`` under its path, size and mtime; a file whose size or mtime changed is
+    hashed again.
+    """
+    files = sorted([src / "config.json", *src.glob("*.safetensors")])
+    try:
+        memo = json.loads(memo_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        memo = {}
+    digests, changed = {}, False
+    for f in files:
+        st = f.stat()
+        key = f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+        if memo.get(key) is None:
+            memo[key] = _sha256_file(f)
+            changed = True
+        digests[f.name] = memo[key]
+    if changed:
+        memo_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo_file.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(memo, indent=1), encoding="utf-8")
+        os.replace(tmp, memo_file)
+    return _sha256_json(digests)
+
+
+def _code_digest() -> str:
+    root = Path(__file__).resolve().parents[1]
+    return _sha256_json({rel: _sha256_file(root / rel) for rel in _QUANTIZER_SOURCES})
+
+
+def cache_key(model: str, quantization: str, quantization_config: Optional[dict] = None,
+              cache_root: str | Path | None = None) -> dict:
+    """What a cached checkpoint of ``model`` quantized with ``quantization`` depends on.
+
+    Returns:
+        ``{"key": sha256, "parts": {"source": ..., "config": ..., "calibration": ...,
+        "code": ...}, "label": ..., "config": {...}, "source_path": ...}``: the source
+        weights and config.json, the method with every option (defaults filled in), the
+        calibration token ids the build calibrates on (empty for methods without
+        calibration), and the quantizer's source files (:data:`_QUANTIZER_SOURCES`).
+    Raises:
+        ValueError: an unknown model, method or option (as ``LLM`` raises).
+    """
+    from minivllm.models.embedded import cache_dir
+    from minivllm.models.loader import resolve_model_path
+
+    quant = parse_quantization(quantization, quantization_config)
+    if quant is None:
+        raise ValueError("cached_quantized needs a quantization method, e.g. 'awq'")
+    root = Path(cache_root) if cache_root is not None else cache_dir() / "quantized"
+    src = resolve_model_path(model)
+    cfg = json.loads((src / "config.json").read_text(encoding="utf-8"))
+    if saved_quant_config(cfg) is not None:
+        raise ValueError(f"{src} is already a quantized checkpoint; cache a float model")
+    config = {"method": quant.method, "options": quant.options()}
+    build_len = min(_BUILD_MAX_MODEL_LEN, int(cfg.get("max_position_embeddings", 2048)))
+    calibration: list = []
+    if quant.needs_calibration:
+        from minivllm.quantization.calibration import calibration_sequences
+        from minivllm.tokenizer import get_tokenizer
+
+        calibration = calibration_sequences(get_tokenizer(str(src)), quant.calibration,
+                                            quant.calibration_tokens, build_len)
+    parts = {"source": _source_digest(src, root / "source-digests.json"),
+             "config": _sha256_json(config), "calibration": _sha256_json(calibration),
+             "code": _code_digest()}
+    return {"key": _sha256_json(parts), "parts": parts, "label": quant.label(),
+            "config": config, "source_path": str(src), "root": str(root),
+            "build_max_model_len": build_len}
+
+
+# calibration windows of up to 1024 tokens (the engine's limit), or the model's length
+_BUILD_MAX_MODEL_LEN = 1024
+
+
+def _check_files(folder: Path, manifest: dict) -> None:
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        raise QuantizedCacheError(f"{folder / MANIFEST} lists no files")
+    for name, want in files.items():
+        f = folder / name
+        if not f.is_file():
+            raise QuantizedCacheError(
+                f"cached quantized checkpoint {folder} is corrupt: {name} is missing. Delete "
+                f"the folder or call cached_quantized(..., rebuild=True) to build it again.")
+        got = _sha256_file(f)
+        if got != want:
+            raise QuantizedCacheError(
+                f"cached quantized checkpoint {folder} is corrupt: {name} has sha256 "
+                f"{got[:16]}..., its manifest says {want[:16]}... (changed after the build: "
+                f"tampered or truncated). Delete the folder or call cached_quantized(..., "
+                f"rebuild=True) to build it again.")
+
+
+def cached_quantized(model: str = "smollm2-135m-instruct", quantization: str = "awq",
+                     quantization_config: Optional[dict] = None, *,
+                     cache_root: str | Path | None = None, rebuild: bool = False,
+                     verbose: bool = True) -> Path:
+    """A quantized checkpoint of ``model``, built once with :func:`save_quantized` and
+    cached; returns the folder, which ``LLM(path)`` loads without quantizing again.
+
+    Where: ``<cache_root>/<model folder name>/<label>-<config hash>/`` (default root
+    ``$MINIVLLM_CACHE/quantized``, beside the converted embedded model). Each folder holds
+    the checkpoint and ``minivllm-cache.json``: the key (:func:`cache_key`: source weights,
+    method and options, calibration token ids, quantizer code), how long the build took,
+    and the sha256 of every file.
+
+    On each call: no folder, or a folder whose key is not the current one (stale: the
+    source weights, calibration data or quantizer code changed), or ``rebuild=True``:
+    (re)build it, printing what it builds and why. Otherwise every file is hashed and
+    compared with the manifest (about 0.3 s for a 170 MB checkpoint) before the path is
+    returned. The build runs under a file lock, so processes asking at once build once.
+
+    The build is ``LLM(model, dtype="float32", max_model_len=n, quantization=...,
+    quantization_config=...)`` with ``n = min(1024, max_position_embeddings)``, so the
+    checkpoint is bit for bit what an engine quantizing in place with that max_model_len
+    holds. Calibrated methods cut their calibration text into windows of
+    ``min(1024, max_model_len)`` tokens, so an in-place engine with a smaller
+    max_model_len calibrates on shorter windows and gets a (slightly) different model.
+
+    Args:
+        model: an alias or a float HF folder (what ``LLM(model)`` takes).
+        quantization, quantization_config: as for ``LLM`` (``ignore`` included).
+        cache_root: another cache folder (tests).
+        rebuild: build again even when the cache is valid (or corrupt).
+        verbose: print a line when building and the engine's progress bar.
+    Raises:
+        QuantizedCacheError: a file of a cached checkpoint does not match its manifest
+            (tampered or truncated), or the manifest is unreadable; the message names the
+            file and says how to rebuild.
+        ValueError: unknown model, method or option.
+    """
+    import sys
+    import tempfile
+    import time
+
+    from filelock import FileLock
+
+    info = cache_key(model, quantization, quantization_config, cache_root)
+    src = Path(info["source_path"])
+    root = Path(info["root"])
+    folder = root / src.name / f"{info['label']}-{info['parts']['config'][:12]}"
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(folder) + ".lock"):
+        reason = "rebuild=True" if rebuild else None
+        if reason is None and not folder.exists():
+            reason = "not built yet"
+        if reason is None:
+            try:
+                manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+                old = manifest["parts"]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise QuantizedCacheError(
+                    f"cached quantized checkpoint {folder} is corrupt: its manifest {MANIFEST} "
+                    f"cannot be read ({type(e).__name__}). Delete the folder or call "
+                    "cached_quantized(..., rebuild=True) to build it again.") from None
+            if manifest.get("key") != info["key"]:
+                changed = [k for k in info["parts"] if old.get(k) != info["parts"][k]]
+                reason = f"stale ({', '.join(changed) or 'key'} changed)"
+        if reason is None:
+            _check_files(folder, manifest)
+            return folder
+        if verbose:
+            print(f"minivllm: building the {info['label']} checkpoint of {src.name} once "
+                  f"({reason}); the full embedded model takes about a minute on 2 cores. "
+                  f"Cache: {folder}", file=sys.stderr, flush=True)
+        from minivllm import LLM
+
+        t0 = time.perf_counter()
+        n = info["build_max_model_len"]
+        llm = LLM(str(src), dtype="float32", max_model_len=n,
+                  num_gpu_blocks_override=-(-n // 16) + 1, quantization=quantization,
+                  quantization_config=quantization_config)
+        with tempfile.TemporaryDirectory(dir=folder.parent, prefix=".build-") as tmp:
+            out = llm.save_quantized(Path(tmp) / "ckpt")
+            del llm
+            seconds = time.perf_counter() - t0
+            files = {f.name: _sha256_file(f) for f in sorted(out.iterdir()) if f.is_file()}
+            manifest = {"cache_format": CACHE_FORMAT, "key": info["key"], "parts": info["parts"],
+                        "label": info["label"], "config": info["config"],
+                        "source": info["source_path"], "build_seconds": round(seconds, 1),
+                        "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                        "files": files}
+            (out / MANIFEST).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
+            if folder.exists():
+                shutil.rmtree(folder)
+            os.replace(out, folder)
+        if verbose:
+            print(f"minivllm: built {info['label']} in {seconds:.1f} s", file=sys.stderr,
+                  flush=True)
+        return folder
+
+
+def _main(argv=None) -> None:
+    """``python -m minivllm.quantization.checkpoint awq '{"group_size": 64}'``: build (or
+    check) a cached checkpoint and print its folder."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=_main.__doc__)
+    ap.add_argument("quantization")
+    ap.add_argument("config", nargs="?", default="{}", help="quantization_config as JSON")
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--rebuild", action="store_true")
+    args = ap.parse_args(argv)
+    print(cached_quantized(args.model, args.quantization, json.loads(args.config),
+                           rebuild=args.rebuild))
+
+
+if __name__ == "__main__":
+    _main()

@@ -24,7 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from minivllm.layers.linear import Linear, QuantLinear, make_method
-from minivllm.quantization import QuantConfig
+from minivllm.quantization import QuantConfig, registered_method_class
 from minivllm.quantization.calibration import calibration_forward, layer_forward, observe_inputs
 
 logger = logging.getLogger("minivllm")
@@ -136,12 +136,20 @@ def quantize_model(model, cfg: QuantConfig, calibration_ids: Optional[list[list[
     targets = {n: m for n, m in target_layers(model).items() if n not in skip}
     bar = tqdm(total=len(targets), desc=f"quantizing ({cfg.label()})", unit="layer",
                disable=not progress)
-    if cfg.method in ("awq", "gptq"):
+    layerwise = cfg.method in ("awq", "gptq") or (cfg.needs_calibration
+                                                  and registered_method_class(cfg.method))
+    if layerwise:
         hidden = [model.embed_tokens(torch.tensor(ids, device=device)) for ids in calibration_ids]
-        for i, layer in enumerate(model.layers):
+        # layers past the last one with a target need no calibration inputs (an ignore
+        # list that keeps the upper layers float skips their forward passes)
+        last = max((int(n.split(".")[1]) for n in targets), default=-1)
+        for i, layer in enumerate(model.layers[:last + 1]):
             names = {n: m for n, m in targets.items() if n.startswith(f"layers.{i}.")}
+            if not names:  # nothing to observe here: only carry the hidden states on
+                hidden = [layer_forward(layer, h) for h in hidden]
+                continue
             with observe_inputs(names, keep_hessian=cfg.method == "gptq",
-                                max_rows=AWQ_SAMPLE_ROWS if cfg.method == "awq" else 0) as stats:
+                                max_rows=0 if cfg.method == "gptq" else AWQ_SAMPLE_ROWS) as stats:
                 for h in hidden:
                     layer_forward(layer, h)
             _quantize_layers(model, names, method, stats, bar)
