@@ -26,7 +26,7 @@ PYTEST_WORKERS ?= auto
 
 LAB_PORT ?= 8888
 
-.PHONY: install demo test test-fast lab grade grade-all lint-docker site clean help
+.PHONY: install demo test test-fast lab grade grade-all lint-docker site clean help quantized
 
 help:
 	@echo "make demo | make test | make lab | make grade | make grade-all | make install | make test-fast | make lint-docker | make site | make clean"
@@ -41,6 +41,12 @@ install: $(VENV)/.installed
 
 demo: install
 	$(PY) -m minivllm.entrypoints.cli demo
+
+# The quantized checkpoints the chapters load, built once and cached beside the converted
+# model (minivllm.quantization.checkpoint.cached_quantized; chapter 15's AWQ g128). A chapter
+# that finds none builds it on first use; this builds it ahead (about a minute on 2 cores).
+quantized: install
+	$(PY) -m minivllm.quantization.checkpoint awq '{"group_size": 128, "symmetric": false, "clip": false, "calibration_tokens": 1024}'
 
 test: install
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS)

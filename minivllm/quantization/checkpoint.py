@@ -33,6 +33,14 @@ Format (version 1), an HF-style folder:
     ========== ==================================================================
 
 * the tokenizer files and chat template copied from the source folder.
+
+Cached checkpoints (:func:`cached_quantized`): a calibrated checkpoint (AWQ, GPTQ, fp8
+static) takes a minute or more to build on a CPU, so chapters and labs ask for it by
+method and options and get a folder built once under ``$MINIVLLM_CACHE/quantized``,
+keyed by a sha256 of the source weights, the options, the calibration token ids and the
+quantizer's code, and hash-checked on every use. ``python -m
+minivllm.quantization.checkpoint awq '{"group_size": 64}'`` (or ``make quantized``)
+builds one ahead.
 """
 
 from __future__ import annotations
@@ -178,12 +186,14 @@ def load_quantized_weights(model, path: Path, quant: QuantConfig) -> None:
 
 CACHE_FORMAT = 1
 MANIFEST = "minivllm-cache.json"
-# The code that decides what a quantized checkpoint holds: a change to any of these
-# files makes every cached checkpoint stale (a conservative stand-in for "the quantizer's
-# version": it also rebuilds on edits that change nothing).
-_QUANTIZER_SOURCES = ("quantization/__init__.py", "quantization/weight_quant.py",
-                      "quantization/quantize.py", "quantization/calibration.py",
-                      "quantization/checkpoint.py", "layers/linear.py", "models/llama.py")
+# The code that decides which numbers a quantized checkpoint holds: the algorithms, the
+# calibration passes, the linear methods' storage and the model the calibration runs
+# through. A change to any of these files makes every cached checkpoint stale (a
+# conservative stand-in for "the quantizer's version": it also rebuilds on edits that
+# change nothing). Option parsing is covered by the key's config part, the folder format
+# by FORMAT_VERSION and the load-time checks.
+_QUANTIZER_SOURCES = ("quantization/weight_quant.py", "quantization/quantize.py",
+                      "quantization/calibration.py", "layers/linear.py", "models/llama.py")
 
 
 class QuantizedCacheError(ValueError):
