@@ -231,7 +231,7 @@ class CacheConfig:
     k_scale: float = 1.0  # given static per-tensor scales (stored = value / scale)
     v_scale: float = 1.0
     kv_scale_type: str = "static"  # "static" or "dynamic" (per token and head)
-    kv_scale_granularity: str = "tensor"  # static scales per "tensor" or per "head"
+    kv_scale_granularity: str = "tensor"  # static scales per "tensor", "head", or K per "channel"
     enable_prefix_caching: bool = True
 
 
@@ -378,7 +378,9 @@ class EngineArgs:
     calculate_kv_scales: bool = False  # calibrate static scales on the bundled corpus
     kv_scale: Optional[tuple[float, float]] = None  # given static (k_scale, v_scale)
     kv_scale_type: str = "static"  # or "dynamic": per token and KV head, at write time
-    kv_scale_granularity: str = "tensor"  # static calibrated scales per "tensor" or "head"
+    # static calibrated scales per "tensor", per "head", or "channel": K per (head, channel)
+    # [num_kv_heads, head_dim] and V per tensor (KIVI-style; beyond vLLM, TORCH backend)
+    kv_scale_granularity: str = "tensor"
     # Weight quantization (minivllm/quantization/): a method name and its options.
     quantization: Optional[str] = None
     quantization_config: Optional[dict] = None
@@ -544,8 +546,8 @@ class EngineArgs:
         if self.kv_scale_type not in ("static", "dynamic"):
             raise ValueError(f"kv_scale_type must be 'static' or 'dynamic', "
                              f"got {self.kv_scale_type!r}")
-        if self.kv_scale_granularity not in ("tensor", "head"):
-            raise ValueError(f"kv_scale_granularity must be 'tensor' or 'head', "
+        if self.kv_scale_granularity not in ("tensor", "head", "channel"):
+            raise ValueError(f"kv_scale_granularity must be 'tensor', 'head' or 'channel', "
                              f"got {self.kv_scale_granularity!r}")
         if self.kv_scale is not None:
             tiny, big = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
@@ -561,7 +563,8 @@ class EngineArgs:
                                  "calculate_kv_scales=True or kv_scale_type='dynamic'")
             if self.kv_scale_granularity != "tensor":
                 raise ValueError("kv_scale gives one (k_scale, v_scale) pair per tensor; "
-                                 "per-head scales come from calculate_kv_scales=True")
+                                 "per-head and per-channel scales come from "
+                                 "calculate_kv_scales=True")
         changed = (self.kv_scale is not None or self.calculate_kv_scales is True
                    or self.kv_scale_type != "static" or self.kv_scale_granularity != "tensor")
         if changed and not quantized:
@@ -573,8 +576,15 @@ class EngineArgs:
         if self.calculate_kv_scales is True and self.kv_scale_type == "dynamic":
             raise ValueError("calculate_kv_scales=True calibrates static scales; "
                              "kv_scale_type='dynamic' computes them per token; pick one")
-        if self.kv_scale_granularity == "head" and self.calculate_kv_scales is not True:
-            raise ValueError("kv_scale_granularity='head' needs calculate_kv_scales=True "
+        if (self.kv_scale_granularity == "channel" and self.attention_backend is not None
+                and self.attention_backend != "TORCH"):
+            raise ValueError("kv_scale_granularity='channel' runs on the TORCH attention "
+                             "backend only (the TRITON kernels take [] or [num_kv_heads] "
+                             f"scales); got attention_backend={self.attention_backend!r}")
+        if (self.kv_scale_granularity in ("head", "channel")
+                and self.calculate_kv_scales is not True):
+            raise ValueError(f"kv_scale_granularity={self.kv_scale_granularity!r} needs "
+                             "calculate_kv_scales=True "
                              "(per-head scales come from calibration)")
         if (self.kv_cache_dtype == "int8" and self.kv_scale_type == "static"
                 and self.kv_scale is None and self.calculate_kv_scales is not True):

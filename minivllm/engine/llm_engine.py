@@ -269,7 +269,8 @@ class LLMEngine:
 
     # --- KV-cache scales ---------------------------------------------------------------
     def calibrate_kv_scales(self, token_id_lists: Optional[list[list[int]]] = None) -> dict:
-        """Calibrate static K/V scales (``amax / qmax`` per layer, per tensor or head).
+        """Calibrate static K/V scales (``amax / qmax`` per layer: per tensor, per KV head, or
+        K per (head, channel) with V per tensor, ``kv_scale_granularity``).
 
         Args:
             token_id_lists: calibration sequences; default: the first 2048 tokens of the

@@ -18,7 +18,7 @@ from minivllm.quantization import QUANTIZATION_METHODS
 
 _CHOICES = {"dtype": ALLOWED_DTYPES, "kv_cache_dtype": ALLOWED_KV_CACHE_DTYPES,
             "device": None, "quantization": QUANTIZATION_METHODS,
-            "kv_scale_type": ("static", "dynamic"), "kv_scale_granularity": ("tensor", "head"),
+            "kv_scale_type": ("static", "dynamic"), "kv_scale_granularity": ("tensor", "head", "channel"),
             "float32_matmul_precision": ("highest", "high"),
             "attention_backend": ("TORCH", "TRITON"), "load_format": ("auto", "dummy"),
             "logprobs_mode": LOGPROBS_MODES}

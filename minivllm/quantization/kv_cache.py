@@ -20,6 +20,13 @@ Scale granularity (``kv_scale_type`` / ``kv_scale_granularity``):
   ``kv_scale=(k, v)``; or calibrated (``calculate_kv_scales=True``).
 * ``static`` + ``head``: one scale per KV head per layer ([num_kv_heads]); calibrated.
   A head whose keys have large outliers no longer forces a coarse grid on every head.
+* ``static`` + ``channel``: K gets one scale per (KV head, channel), ``[num_kv_heads,
+  head_dim]``; V one per tensor; calibrated. **Beyond vLLM** (which offers per tensor,
+  and per head through llm-compressor's ``attn_head`` strategy): KIVI (Liu et al. 2024,
+  arXiv:2402.02750) found that K's outliers sit in a few fixed channels, the same for
+  every token, so a scale per channel isolates them while a per-tensor or per-head scale
+  spreads their range over every channel; V has no such channels (KIVI quantizes V per
+  token). Runs on the TORCH attention backend (the TRITON kernels take [] or [H] scales).
 * ``dynamic``: one scale per token and KV head, computed from the values being written
   (``amax over head_dim / qmax``) and stored beside the cache in float32
   ``[num_slots, num_kv_heads]`` tensors (4 bytes per head per token, counted in the
@@ -72,8 +79,9 @@ def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype,
                 scale: torch.Tensor | float = 1.0) -> torch.Tensor:
     """K or V ``[tokens, kv_heads, head_dim]`` (compute dtype) -> storage dtype.
 
-    ``scale`` broadcasts against x: a float, a 0-d tensor, ``[kv_heads, 1]`` (per head)
-    or ``[tokens, kv_heads, 1]`` (dynamic). Ignored for float caches.
+    ``scale`` broadcasts against x: a float, a 0-d tensor, ``[kv_heads, 1]`` (per head),
+    ``[kv_heads, head_dim]`` (per channel) or ``[tokens, kv_heads, 1]`` (dynamic). Ignored
+    for float caches.
     """
     if not is_quantized(cache_dtype):
         return x.to(cache_dtype)
@@ -150,8 +158,9 @@ class LayerKVCache:
 
     Attributes:
         key, value: [num_slots, num_kv_heads, head_dim] in the storage dtype.
-        k_scale, v_scale: static scales, float32, shape [] (per tensor) or
-            [num_kv_heads] (per head); 1.0 for float caches.
+        k_scale, v_scale: static scales, float32, shape [] (per tensor),
+            [num_kv_heads] (per head) or, K only, [num_kv_heads, head_dim] (per
+            channel); 1.0 for float caches.
         k_scale_cache, v_scale_cache: dynamic per-token scales [num_slots, num_kv_heads]
             float32, or None for static scaling.
         quantize, dequantize: this layer's "kv.quantize" and "kv.dequantize" steps
@@ -174,7 +183,8 @@ class LayerKVCache:
         self.may_hold_nonfinite = False
 
     def set_scales(self, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
-        """Replace the static scales (float32, shape [] or [num_kv_heads])."""
+        """Replace the static scales (float32, shape [], [num_kv_heads] or
+        [num_kv_heads, head_dim])."""
         self.k_scale, self.v_scale = k_scale, v_scale
         # Broadcast forms, computed once (float(t) on CUDA would sync every layer/step).
         self._k_b, self._v_b = self._broadcast(k_scale), self._broadcast(v_scale)
@@ -236,6 +246,8 @@ class LayerKVCache:
             return 1.0 if value == 1.0 else scale
         if scale.ndim == 0:
             return scale
+        if scale.ndim == 2:
+            return scale  # per channel: [H, D] against [..., H, D]
         return scale[:, None]  # per head: [H, 1] against [..., H, D]
 
 
@@ -245,8 +257,10 @@ def kv_scale_bytes_per_token(num_kv_heads: int, dynamic: bool) -> int:
 
 
 def calibrate_kv_amax(model, token_id_lists: list[list[int]],
-                      device: str | torch.device = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Largest |K| and |V| per layer and KV head over calibration sequences.
+                      device: str | torch.device = "cpu", per_channel: bool = False
+                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Largest |K| and |V| per layer and KV head (K per channel too) over calibration
+    sequences.
 
     Each sequence runs as one prefill with a temporary float32 cache
     (:func:`minivllm.quantization.calibration.calibration_forward`); the stored K (after
@@ -255,19 +269,23 @@ def calibrate_kv_amax(model, token_id_lists: list[list[int]],
     Args:
         model: our LlamaForCausalLM.
         token_id_lists: calibration sequences (each >= 1 token).
+        per_channel: K's amax per (KV head, channel), ``[num_kv_heads, head_dim]``.
     Returns:
-        per layer ``(k_amax, v_amax)``, float32 tensors of shape [num_kv_heads] (CPU).
+        per layer ``(k_amax, v_amax)``, float32 tensors of shape [num_kv_heads] (CPU);
+        k_amax [num_kv_heads, head_dim] with ``per_channel``.
     Raises:
         ValueError: no sequences or an empty one.
     """
     from minivllm.quantization.calibration import calibration_forward
 
     attns = [layer.self_attn for layer in model.layers]
-    amax = [(torch.zeros(a.num_kv_heads), torch.zeros(a.num_kv_heads)) for a in attns]
+    amax = [(torch.zeros((a.num_kv_heads, a.head_dim) if per_channel else a.num_kv_heads),
+             torch.zeros(a.num_kv_heads)) for a in attns]
+    k_dims = (0,) if per_channel else (0, 2)
 
     def observe() -> None:
         for (k_amax, v_amax), a in zip(amax, attns):
-            torch.maximum(k_amax, a.kv_cache.key.abs().amax(dim=(0, 2)).float().cpu(), out=k_amax)
+            torch.maximum(k_amax, a.kv_cache.key.abs().amax(dim=k_dims).float().cpu(), out=k_amax)
             torch.maximum(v_amax, a.kv_cache.value.abs().amax(dim=(0, 2)).float().cpu(), out=v_amax)
 
     calibration_forward(model, token_id_lists, device, after_sequence=observe)

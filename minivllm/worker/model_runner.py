@@ -241,10 +241,18 @@ class ModelRunner:
     # --- KV-cache scales ---------------------------------------------------------------
     def calibrate_kv_scales(self, token_id_lists: list[list[int]]) -> None:
         """Set every layer's static K/V scales to ``amax / qmax`` measured on calibration
-        sequences, per tensor or per KV head (``cache_config.kv_scale_granularity``)."""
+        sequences (``cache_config.kv_scale_granularity``): per tensor, per KV head, or K per
+        (KV head, channel) with V per tensor ("channel", TORCH backend only).
+
+        Raises:
+            ValueError: NaN/inf K or V in calibration; "channel" on the TRITON backend."""
         m = qmax(self.cache_config.cache_dtype)
-        per_head = self.cache_config.kv_scale_granularity == "head"
-        amaxes = calibrate_kv_amax(self.model, token_id_lists, self.device)
+        granularity = self.cache_config.kv_scale_granularity
+        if granularity == "channel" and self.backend.name != "TORCH":
+            raise ValueError("kv_scale_granularity='channel' needs the TORCH attention backend "
+                             f"(the {self.backend.name} kernels take [] or [num_kv_heads] scales)")
+        amaxes = calibrate_kv_amax(self.model, token_id_lists, self.device,
+                                   per_channel=granularity == "channel")
         for layer, (k_amax, v_amax) in enumerate(amaxes):
             if not bool(torch.isfinite(k_amax).all() & torch.isfinite(v_amax).all()):
                 raise ValueError(f"KV-scale calibration saw NaN/inf keys or values in layer "
@@ -252,15 +260,17 @@ class ModelRunner:
                                  "the model overflows on the calibration data, so no scale "
                                  "would be meaningful. Scales are unchanged.")
         for kv, (k_amax, v_amax) in zip(self.kv_caches, amaxes):
-            scales = []
-            for amax in (k_amax, v_amax):
-                a = amax if per_head else amax.max()
-                scales.append(kv_scales_from_amax(a, m).to(self.device))
-            kv.set_scales(*scales)
+            if granularity == "tensor":
+                k_amax, v_amax = k_amax.max(), v_amax.max()
+            elif granularity == "channel":
+                v_amax = v_amax.max()
+            kv.set_scales(kv_scales_from_amax(k_amax, m).to(self.device),
+                          kv_scales_from_amax(v_amax, m).to(self.device))
 
     def kv_cache_scales(self) -> dict:
         """The scales stored with the cache: ``{"type", "granularity", "k_scale", "v_scale"}``
-        where k_scale/v_scale are per-layer lists (floats, or per-head lists); None for a
+        where k_scale/v_scale are per-layer lists (floats, per-head lists, or for K per
+        channel [num_kv_heads][head_dim] nested lists); None for a
         float cache, and the string "dynamic" for per-token scales."""
         cc = self.cache_config
         if not is_quantized(cc.cache_dtype):
