@@ -236,8 +236,9 @@ fig
 # 120 layers: the engine's default (scale and clip search, 4,096 tokens) takes about a
 # minute on an idle 2-core machine (`benchmarks/RESULTS.md`: 68 s), longer than this
 # chapter's whole budget. This chapter uses the scale search alone (`clip=False`, the
-# part section 3 showed first) on 1,024 calibration tokens, which builds in about half
-# that; the engine's default is measured in `benchmarks/RESULTS.md` and section 6.
+# part section 3 showed first) on 1,024 calibration tokens (`make quantized` builds it:
+# 115 s of CPU time on one thread, measured 2026-12-02); the engine's default is
+# measured in `benchmarks/RESULTS.md` and section 6.
 # Either way the checkpoint is built **once** with
 # `LLM.save_quantized` and cached beside the converted model: `cached_quantized` keys it
 # by a sha256 of the source weights, the quantization config, the calibration token ids
@@ -339,9 +340,11 @@ fig
 # histogram), and the KL CIs of the two schemes do not overlap (the table). Both are far
 # from chapter 14's int8 per channel (a few 1e-3): 4 bits on a 135M model is expensive
 # whatever the method. QA accuracy is another story: its CIs on 30 questions are some 30
-# points wide, and on the full 176-question set (`benchmarks/RESULTS.md`, same two
-# schemes) AWQ g128 answered *fewer* questions than RTN g128 (47.7 % against 68.2 %) with
-# less than half its KL. Section 6 takes that apart.
+# points wide, and on the full 176-question set the engine's default AWQ g128 answered
+# *fewer* questions than RTN g128 with less than half its KL (`benchmarks/RESULTS.md`,
+# 2026-11-30: 47.7 % against 68.2 %; with today's code, `python
+# benchmarks/qa_inversion.py`: 59.7 % [52.3, 67.0] against 68.2 % [61.4, 75.0]). Section 6
+# takes that apart.
 #
 # ## 5. Claim vs measurement
 
@@ -352,13 +355,15 @@ claims = [
      f"not on this 135M model: AWQ g128 keeps {kept['AWQ asym g128, scale only']:.0%} of float32's correct "
      f"QA answers here [CI {lo_awq:.0%}, {min(hi_awq, 1):.0%}] ({len(qa)} questions), top-1 "
      f"agreement on prose {100 * r_awq['top1']:.0f}%; full set (RESULTS.md, 176 questions): "
-     "47.7 % (g128) and 73.3 % (g64). Small models are more fragile than the paper's 7B+"),
+     "47.7 % (g128) and 73.3 % (g64) in RESULTS.md, 59.7 % (g128, today's code, "
+     "qa_inversion.py). Small models are more fragile than the paper's 7B+"),
     ("AWQ beats round-to-nearest at the same bits",
      f"on KL yes: {r_awq['kl']:.3g} [{r_awq['kl_ci'][0]:.3g}, {r_awq['kl_ci'][1]:.3g}] against "
      f"{r_rtn['kl']:.3g} [{r_rtn['kl_ci'][0]:.3g}, {r_rtn['kl_ci'][1]:.3g}], answer KL "
      f"{r_awq['answer_kl']:.3g} against {r_rtn['answer_kl']:.3g}; on greedy QA not reliably "
-     f"(here {100 * r_awq['acc']:.0f}% against {100 * r_rtn['acc']:.0f}%; full set 47.7 % "
-     "against 68.2 %: section 6)"),
+     f"(here {100 * r_awq['acc']:.0f}% against {100 * r_rtn['acc']:.0f}%; full set, engine "
+     "default AWQ: 59.7 % against 68.2 %, 36 items lost and 21 gained, sign test p = 0.063: "
+     "section 6)"),
     ("these weights came from Q4_1, so 4-bit re-quantization is lossless (issue 25's caution)",
      f"only on Q4_1's own grid (relative weight error {np.median(rel['Q4_1 grid (float min), g32']):.1e}); "
      f"the integer-zero-point layout errs already at g32 ({np.median(rel['int4 asym g32']):.3f}) "
@@ -447,7 +452,40 @@ for i, c in enumerate(rows_):
 # What this sample shows, and what the full set (176 questions, 24 tokens; `python
 # benchmarks/qa_inversion.py`) adds:
 #
-# QA_INVERSION_FINDINGS
+# 1. **Not the cut at 24 tokens.** Of the wrong answers on the full set, 1 of RTN's 56 and
+#    1 of AWQ's 71 contain the answer when the same engine may write 64 tokens.
+# 2. **Not a wrong fact, mostly: a different opening.** AWQ's wrong answers leave
+#    float32's answer *before* the answer word in 52 of 71 cases (RTN's in 28 of 56), and
+#    47 of AWQ's 118 changed answers change at the first token (RTN: 32 of 125). Float32
+#    opens "Portugal's capital is Lisbon."; AWQ opens "Portugal is the second largest
+#    country in Europe..." and never states the capital. The capitals carry most of the
+#    loss (RTN 44, AWQ 31 of 56 right). In this chapter's sample, 13 of AWQ's 25 changed
+#    answers change at the very first token (the lines above).
+# 3. **The flips sit at near-ties of float32 itself.** Float32's margin at AWQ's first
+#    changed token is a fraction of a nat (median 0.66 on the items AWQ loses, full set;
+#    the sample's median is printed above), against about 3 nats typical for the first
+#    answer tokens. Teacher-forced on float32's answers (the table above), AWQ has less KL
+#    than RTN at unsure positions and at sure ones, yet flips the top-1 token at the unsure
+#    positions as often as RTN does: a near-tie is tipped by any 4-bit error of this size,
+#    and which way it tips (a paraphrase that still names the answer, or a description
+#    that does not) is not ordered by KL.
+# 4. **So the metric reads a few coin tosses.** Answer KL is measured along float32's
+#    path; greedy follows the model's own path, and one flipped opening token sends it
+#    into a continuation no KL scored: on the items AWQ loses its answer KL is *lower*
+#    than RTN's (0.240 against 0.343, full set). With 176 items the difference in
+#    accuracy is 36 lost against 21 gained (sign test p = 0.063), and the 20-point gap
+#    recorded on 2026-11-30 did not reproduce with today's code (59.7 % where RESULTS.md
+#    has 47.7 %; RTN reproduces exactly, 68.2 %).
+# 5. **The set is part of it.** Every item is one float32 answers correctly (it was
+#    built that way), many of them at a near-tie opening, and the score is all-or-nothing
+#    on a greedy string. Such a set measures "does the opening token survive", which a
+#    4-bit model of this size fails at random. Gate on KL and answer KL; if accuracy is
+#    reported, pair it (same items, sign test) and prefer a likelihood read (the log-prob
+#    of the accepted answer) to one greedy string.
+#
+# Full-set numbers: `python benchmarks/qa_inversion.py --awq-path <default AWQ g128
+# checkpoint>` on 2026-12-02 (176 questions, 24 tokens, engine default AWQ: scale and clip
+# search, 4,096 calibration tokens), recorded in `benchmarks/RESULTS.md`.
 #
 # ## Common misconceptions
 #
@@ -458,8 +496,9 @@ for i, c in enumerate(rows_):
 #   as RTN plus one scale per input channel, which the layer divides its input by (or the
 #   previous layer absorbs): the gain is all in *which* numbers are stored.
 # - *"A method that lowers KL raises accuracy."* On a few dozen greedy answers, no: the
-#   accuracy CI is ±15 points, and even on 176 questions the two measures disagreed in
-#   6 of 9 pairs. Gate a release on KL and answer KL; read accuracy beside them.
+#   accuracy CI is ±15 points, and on 176 questions the two measures disagreed in 6 of 9
+#   calibrated-against-RTN pairs of `benchmarks/RESULTS.md`. Gate a release on KL and
+#   answer KL; read accuracy beside them, paired.
 # - *"Calibration data does not matter."* AWQ fits its scales to the activations it saw
 #   (here chat conversations); the held-out window in section 3 shows the fit transfers
 #   for one layer, section 6 what it does to short factual answers.
