@@ -48,7 +48,8 @@ demo: install
 quantized: install
 	$(PY) -m minivllm.quantization.checkpoint awq '{"group_size": 128, "symmetric": false, "clip": false, "calibration_tokens": 1024}'
 
-test: install
+# the quantized checkpoints first: a chapter's time then excludes their one-time build
+test: install quantized
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 test-fast: install
