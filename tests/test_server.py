@@ -389,3 +389,36 @@ def test_non_streaming_disconnect_aborts(server):
         time.sleep(0.05)
     after = wait_idle(server)
     assert after.get(key, 0) - before.get(key, 0) == 1
+
+
+def test_precision_monitor_gauges_move_under_a_hotter_sampling_over_http(tiny_model_dir):
+    """The drift monitor inside a real server (--precision-monitor): a stream at
+    temperature 0.7 sets the baseline and raises no alarm; the same prompts at 1.6 (the
+    planted regression, a hotter default as in lm-evaluation-harness #3154) raise it,
+    and /metrics shows it."""
+    proc, base = _start(tiny_model_dir, "--precision-monitor", '{"warmup": 20}')
+    try:
+        http = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+
+        def send(temperature, n, offset):
+            for i in range(n):
+                http.completions.create(model=NAME, prompt=f"{PROMPT} {i + offset}",
+                                        max_tokens=8, temperature=temperature, seed=i,
+                                        extra_body={"ignore_eos": True})
+
+        send(0.7, 40, 0)
+        m = wait_idle(base)
+        assert m["minivllm:precision_monitor_requests"] == 40
+        assert m["minivllm:precision_monitor_alarm"] == 0
+        assert m["minivllm:precision_monitor_sampled_logprob"] < 0
+        for k in range(4):  # up to 40 more requests, 10 at a time
+            send(1.6, 10, 100 + 10 * k)
+            m = wait_idle(base)
+            if m["minivllm:precision_monitor_alarm"] == 1:
+                break
+        print("monitor gauges:", {k: v for k, v in m.items() if k.startswith("minivllm:")})
+        assert m["minivllm:precision_monitor_alarm"] == 1
+        assert m["minivllm:precision_monitor_score"] > 12
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
