@@ -55,6 +55,14 @@ LM_HEAD_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32}
 # processed modes return the raw values there.
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
+
+def check_logprobs_mode(mode) -> None:
+    """Raises ValueError unless ``mode`` is one of :data:`LOGPROBS_MODES`."""
+    if mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, "
+                         f"got {mode!r}")
+
+
 # The sampling fields a model's generation_config.json may set as defaults, as vLLM reads
 # them (ModelConfig.get_diff_sampling_param); max_new_tokens becomes max_tokens.
 GENERATION_CONFIG_FIELDS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p",
@@ -516,9 +524,7 @@ class EngineArgs:
                 and all(isinstance(k, str) for k in self.override_generation_config)):
             raise ValueError(f"override_generation_config must be None or a dict of "
                              f"generation-config fields, got {self.override_generation_config!r}")
-        if self.logprobs_mode not in LOGPROBS_MODES:
-            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, "
-                             f"got {self.logprobs_mode!r}")
+        check_logprobs_mode(self.logprobs_mode)
         self._validate_kv_scales()
         self._validate_quantization()
         parse_speculative_config(self.speculative_config)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import itertools
 import numbers
 import operator
-import os
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -146,9 +146,9 @@ class LLMEngine:
             num_kv_heads=cfg.get("num_key_value_heads", num_heads),
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
             eos_token_ids=eos_ids)
+        self.precision_monitor = None  # set_precision_monitor
         # vLLM's generation_config: the defaults a request's unset fields take (checked
         # here by building a SamplingParams from them, so a bad value fails at start)
-        self.precision_monitor = None  # set_precision_monitor
         self.default_sampling_params = default_sampling_params(
             args.generation_config, str(path), args.override_generation_config)
         if self.default_sampling_params:
@@ -656,6 +656,9 @@ class LLMEngine:
                 req.finish_time = now
                 finished.append(self._make_output(req))
         sampled = result.sampled_token_ids
+        # the precision monitor's per-row statistics, moved to the host once per step
+        monitored = None if so is None or so.raw_sampled_logprobs is None else (
+            so.raw_sampled_logprobs.tolist(), so.raw_entropy.tolist())
         for i, rid in enumerate(result.sampled_request_ids):
             req = by_id[rid]
             token = sampled[i]
@@ -675,11 +678,11 @@ class LLMEngine:
                 req.first_token_time = now
             if req.logprobs is not None:
                 self._append_logprobs(req, so, i, token)
-            if so is not None and so.raw_sampled_logprobs is not None:
+            if monitored is not None:
                 if req.monitor_stats is None:
                     req.monitor_stats = ([], [])
-                req.monitor_stats[0].append(float(so.raw_sampled_logprobs[i]))
-                req.monitor_stats[1].append(float(so.raw_entropy[i]))
+                req.monitor_stats[0].append(monitored[0][i])
+                req.monitor_stats[1].append(monitored[1][i])
             status = self._check_stop(req, token)
             if status is not None:
                 self.scheduler.finish_request(req, status)

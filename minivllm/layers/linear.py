@@ -40,6 +40,7 @@ from torch import nn
 
 from minivllm.numerics import round_to_tf32
 from minivllm.quantization import QuantConfig
+from minivllm.quantization import fp4
 from minivllm.quantization import weight_quant as wq
 
 
@@ -328,19 +329,15 @@ class Mxfp4Method(LinearMethod):
     """MXFP4 weight-only (:mod:`minivllm.quantization.fp4`): packed E2M1 + E8M0 bytes."""
 
     def quantize(self, weight, stats=None):
-        from minivllm.quantization import fp4
-
         q, scale = fp4.quantize_mxfp4(weight)
         return {"qweight": q, "weight_scale": scale}
 
     def dequantize(self, t):
-        from minivllm.quantization import fp4
-
         return fp4.dequantize_mxfp4(t["qweight"], t["weight_scale"])
 
     def expected(self, out_features, in_features):
         return {"qweight": (torch.uint8, (out_features, in_features // 2)),
-                "weight_scale": (torch.uint8, (out_features, in_features // 32))}
+                "weight_scale": (torch.uint8, (out_features, in_features // fp4.MXFP4_BLOCK))}
 
 
 class Nvfp4Method(LinearMethod):
@@ -348,19 +345,15 @@ class Nvfp4Method(LinearMethod):
     ``weight_scale`` and the float32 tensor scale ``weight_scale_2``."""
 
     def quantize(self, weight, stats=None):
-        from minivllm.quantization import fp4
-
         q, block_scale, global_scale = fp4.quantize_nvfp4(weight)
         return {"qweight": q, "weight_scale": block_scale, "weight_scale_2": global_scale}
 
     def dequantize(self, t):
-        from minivllm.quantization import fp4
-
         return fp4.dequantize_nvfp4(t["qweight"], t["weight_scale"], t["weight_scale_2"])
 
     def expected(self, out_features, in_features):
         return {"qweight": (torch.uint8, (out_features, in_features // 2)),
-                "weight_scale": (torch.float8_e4m3fn, (out_features, in_features // 16)),
+                "weight_scale": (torch.float8_e4m3fn, (out_features, in_features // fp4.NVFP4_BLOCK)),
                 "weight_scale_2": (torch.float32, ())}
 
 

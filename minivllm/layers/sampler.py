@@ -217,11 +217,9 @@ class Sampler:
 
     def __init__(self, generator: Optional[torch.Generator] = None,
                  logprobs_mode: str = "raw_logprobs"):
-        from minivllm.config import LOGPROBS_MODES
+        from minivllm.config import check_logprobs_mode
 
-        if logprobs_mode not in LOGPROBS_MODES:
-            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, "
-                             f"got {logprobs_mode!r}")
+        check_logprobs_mode(logprobs_mode)
         self.generator = generator
         self.logprobs_mode = logprobs_mode
         # set by LLMEngine.set_precision_monitor: every row's raw sampled log-prob and

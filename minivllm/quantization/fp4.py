@@ -89,6 +89,15 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((lo, hi), dim=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
+def _dequantize_blocks(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """E2M1 values times one float32 scale per block: packed [out, in / 2] and scale
+    [out, in / block] -> float32 [out, in]."""
+    v = e2m1_values(unpack_fp4(packed))
+    out, n = v.shape
+    blocks = scale.shape[1]
+    return (v.reshape(out, blocks, n // blocks) * scale[..., None]).reshape(out, n)
+
+
 def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP4: w [out, in] float (in a multiple of 32) -> (packed uint8 [out, in / 2],
     E8M0 scale bytes uint8 [out, in / 32], biased exponents: scale = 2^(byte - 127)).
@@ -107,10 +116,7 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """(packed [out, in / 2], E8M0 bytes [out, in / 32]) -> float32 [out, in]."""
-    v = e2m1_values(unpack_fp4(packed))
-    out, n = v.shape
-    s = torch.exp2(scales.float() - 127)
-    return (v.reshape(out, n // MXFP4_BLOCK, MXFP4_BLOCK) * s[..., None]).reshape(out, n)
+    return _dequantize_blocks(packed, torch.exp2(scales.float() - 127))
 
 
 def quantize_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -134,7 +140,4 @@ def quantize_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
 def dequantize_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor,
                      global_scale: torch.Tensor) -> torch.Tensor:
     """(packed [out, in / 2], e4m3 [out, in / 16], float32 []) -> float32 [out, in]."""
-    v = e2m1_values(unpack_fp4(packed))
-    out, n = v.shape
-    s = block_scale.float() * global_scale.float()
-    return (v.reshape(out, n // NVFP4_BLOCK, NVFP4_BLOCK) * s[..., None]).reshape(out, n)
+    return _dequantize_blocks(packed, block_scale.float() * global_scale.float())
