@@ -76,6 +76,7 @@ class ServerMetrics:
         self.e2e = latency("vllm:e2e_request_latency_seconds", "Arrival to finish.")
         self._metric = metric
         self.spec = None  # speculative-decoding counters, created on the first step that has them
+        self.monitor_gauges = None  # precision-monitor gauges, created on the first step with one
         self.model_name = model_name
         self.log_interval_s = log_interval_s
         self._last = {"preemptions": 0, "queries": 0, "hits": 0, "prompt": 0, "gen": 0,
@@ -131,7 +132,7 @@ class ServerMetrics:
         self.maybe_log(async_llm)
 
     def _monitor_step(self, monitor) -> None:
-        if getattr(self, "monitor_gauges", None) is None:
+        if self.monitor_gauges is None:
             self.monitor_gauges = {
                 key: self._metric(Gauge, f"minivllm:precision_monitor_{key}", doc)
                 for key, doc in (

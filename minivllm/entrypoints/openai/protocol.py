@@ -10,6 +10,7 @@ parameter is never silently ignored. Values are range-checked by
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -17,10 +18,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from minivllm.sampling_params import SamplingParams
 
 
-# vLLM's defaults for the fields a generation config may set (ChatCompletionRequest.
-# _DEFAULT_SAMPLING_PARAMS), used when neither the request nor the model sets them.
-_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
-                      "repetition_penalty": 1.0}
+# The defaults of the fields a generation config may set, used when neither the request
+# nor the model sets them: SamplingParams' own (vLLM's ChatCompletionRequest.
+# _DEFAULT_SAMPLING_PARAMS plays this part there).
+_SAMPLING_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)
+                      if f.name in ("temperature", "top_p", "top_k", "min_p",
+                                    "repetition_penalty")}
 
 
 class _Base(BaseModel):
