@@ -1045,3 +1045,88 @@ def kv_scale_dropped(llm, side: str = "read", layers=None):
                 else ("kv.quantize", quantize_kv_scale_dropped))
     with llm.swap_step(step, fn, where=None if layers is None else idx):
         yield
+
+
+# --- KV-cache outlier channels (chapter 19) ------------------------------------------------
+
+def _index_list(value, n: int, what: str) -> list[int]:
+    """An int or a non-empty list of ints, each in [0, n), as a sorted list without repeats."""
+    out = [value] if isinstance(value, int) and not isinstance(value, bool) else value
+    try:
+        out = list(out)
+    except TypeError:
+        raise TypeError(f"{what} must be an index or a list of them, got {value!r}") from None
+    if not out or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n
+                      for i in out):
+        raise ValueError(f"{what} must be indices in [0, {n}), got {value!r}")
+    return sorted(set(out))
+
+
+@contextlib.contextmanager
+def k_outlier_reparam(llm, layer, head, channel, c: float = 64.0):
+    """An exact reparametrization that plants K outlier channels: in each chosen layer,
+    the key dimensions ``{j, j + head_dim/2}`` (one rotary pair per chosen ``channel``
+    j) of KV head ``head`` are multiplied by ``c``, and the same dimensions of the query
+    heads that read that KV head (``head * group .. (head + 1) * group - 1``, GQA) by
+    ``1 / c``.
+
+    Why the model computes the same function: rotary (the rotate-half layout,
+    :mod:`minivllm.layers.rotary_embedding`) rotates each pair ``(x_j, x_{j+D/2})`` by an
+    angle that depends only on the position; a uniform scaling of the pair commutes with
+    that rotation, so after rotary the stored key pair is ``c`` times the old one and the
+    query pair ``1 / c`` times, and every score ``q . k`` (a sum over pairs) is unchanged.
+    With ``c`` a power of two each factor is exact in floating point (only the exponent
+    moves), so a float32 engine's logits stay at the noise floor (bit for bit here,
+    ``tests/test_kv_outliers.py``); only a KV cache that quantizes K sees a channel ``c``
+    times larger. The embedded SmolLM2's |K| never exceeds about 21, so with c = 64 a
+    chosen channel reaches hundreds: past e4m3's 448 at scale 1.0, and it sets a
+    per-tensor or per-head int8 scale that rounds every other channel of the layer (or
+    head) to a few levels. This is the shape of the K outliers reported for models
+    without QK-norm (verl PR #4435, Qwen2.5-Math-7B with fp8 KV answering "????"; KIVI,
+    arXiv:2402.02750: K's outliers sit in fixed channels), INCIDENTS.md #11.
+
+    Planted on the "linear" step of each chosen layer's ``self_attn.qkv_proj`` (its
+    output's chosen K and q columns scaled; float weights only), so calibration
+    (``LLM.calibrate_kv_scales``) run inside the block sees the outliers. While it is
+    planted, those ``qkv_proj`` layers compute through ``linear_ref`` (the engine's own
+    path in the default configuration).
+
+    Args:
+        llm: an ``LLM`` (TORCH attention backend).
+        layer: a layer index or a list of them.
+        head: a KV-head index or a list of them (in ``[0, num_kv_heads)``).
+        channel: a head dimension j in ``[0, head_dim)`` or a list of them; each brings
+            its rotary partner ``(j + head_dim/2) % head_dim``.
+        c: the factor, a finite number > 0 (a power of two keeps it exact).
+    Yields:
+        the planted K channels, a sorted list of ``(layer, kv_head, dim)`` tuples.
+    Raises:
+        ValueError: ``c`` not a finite positive number, an index out of range.
+        TypeError: not an ``LLM``, or malformed indices.
+    """
+    if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 < c < float("inf"):
+        raise ValueError(f"c must be a finite number > 0, got {c!r}")
+    idx = _layer_indices(llm, layer)
+    attn = llm.llm_engine.model_runner.model.layers[idx[0]].self_attn
+    H, Hq, D = attn.num_kv_heads, attn.num_heads, attn.head_dim
+    heads = _index_list(head, H, "head")
+    dims = sorted({d for j in _index_list(channel, D, "channel") for d in (j, (j + D // 2) % D)})
+    group = Hq // H
+    k_cols = torch.tensor([attn.q_size + h * D + d for h in heads for d in dims])
+    q_cols = torch.tensor([(h * group + g) * D + d for h in heads for g in range(group)
+                           for d in dims])
+    c = float(c)
+
+    def qkv_outlier(x, weight, bias):
+        from minivllm.layers.linear import linear_ref
+
+        y = linear_ref(x, weight, bias)
+        y[..., k_cols.to(y.device)] *= c
+        y[..., q_cols.to(y.device)] /= c
+        return y
+
+    with contextlib.ExitStack() as stack:
+        for i in idx:
+            stack.enter_context(llm.swap_step("linear", qkv_outlier,
+                                              where=f"layers.{i}.self_attn.qkv_proj"))
+        yield [(i, h, d) for i in idx for h in heads for d in dims]
