@@ -462,6 +462,14 @@ class EngineArgs:
     override_generation_config: Optional[dict] = None
     # vLLM's logprobs_mode: see LOGPROBS_MODES.
     logprobs_mode: str = "raw_logprobs"
+    # vLLM's tensor_parallel_size: the model's heads, MLP units and vocabulary split over
+    # this many ranks, one process each (minivllm/parallel/multiproc_executor.py; course
+    # chapter 25). Attention heads (and intermediate size) must be divisible by it, and KV
+    # heads divide or be divided by it (SmolLM2-135M: 1 or 3). CPU, gloo, float weights.
+    tensor_parallel_size: int = 1
+    # vLLM's distributed_executor_backend: None (default: "mp" when tensor_parallel_size
+    # > 1, else "uni"), "mp" (worker processes) or "uni" (this process; tp = 1 only).
+    distributed_executor_backend: Optional[str] = None
 
     def validate(self) -> None:
         """Check arguments that can be checked without the model.
@@ -527,6 +535,7 @@ class EngineArgs:
         check_logprobs_mode(self.logprobs_mode)
         self._validate_kv_scales()
         self._validate_quantization()
+        self._validate_parallel()
         parse_speculative_config(self.speculative_config)
         if self.lm_head_dtype is not None and (not isinstance(self.lm_head_dtype, str)
                                                or self.lm_head_dtype not in LM_HEAD_DTYPES):
@@ -598,6 +607,38 @@ class EngineArgs:
                 "kv_cache_dtype='int8' needs scales (a scale of 1.0 would round K and V to "
                 "integers): set calculate_kv_scales=True, kv_scale=(k_scale, v_scale), or "
                 "kv_scale_type='dynamic'")
+
+    def _validate_parallel(self) -> None:
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        backend = self.distributed_executor_backend
+        if backend not in (None, "mp", "uni"):
+            raise ValueError(f"distributed_executor_backend must be None, 'mp' or 'uni', got "
+                             f"{backend!r} (vLLM's 'ray' and 'external_launcher' are not "
+                             "implemented here)")
+        if tp == 1:
+            return
+        if backend == "uni":
+            raise ValueError(f"distributed_executor_backend='uni' runs one process; "
+                             f"tensor_parallel_size={tp} needs 'mp' (or None)")
+        refused = {
+            "device": (not self.device.startswith("cpu"),
+                       f"{self.device!r}: tensor parallelism runs on CPU (gloo) only here"),
+            "quantization": (self.quantization is not None,
+                             "quantized weights are not sharded; drop quantization="),
+            "speculative_config": (self.speculative_config is not None,
+                                   "speculative decoding with tensor parallelism is not "
+                                   "implemented"),
+            "emulate_cuda_graphs": (self.emulate_cuda_graphs is True,
+                                    "the emulated graph replays rank 0's ops only"),
+            "calculate_kv_scales": (self.calculate_kv_scales is True,
+                                    "calibration would set rank 0's scales only"),
+        }
+        for name, (bad, why) in refused.items():
+            if bad:
+                raise ValueError(f"tensor_parallel_size={tp} cannot be combined with "
+                                 f"{name}: {why}")
 
     def _validate_quantization(self) -> None:
         from minivllm.quantization import parse_quantization

@@ -73,6 +73,15 @@ class LLM:
         :mod:`minivllm.quantization.checkpoint`). Raises ValueError if not quantized."""
         return self.llm_engine.save_quantized(path)
 
+    def collective_rpc(self, method, args: tuple = ()):
+        """Run ``method(model, *args)`` on every tensor-parallel rank's model (tp = 1: the
+        one model) and return rank 0's result (vLLM: ``LLM.collective_rpc``, whose
+        callables get the worker). ``method`` must be a module-level function: the
+        worker processes import it by name."""
+        if not callable(method):
+            raise TypeError(f"collective_rpc takes a module-level function, got {method!r}")
+        return self.llm_engine.collective_rpc(method, tuple(args))
+
     def swap_step(self, name: str, fn, where=None):
         """Run ``fn`` in place of one of the engine's numeric steps inside a ``with`` block.
 

@@ -122,6 +122,10 @@ class LLMEngine:
                                  f"{torch.cuda.device_count()} CUDA device(s)")
         path = resolve_model_path(args.model)
         cfg = load_hf_config(path, args.hf_overrides)
+        if args.tensor_parallel_size > 1:
+            from minivllm.parallel.emulated_tp import check_tensor_parallel_size
+
+            check_tensor_parallel_size(cfg, args.tensor_parallel_size)
         dtype = parse_dtype(args.dtype, checkpoint_dtype(cfg), args.device,
                             model_type=cfg.get("model_type"))
         cache_dtype = parse_kv_cache_dtype(args.kv_cache_dtype, dtype)
@@ -182,6 +186,11 @@ class LLMEngine:
 
             model.set_lm_head_dtype(LM_HEAD_DTYPES[args.lm_head_dtype])
         self.quant_config = saved_quant or quant
+        # tensor_parallel_size > 1: worker processes hold ranks 1..tp-1; this process's
+        # model becomes rank 0's shard (minivllm/parallel/multiproc_executor.py)
+        self.model_executor = None
+        if args.tensor_parallel_size > 1:
+            self._start_tensor_parallel(model, path, cfg, dtype, max_model_len)
         self.kv_cache_manager = KVCacheManager(self.cache_config.num_blocks,
                                                self.cache_config.block_size,
                                                self.cache_config.enable_prefix_caching)
@@ -212,6 +221,41 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
         return cls(args)
+
+    def _start_tensor_parallel(self, model, path, cfg, dtype, max_model_len) -> None:
+        """Start the worker processes (``distributed_executor_backend="mp"``)."""
+        import weakref
+
+        from minivllm.config import LM_HEAD_DTYPES
+        from minivllm.parallel.multiproc_executor import (MultiprocExecutor, WorkerSpec,
+                                                          worker_threads)
+
+        args, tp = self.args, self.args.tensor_parallel_size
+        spec = WorkerSpec(
+            load_args=(path, cfg, dtype, max_model_len, args.device, self.attention_backend),
+            load_kwargs={"float32_matmul_precision": args.float32_matmul_precision,
+                         "load_format": args.load_format, "seed": args.seed},
+            model_config=self.model_config, cache_config=self.cache_config,
+            device=args.device, seed=args.seed, batch_invariant=batch_invariant_enabled(args),
+            logprobs_mode=args.logprobs_mode,
+            lm_head_dtype=None if args.lm_head_dtype is None
+            else LM_HEAD_DTYPES[args.lm_head_dtype],
+            num_threads=worker_threads(tp))
+        self.model_executor = MultiprocExecutor(model, spec, tp)
+        weakref.finalize(self, self.model_executor.shutdown)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes (nothing to do with tp = 1). The
+        engine cannot run afterwards. Also done when the engine is garbage-collected."""
+        if self.model_executor is not None:
+            self.model_executor.shutdown()
+
+    def collective_rpc(self, fn, args: tuple = ()):
+        """Run ``fn(model, *args)`` on every rank's model (tp = 1: this one); returns
+        rank 0's result (vLLM: ``LLM.collective_rpc``). ``fn``: a module-level function."""
+        if self.model_executor is None:
+            return fn(self.model_runner.model, *args)
+        return self.model_executor.collective_rpc(fn, args)
 
     # --- speculative decoding ----------------------------------------------------------
     def _init_speculative(self, value) -> None:
@@ -283,6 +327,9 @@ class LLMEngine:
             ValueError: a float KV cache, dynamic scales, or running requests (scales must
                 not change under a request whose K/V is already stored).
         """
+        if self.model_executor is not None:
+            raise ValueError("calibrate_kv_scales with tensor_parallel_size > 1 would set rank "
+                             "0's scales only; calibrate with tensor_parallel_size=1")
         cc = self.cache_config
         if cc.kv_scale_type != "static" or not is_quantized(cc.cache_dtype):
             raise ValueError(f"calibrate_kv_scales needs a quantized KV cache with static "
@@ -604,6 +651,11 @@ class LLMEngine:
         :mod:`minivllm.steps`, which also lists the steps)."""
         from minivllm.steps import swap_step
 
+        if self.model_executor is not None:
+            raise ValueError(f"swap_step({name!r}) with tensor_parallel_size="
+                             f"{self.args.tensor_parallel_size}: a swapped step would run on "
+                             "rank 0's shard only; use tensor_parallel_size=1 (or "
+                             "minivllm.parallel.emulated_tp to swap TP's own functions)")
         return swap_step(self, name, fn, where)
 
     def has_unfinished_requests(self) -> bool:

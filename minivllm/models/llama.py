@@ -244,6 +244,9 @@ class LlamaForCausalLM(nn.Module):
 
     lm_head_impl = None  # the "lm_head" step when swapped (minivllm.steps)
     lm_head_dtype = None  # None: the model dtype; torch.float32: set_lm_head_dtype
+    # tensor parallel (minivllm.parallel.tensor_parallel.shard_model): each rank's logits
+    # slice [rows, vocab / tp] -> all ranks' [rows, vocab]; None with tp = 1
+    logits_gather = None
 
     def set_lm_head_dtype(self, dtype) -> None:
         """Run the LM head in ``dtype`` (None: the model dtype; ``torch.float32``: the
@@ -273,12 +276,15 @@ class LlamaForCausalLM(nn.Module):
         weight in the model dtype (see :func:`lm_head_ref`), whatever lm_head_dtype is."""
         weight = self._head_weight()
         if self.lm_head_impl is not None:
-            return self.lm_head_impl(hidden, weight)
-        if self.lm_head_dtype is not None and weight.dtype != torch.float32:
+            logits = self.lm_head_impl(hidden, weight)
+        elif self.lm_head_dtype is not None and weight.dtype != torch.float32:
             # fp32 LM head (lm_head_fp32, with the kept copy): plain F.linear on the
             # copy (owner=None: no second, oneDNN-packed copy of 113 MB)
-            return float_linear(hidden.float(), self._fp32_head_weight(), None, self.tf32)
-        return float_linear(hidden, weight, None, self.tf32, owner=weight).float()
+            logits = float_linear(hidden.float(), self._fp32_head_weight(), None, self.tf32)
+        else:
+            logits = float_linear(hidden, weight, None, self.tf32, owner=weight).float()
+        # tensor parallel: this rank holds a slice of the vocabulary; gather the others'
+        return logits if self.logits_gather is None else self.logits_gather(logits)
 
     # --- weights ----------------------------------------------------------------------
     _stacked = {  # HF name piece -> (fused param piece, shard index)

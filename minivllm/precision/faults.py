@@ -1130,3 +1130,53 @@ def k_outlier_reparam(llm, layer, head, channel, c: float = 64.0):
             stack.enter_context(llm.swap_step("linear", qkv_outlier,
                                               where=f"layers.{i}.self_attn.qkv_proj"))
         yield [(i, h, d) for i in idx for h in heads for d in dims]
+
+
+def _gate_up_layout_rank(model, contiguous: bool) -> None:
+    """On one tensor-parallel rank (run on all ranks at once by ``collective_rpc``):
+    gather every rank's ``gate_up_proj`` rows, rebuild the full ``[gate; up]`` matrix and
+    keep this rank's rows in the contiguous (wrong) layout, or put the saved correct
+    shard back."""
+    from minivllm.parallel.emulated_tp import shard_contiguous
+
+    group = model.embed_tokens.group
+    for layer in model.layers:
+        lin, n = layer.mlp.gate_up_proj, layer.mlp.intermediate
+        if not contiguous:
+            if hasattr(lin, "_correct_weight"):
+                lin.weight.data = lin._correct_weight
+                del lin._correct_weight
+            continue
+        lin._correct_weight = lin.weight.data
+        parts = group.all_gather(lin.weight.data, dim=0).split(2 * n)  # [gate_r; up_r]
+        full = torch.cat([p[:n] for p in parts] + [p[n:] for p in parts])
+        inter = n * group.world_size
+        lin.weight.data = shard_contiguous(full, [inter, inter], group.rank,
+                                           group.world_size).clone()
+
+
+@contextlib.contextmanager
+def tp_gate_up_contiguous(llm):
+    """Real tensor parallelism with the fused ``gate_up_proj`` cut into tp contiguous
+    pieces (vllm #3775, fixed in PR #3869; course chapter 25): rank r then holds gate
+    rows and up rows that do not belong together (at tp = 2, rank 0 holds all of gate
+    and rank 1 all of up), so SiLU-and-mul pairs the wrong units. The emulated twin is
+    ``emulate_tensor_parallel(llm, tp, shard_merged_column_fn=shard_contiguous)``.
+
+    Applied on every rank through ``LLMEngine.collective_rpc``; undone on exit.
+
+    Raises:
+        ValueError: the engine does not run with tensor_parallel_size > 1.
+    """
+    engine = llm.llm_engine
+    if engine.model_executor is None:
+        raise ValueError("tp_gate_up_contiguous needs an LLM with tensor_parallel_size > 1 "
+                         "(for tp = 1 use minivllm.parallel.emulated_tp with "
+                         "shard_merged_column_fn=shard_contiguous)")
+    engine.reset_prefix_cache()  # cached K/V came from the correct layout
+    engine.collective_rpc(_gate_up_layout_rank, (True,))
+    try:
+        yield
+    finally:
+        engine.reset_prefix_cache()
+        engine.collective_rpc(_gate_up_layout_rank, (False,))

@@ -109,7 +109,8 @@ class ModelRunner:
         emulate = bool(emulate_cuda_graphs and cuda_graph_max_batch_size
                        and self.device.type == "cpu")
         num_slots += emulate  # the spare slot that padding rows' slot -1 indexes
-        shape = (num_slots, model_config.num_kv_heads, model_config.head_dim)
+        # this rank's KV heads (all of them unless tensor parallel: model_config's / tp)
+        shape = (num_slots, model.layers[0].self_attn.num_kv_heads, model_config.head_dim)
         # Zero-filled: padded (masked) reads then never meet NaN garbage.
         self.kv_caches: list[LayerKVCache] = []
         dynamic = cache_config.kv_scale_type == "dynamic"
