@@ -57,6 +57,8 @@ rejection_sampler      spec_decode/rejection_sampler.py:          ModelRunner._v
                        rejection_sampler_ref                      (speculative, ch21)
 spec_decode.ngram      spec_decode/ngram_proposer.py:             NgramProposer (method
                        propose_ngram                              "ngram", ch21)
+fp8.linear             quantization/w8a8.py:fp8_linear_ref        every fp8 (W8A8)
+                                                                  linear layer (ch17)
 =====================  =========================================  ==================
 
 While nothing is swapped the engine runs its own path, which is the reference in the
@@ -85,18 +87,21 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Union
 
+import torch
+
 from minivllm.attention.backends.torch_ref import decode_attention_ref, prefill_attention_ref
 from minivllm.attention.metadata import slot_mapping_ref
 from minivllm.attention.metadata import prefill_chunk_ref
 from minivllm.core.kv_cache_manager import (block_extra_keys, find_longest_cache_hit,
                                             hash_block_tokens)
 from minivllm.core.scheduler import preempt_request_ref
-from minivllm.layers.linear import Linear, linear_ref
+from minivllm.layers.linear import Fp8Method, Linear, QuantLinear, linear_ref
 from minivllm.layers.rms_norm import RMSNorm, fused_add_rms_norm_ref, rms_norm_ref
 from minivllm.layers.rotary_embedding import RotaryEmbedding, rope_table_ref
 from minivllm.layers.sampler import apply_top_k_top_p, penalties_ref
 from minivllm.models.llama import embedding_ref, lm_head_ref
 from minivllm.quantization.kv_cache import dequantize_kv, quantize_kv
+from minivllm.quantization.w8a8 import fp8_linear_ref
 from minivllm.tokenizer import render_chat_ref, truncate_prompt_ref
 from minivllm.spec_decode.ngram_proposer import propose_ngram
 from minivllm.spec_decode.rejection_sampler import rejection_sampler_ref
@@ -239,6 +244,46 @@ def _ngram_sites(engine) -> list[Site]:
     return [_attr_site("proposer", engine.proposer, "propose_fn")]
 
 
+def _fp8_site(name: str, layer: QuantLinear) -> Site:
+    """One fp8 linear layer: its ``forward`` is replaced (its forward hooks still run) by
+    ``fn(x [tokens, in], qweight, weight_scale, input_scale, bias)`` on the flattened
+    input. (Not a branch in ``Fp8Method.apply``: ``layers/linear.py`` is part of the
+    cached checkpoints' code digest.) While swapped, the layer's batch-invariant row
+    mode is not applied."""
+    def swap(fn, memo):
+        had = "forward" in vars(layer)
+        old = layer.forward
+
+        def forward(x):
+            shape = x.shape
+            w = layer.qweight  # fp8_linear_ref keeps q_w's float32 copy on the tensor:
+            if getattr(w, "_fp8_f32_cache", None) is None:  # share the layer's own copy
+                w._fp8_f32_cache = ((w.data_ptr(), w.shape), layer.dequantized_weight(torch.float32))
+            y = fn(x.reshape(-1, shape[-1]), layer.qweight, layer.weight_scale,
+                   layer.input_scale, layer.bias)
+            return y.reshape(*shape[:-1], y.shape[-1])
+        layer.forward = forward
+
+        def restore():
+            if had:
+                layer.forward = old
+            else:
+                del layer.forward
+        return restore
+    return Site(name, swap)
+
+
+def _fp8_sites(engine) -> list[Site]:
+    """Every W8A8 fp8 linear layer (``QuantLinear`` with ``Fp8Method``)."""
+    model = engine.model_runner.model
+    sites = [_fp8_site(name, m) for name, m in model.named_modules()
+             if isinstance(m, QuantLinear) and isinstance(m.method, Fp8Method)]
+    if not sites:
+        raise ValueError("step 'fp8.linear' needs an engine built with quantization='fp8' "
+                         "(or an fp8 checkpoint); this one has no fp8 linear layer")
+    return sites
+
+
 def _engine_site(name: str, get_obj: Callable[[Any], Any], attr: str):
     return lambda engine: [_attr_site(name, get_obj(engine), attr)]
 
@@ -327,6 +372,10 @@ STEPS: dict[str, Step] = {s.name: s for s in [
     Step("spec_decode.ngram", propose_ngram,
          "propose_ngram(tokens, min_n, max_n, k) -> draft tokens", False, False, False,
          _ngram_sites),
+    # fp8 W8A8 linears (chapter 17): x_scale is the layer's static input_scale as
+    # delivered (None: dynamic per-token scales)
+    Step("fp8.linear", fp8_linear_ref,
+         "fp8_linear(x, q_w, w_scale, x_scale, bias) -> y", True, True, False, _fp8_sites),
 ]}
 
 

@@ -99,10 +99,33 @@ def spec_baseline(spec_llm):
     return base
 
 
+# The fp8 W8A8 linear step (chapter 17) runs only in an engine with fp8 weights (static
+# activation scales, so the step receives a scale).
+FP8_STEPS = ("fp8.linear",)
+
+
+@pytest.fixture(scope="module")
+def fp8_llm(tiny_model_dir):
+    return LLM(str(tiny_model_dir), dtype="float32", block_size=4, num_gpu_blocks_override=12,
+               max_model_len=40, enable_prefix_caching=True, seed=0, quantization="fp8",
+               quantization_config={"activation_scheme": "static", "calibration": "corpus",
+                                    "calibration_tokens": 128})
+
+
+@pytest.fixture(scope="module")
+def fp8_baseline(fp8_llm):
+    base = workload(fp8_llm)
+    assert same(base, workload(fp8_llm))
+    return base
+
+
 def _engine_for(name, request, llm, baseline):
     if name in SPEC_STEPS:
         return request.getfixturevalue("spec_llm"), request.getfixturevalue("spec_baseline"), \
             spec_workload
+    if name in FP8_STEPS:
+        return request.getfixturevalue("fp8_llm"), request.getfixturevalue("fp8_baseline"), \
+            workload
     return llm, baseline, workload
 
 

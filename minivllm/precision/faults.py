@@ -1180,3 +1180,65 @@ def tp_gate_up_contiguous(llm):
     finally:
         engine.reset_prefix_cache()
         engine.collective_rpc(_gate_up_layout_rank, (False,))
+
+
+# --- fp8 activation-scale delivery (chapter 17) ---------------------------------------------
+
+def fp8_linear_input_scale_dropped(x: torch.Tensor, q_w: torch.Tensor, w_scale: torch.Tensor,
+                                   x_scale, bias) -> torch.Tensor:
+    """The "fp8.linear" step with the static input scale lost on the way: a layer that
+    holds a calibrated ``input_scale`` quantizes its input as ``e4m3(clamp(x / 1.0,
+    ±448))``, the value engines fall back to when no scale arrives. A dynamic layer
+    (``x_scale`` None) is computed as usual. Same signature as ``fp8_linear_ref``."""
+    from minivllm.quantization.w8a8 import fp8_linear_ref
+
+    one = None if x_scale is None else torch.ones((), dtype=torch.float32, device=x.device)
+    return fp8_linear_ref(x, q_w, w_scale, one, bias)
+
+
+@contextlib.contextmanager
+def input_scale_dropped(llm, layers=None):
+    """A W8A8 fp8 engine with static activation scales loses them between the checkpoint
+    and the GEMM: each chosen layer quantizes its input with scale 1.0 instead of its
+    calibrated ``input_scale`` (:func:`fp8_linear_input_scale_dropped` on the
+    "fp8.linear" step of :mod:`minivllm.steps`).
+
+    The family of incidents (INCIDENTS.md #10, there on the KV-cache side): a scale that
+    was computed and shipped but never reached the kernel, which then used its default
+    1.0 (NVIDIA/TensorRT-LLM PR #16916: ``None`` passed for the KV scale buffers;
+    sgl-project/sglang #18818: loaded scales that never reached ``set_kv_buffer``;
+    sglang PR #20705: a float assigned over the scale parameter fell back to 1.0;
+    flashinfer-ai/flashinfer #1023: scales passed positionally and dropped).
+
+    What 1.0 does to an activation, unlike to K/V: e4m3 holds magnitudes up to 448, and
+    a calibrated scale ``amax / 448`` maps the layer's largest input there. With 1.0,
+    inputs above 448 saturate (on the embedded SmolLM2 the down_proj inputs of layers 11
+    and 28 reach a few thousand), and inputs below 2^-6 (most of the small ones) fall into
+    e4m3's subnormals, whose step is 2^-9, or to 0 below 2^-10.
+
+    Args:
+        llm: an ``LLM`` with ``quantization="fp8"`` and ``activation_scheme="static"``
+            (or such a saved checkpoint).
+        layers: None (every decoder layer's fp8 linears), a layer index or a list of them.
+    Raises:
+        ValueError: the engine has no fp8 linear layer, or its fp8 layers have no static
+            input scale (dynamic scales: nothing to drop); layer indices out of range.
+        TypeError: not an ``LLM``, or malformed ``layers``.
+    """
+    from minivllm.layers.linear import Fp8Method, QuantLinear
+
+    idx = _layer_indices(llm, layers)
+    model = llm.llm_engine.model_runner.model
+    fp8 = [m for i in idx for m in model.layers[i].modules()
+           if isinstance(m, QuantLinear) and isinstance(m.method, Fp8Method)]
+    if not fp8:
+        raise ValueError("input_scale_dropped needs an engine built with quantization='fp8' "
+                         "(activation_scheme='static'); this one has no fp8 linear layer there")
+    if all(m.input_scale is None for m in fp8):
+        raise ValueError("input_scale_dropped needs static activation scales "
+                         "(quantization_config={'activation_scheme': 'static'}); this engine's "
+                         "fp8 layers compute dynamic per-token scales, so there is no "
+                         "input_scale to drop")
+    with llm.swap_step("fp8.linear", fp8_linear_input_scale_dropped,
+                       where=None if layers is None else idx):
+        yield
