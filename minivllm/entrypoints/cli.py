@@ -1,4 +1,4 @@
-"""``minivllm`` command line: ``generate``, ``compare``, ``bisect``, ``demo``, ``serve``, ``bench serve``.
+"""``minivllm`` command line: ``generate``, ``compare``, ``bisect``, ``regress``, ``demo``, ``serve``, ``bench serve``.
 
 Engine flags are generated from :class:`minivllm.config.EngineArgs`, spelled as
 ``vllm serve`` spells them (``--kv-cache-dtype``, ``--max-num-seqs``,
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from typing import Optional
 
@@ -290,6 +291,90 @@ def _cmd_bisect(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_regress(ns: argparse.Namespace) -> int:
+    """Exit 0: every check passed; 1: a regression (the report says which); 2: bad input."""
+    import os
+
+    from minivllm.precision import regress as R
+
+    if os.path.exists(ns.out) and not os.path.isdir(ns.out):
+        raise ValueError(f"--out {ns.out!r} exists and is not a folder")
+    thresholds = R.Thresholds(max_kl=ns.max_kl, min_top1=ns.min_top1,
+                              min_default_agreement=ns.min_default_agreement)
+    for name in ("num_sequences", "seq_len", "num_prompts", "max_tokens"):
+        if getattr(ns, name) < (2 if name in ("num_sequences", "seq_len") else 0 if
+                                name == "num_prompts" else 1):
+            raise ValueError(f"--{name.replace('_', '-')} is too small: {getattr(ns, name)}")
+    tolerances = dict(R.DEFAULT_TOLERANCES)
+    for item in ns.tolerance or []:
+        dtype, _, value = item.partition("=")
+        try:
+            tolerances[dtype] = float(value)
+        except ValueError:
+            raise ValueError(f"--tolerance takes DTYPE=NATS (e.g. bfloat16=0.5), got {item!r}") \
+                from None
+        if not (tolerances[dtype] >= 0 and math.isfinite(tolerances[dtype])):
+            raise ValueError(f"--tolerance {item!r}: the tolerance must be a finite number >= 0")
+    candidates = list(ns.candidate or [])
+    if ns.update_golden and not ns.golden:
+        raise ValueError("--update-golden needs --golden FILE (where to write the snapshot)")
+    if ns.golden and len(candidates) != 1:
+        raise ValueError(f"--golden checks one configuration: give exactly one --candidate "
+                         f"(got {len(candidates)})")
+    if not ns.golden and not candidates:
+        raise ValueError("give --candidate FLAGS (against --baseline) and/or --golden FILE")
+    snapshot = None
+    if ns.golden and not ns.update_golden:
+        snapshot = R.load_golden(ns.golden)  # a bad file is refused before any engine
+    common = {k: v for k, v in vars(ns).items() if k in EngineArgs.__dataclass_fields__}
+    common.setdefault("dtype", "float32")
+    if "kv_cache_memory_bytes" not in common and "num_gpu_blocks_override" not in common:
+        common["kv_cache_memory_bytes"] = 256 * 1024 * 1024
+    common.setdefault("max_model_len", max(512, ns.seq_len + 64))
+    configs = {}
+    for text in ([ns.baseline] if ns.baseline is not None or not ns.golden else []):
+        configs["baseline"] = parse_config(text or "--dtype float32 --kv-cache-dtype float32")
+    for text in candidates:
+        configs[text] = parse_config(text)
+    for name, cfg in configs.items():
+        if "reference" in cfg:
+            raise ValueError(f"regress compares engines: {name!r} must be engine flags, not the "
+                             f"HF reference")
+        try:
+            EngineArgs(**{**common, **cfg}).validate()
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{name!r}: {e}") from None
+    from minivllm.llm import LLM
+
+    engines = {name: LLM(**{**common, **cfg}) for name, cfg in configs.items()}
+    cand_text = candidates[0] if candidates else None
+    if ns.update_golden:
+        llm = engines[cand_text]
+        seqs = R.eval_sequences(llm.get_tokenizer(), ns.seq_len, ns.num_sequences)
+        snap = R.golden_snapshot(llm, seqs, config={**common, **configs[cand_text]})
+        path = R.save_golden(snap, ns.golden)
+        print(f"wrote golden snapshot of {cand_text!r} ({snap['dtype']}, {len(seqs)} sequences "
+              f"of {ns.seq_len} tokens) to {path}")
+        return 0
+    if "baseline" in engines:
+        base = engines.pop("baseline")
+        rep = R.check(base, engines, thresholds=thresholds, seq_len=ns.seq_len,
+                      num_sequences=ns.num_sequences, num_prompts=ns.num_prompts,
+                      max_tokens=ns.max_tokens, noise_floor=not ns.no_noise_floor,
+                      baseline_label=ns.baseline or "--dtype float32 --kv-cache-dtype float32")
+    else:
+        rep = R.RegressionReport("-", thresholds)
+    if snapshot is not None:
+        rep.golden = R.check_golden(engines[cand_text], snapshot, tolerances)
+    paths = rep.save(ns.out)
+    if ns.json:
+        print(json.dumps(rep.to_json()))
+    else:
+        print(rep.to_markdown())
+        print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0 if rep.passed else 1
+
+
 def _cmd_demo(ns: argparse.Namespace) -> int:
     from minivllm.entrypoints.demo import run_demo
 
@@ -393,6 +478,52 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(b, only_given=True)
     b.set_defaults(func=_cmd_bisect)
 
+    r = sub.add_parser(
+        "regress", help="precision regression gate for CI: candidate vs baseline, golden "
+                        "log-prob snapshots; exit 1 on a regression",
+        description="A precision regression check for CI (not a vLLM command). Against "
+                    "--baseline, each --candidate is scored on fixed corpus windows (mean KL "
+                    "with a bootstrap interval, top-1 agreement, both against the noise floor "
+                    "of the baseline with its MLP reduction reordered) and generates from "
+                    "fixed chat prompts with its own default sampling parameters (which "
+                    "catches a changed generation_config). With --golden FILE the one "
+                    "candidate is checked against a saved log-prob snapshot at its dtype's "
+                    "tolerance (--update-golden writes it). Writes report.md and report.json; "
+                    "exit status 0 pass, 1 regression, 2 bad input.",
+        epilog='examples: minivllm regress --baseline "--kv-cache-dtype auto" --candidate '
+               '"--kv-cache-dtype fp8_e4m3"; minivllm regress --golden golden.json '
+               '--update-golden --candidate "--dtype bfloat16"; minivllm regress --golden '
+               'golden.json --candidate "--dtype bfloat16"')
+    r.add_argument("--baseline", default=None,
+                   help="engine flags of the baseline (default --dtype float32 "
+                        "--kv-cache-dtype float32; with --golden only: no comparison)")
+    r.add_argument("--candidate", action="append", help="engine flags of one candidate "
+                                                        "(repeatable)")
+    r.add_argument("--max-kl", type=float, default=1e-3,
+                   help="tolerated mean KL in nats (default %(default)s)")
+    r.add_argument("--min-top1", type=float, default=0.98,
+                   help="lowest top-1 agreement, a fraction (default %(default)s)")
+    r.add_argument("--min-default-agreement", type=float, default=0.9,
+                   help="lowest fraction of default-sampled tokens equal to the baseline's "
+                        "(default %(default)s)")
+    r.add_argument("--no-noise-floor", action="store_true",
+                   help="judge against the thresholds alone (no reordered-reduction floor)")
+    r.add_argument("--num-sequences", type=int, default=8, help="corpus windows to score")
+    r.add_argument("--seq-len", type=int, default=64, help="tokens per corpus window")
+    r.add_argument("--num-prompts", type=int, default=8,
+                   help="chat prompts for the default-sampling check (0 skips it)")
+    r.add_argument("--max-tokens", type=int, default=16, help="tokens generated per prompt")
+    r.add_argument("--golden", default=None, metavar="FILE", help="golden log-prob snapshot")
+    r.add_argument("--update-golden", action="store_true",
+                   help="write the candidate's snapshot to --golden instead of checking it")
+    r.add_argument("--tolerance", action="append", metavar="DTYPE=NATS",
+                   help="golden tolerance for a dtype (repeatable; defaults float32=1e-3, "
+                        "float16=0.1, bfloat16=0.5)")
+    r.add_argument("--out", default="reports/regress", help="folder for report.md/json")
+    r.add_argument("--json", action="store_true", help="print the JSON report")
+    add_engine_args(r, only_given=True)
+    r.set_defaults(func=_cmd_regress)
+
     v = sub.add_parser("serve", help="OpenAI-compatible HTTP server (like vllm serve)")
     v.add_argument("model_tag", nargs="?", default=None,
                    help="the model (alias or folder); same as --model")
@@ -464,7 +595,7 @@ def _join_flag_values(argv: list[str]) -> list[str]:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] in (["compare"], ["bisect"]):
+    if argv[:1] in (["compare"], ["bisect"], ["regress"]):
         argv = _join_flag_values(argv)
     ns = parser.parse_args(argv)
     try:
