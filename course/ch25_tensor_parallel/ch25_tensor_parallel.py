@@ -39,20 +39,21 @@
 #   MPT model gives different greedy output at TP = 1 and TP = 4; most likely a changed
 #   reduction order (no maintainer conclusion in the thread).
 #
-# **What runs here, plainly.** minivllm has no multi-process executor yet
-# (`tensor_parallel_size` and `distributed_executor_backend="mp"` do not exist). This
-# chapter uses `minivllm/parallel/emulated_tp.py`: in **one process**, each decoder
-# layer's `qkv_proj`, `o_proj` and MLP are replaced by tp ranks computed one after the
-# other, with Megatron's / vLLM's shards (`QKVParallelLinear`, `MergedColumnParallelLinear`,
-# `RowParallelLinear`), each rank's partial sums rounded to the model dtype, and an
-# all-reduce that adds them in a fixed order. That is **exactly** the arithmetic a real
-# tp run does between the GEMMs, assuming the per-rank GEMM rounds as ours does. What real
-# NCCL / gloo would add: other reduction orders (ring, tree, or one-shot custom kernels;
-# NCCL chooses by message size, so the order can depend on the batch), accumulation in
-# other precisions inside the collective, and orders that depend on **arrival** (the
-# source of run-to-run variation, vllm #2742). Section 4 emulates those orders too. The
-# embedding and LM head (vocab-parallel in vLLM: 49152 / 3 = 16384 rows per rank) stay
-# whole: their outputs are gathered, which moves values without changing any.
+# **What runs here, plainly.** Sections 1-5 use `minivllm/parallel/emulated_tp.py`: in
+# **one process**, each decoder layer's `qkv_proj`, `o_proj` and MLP are replaced by tp
+# ranks computed one after the other, with Megatron's / vLLM's shards
+# (`QKVParallelLinear`, `MergedColumnParallelLinear`, `RowParallelLinear`), each rank's
+# partial sums rounded to the model dtype, and an all-reduce that adds them in an order
+# you choose. That is the arithmetic a real tp run does between the GEMMs, with every
+# order under your control, which is what sections 3-5 need. Section 6 then runs the real
+# thing: `LLM(..., tensor_parallel_size=3)` starts two worker processes
+# (`distributed_executor_backend="mp"`), each holding its shard and the KV cache of its
+# own heads, and the ranks' partial sums meet in a real gloo all-reduce; the embedding
+# and LM head are vocab-parallel there (49152 / 3 = 16384 rows per rank; a gather moves
+# values without changing any), while the emulation keeps them whole. What real NCCL
+# would add on GPUs (ring, tree or one-shot custom-kernel orders chosen by message size,
+# orders that depend on **arrival**: the source of run-to-run variation, vllm #2742) is
+# emulated in section 4.
 #
 # Everything below is measured when the notebook runs, on the embedded
 # SmolLM2-135M-Instruct, on this machine's CPU.
@@ -308,7 +309,60 @@ print(f"'The capital of France is' ->\n  tp=1:           {good_text!r}\n  contig
 # wrong layout moves it by tens of nats in **float32**, where no rounding argument can
 # explain it. A check of tp > 1 against tp = 1 **in float32** separates the two at once.
 #
-# ## 6. Claim vs measurement
+# ## 6. Real processes: `tensor_parallel_size=3` over gloo
+#
+# The same model, now as three ranks in three processes: this one (rank 0: it schedules,
+# runs its shard and samples) and two spawned workers. Before each forward, rank 0 sends
+# the step's inputs to the workers through a pipe; inside the forward the ranks meet in
+# 2 all-reduces per layer plus one for the embedding, and an all-gather for the logits
+# (`minivllm/parallel/multiproc_executor.py`, `tensor_parallel.py`). On a 2-core machine,
+# three processes share two cores: each worker gets `max(1, cores // 3)` = 1 thread, and
+# every collective waits for the slowest rank, so this is slower than tp = 1, not faster.
+# The point here is the numbers, not the speed.
+
+# %%
+from minivllm.precision.faults import tp_gate_up_contiguous  # noqa: E402
+
+t_start = time.perf_counter()
+real = LLM(MODEL, dtype="float32", tensor_parallel_size=TP, **kw)
+t_start = time.perf_counter() - t_start
+rank0 = real.llm_engine.model_runner.model.layers[0].self_attn
+print(f"tensor_parallel_size={TP}: started in {t_start:.1f} s; {len(real.llm_engine.model_executor.procs)} "
+      f"worker processes alive: {[p.is_alive() for p in real.llm_engine.model_executor.procs]}")
+print(f"rank 0 holds {rank0.num_heads} query heads, {rank0.num_kv_heads} KV head; its KV cache "
+      f"per layer: {list(real.llm_engine.model_runner.kv_caches[0].key.shape)} "
+      "[slots, KV heads, head_dim]")
+t_real = time.perf_counter()
+real32 = logits(real)
+t_real = time.perf_counter() - t_real
+g32 = generate(f32)
+g_real = generate(real)
+kl_real = metrics.mean_kl(ref32, real32)
+diff_real = (ref32 - real32).abs().max().item()
+diff_real_emu = (tp32 - real32).abs().max().item()
+same_greedy = g_real == g32
+with tp_gate_up_contiguous(real):
+    bad_real = logits(real)
+kl_bad_real = metrics.mean_kl(ref32, bad_real)
+real.llm_engine.shutdown()
+print(f"float32, real tp=3 vs tp=1: mean KL {kl_real:.2e} nats, max |logit diff| "
+      f"{diff_real:.2e}, greedy tokens equal: {same_greedy}")
+print(f"real tp=3 vs the emulation (rank order): max |logit diff| {diff_real_emu:.2e}, "
+      f"bit-identical: {torch.equal(real32, tp32)}")
+print(f"real tp=3 with contiguous gate_up shards: mean KL {kl_bad_real:.3g} nats")
+print(f"scoring {len(seqs)} x {len(seqs[0])} tokens took {t_real:.2f} s over 3 processes")
+
+# %% [markdown]
+# The real run lands where the emulation said it would: float32 rounding away from
+# tp = 1 (compare section 3's emulated numbers), and the same greedy tokens. Whether it is
+# bit-identical to the emulation depends on the order in which gloo adds three partial
+# sums, which is gloo's choice, not ours (printed above). The planted layout bug, now
+# applied on every rank through `LLM.collective_rpc`, gives garbage again: the float32
+# parity check against tp = 1 separates the two cases in real processes just as it did
+# in the emulation. Try `minivllm generate --tensor-parallel-size 3 --prompt "..."` in a
+# terminal.
+#
+# ## 7. Claim vs measurement
 
 # %%
 print("| claim | what we measured here |")
@@ -329,6 +383,9 @@ print(f"| the reduction order itself matters in bf16 | ring-like vs rank order: 
       f"{div_ring} |")
 print(f"| contiguous gate_up shards give garbage (KL >> 1) | float32 tp=3: mean KL "
       f"{kl_bad:.3g} nats, top-1 {100 * top1_bad:.1f}% |")
+print(f"| real processes reproduce the emulated numbers | gloo tp=3 vs tp=1 float32: mean KL "
+      f"{kl_real:.1e}, max |logit diff| {diff_real:.1e}, greedy equal {same_greedy}; contiguous "
+      f"gate_up: KL {kl_bad_real:.3g} |")
 print("| vllm #2891: TP=1 vs TP=4 greedy outputs differ, probably reduction order | "
       "consistent with section 3 (bf16 tp=3 vs tp=1 above); not reproduced on MPT |")
 
@@ -350,13 +407,13 @@ print("| vllm #2891: TP=1 vs TP=4 greedy outputs differ, probably reduction orde
 # - *"With 3 KV heads and tp = 6 some rank has no KV head."* Each KV head is replicated
 #   on tp / H_kv ranks (section 2).
 #
-# ## What this emulation does not show
+# ## What this chapter does not show
 #
-# Real processes (gloo on CPU, NCCL on GPUs) add their own summation orders and
-# accumulation precisions inside the collective, and the time of 60 all-reduces per
-# step; a per-rank GEMM of a third of the width may also pick a different kernel than
-# the full GEMM. None of that is measured here: the emulation keeps the engine's GEMMs
-# and shows the effect of the cut and of the order, which is what those add up to.
+# GPUs: NCCL's orders and accumulation precisions inside the collective, a per-rank GEMM
+# of a third of the width picking another kernel than the full GEMM, and the time of 60
+# all-reduces per step against the GEMMs they split (the speed side of tensor
+# parallelism). The real run of section 6 is CPU processes over gloo; the GPU table
+# comes from two H200s when that machine is available (issue 28).
 #
 # ## Lab
 #
