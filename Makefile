@@ -43,10 +43,12 @@ demo: install
 	$(PY) -m minivllm.entrypoints.cli demo
 
 # The quantized checkpoints the chapters load, built once and cached beside the converted
-# model (minivllm.quantization.checkpoint.cached_quantized; chapter 15's AWQ g128). A chapter
+# model (minivllm.quantization.checkpoint.cached_quantized; chapter 15's AWQ g128, chapter
+# 17's fp8 static checkpoint). A chapter
 # that finds none builds it on first use; this builds it ahead (about a minute on 2 cores).
 quantized: install
 	$(PY) -m minivllm.quantization.checkpoint awq '{"group_size": 128, "symmetric": false, "clip": false, "calibration_tokens": 1024}'
+	$(PY) -m minivllm.quantization.checkpoint fp8 '{"activation_scheme": "static"}'
 
 # the quantized checkpoints first: a chapter's time then excludes their one-time build
 test: install quantized
