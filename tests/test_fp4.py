@@ -137,3 +137,14 @@ def test_corrupt_fp4_scales_are_refused():
     t["weight_scale_2"] = torch.tensor(-1.0)
     with pytest.raises(ValueError, match="weight_scale_2 must be finite and positive"):
         nv.check_tensors(t, 4, 64)
+
+
+def test_byte_table_decodes_every_byte_like_the_codes():
+    """_dequantize_blocks decodes packed bytes through a 256-entry table; it must give
+    e2m1_values(unpack_fp4(.)) for every byte, signs of zero included (code 8 is -0.0)."""
+    packed = torch.arange(256, dtype=torch.uint8).reshape(8, 32)
+    got = fp4._dequantize_blocks(packed, torch.ones(8, 4))
+    want = fp4.e2m1_values(fp4.unpack_fp4(packed))
+    assert torch.equal(got, want)
+    assert torch.equal(torch.signbit(got), torch.signbit(want))
+    assert int(torch.signbit(want).sum()) == 256  # half of the 512 codes are >= 8
