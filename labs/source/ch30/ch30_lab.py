@@ -203,10 +203,17 @@ def _fp4_cases(block):
                          -2.5, -3.5, -5.0, -0.1, 7.9])
     a[9, :16] = ties                                         # amax 7.9: e = 0 (MXFP4), ties
     a[9, 16:block] = 0.5
+    # exact ties after NVFP4 scaling: tensor amax 2.625 gives weight_scale_2 = 2^-10, block
+    # scales 448 and 8 (exact in E4M3), so w / scale lands on the midpoints exactly
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.1])
+    exact = torch.zeros(2, 2 * block)
+    exact[0, :8], exact[0, 8] = mids * 448 * 2.0 ** -10, 2.625
+    exact[0, 16:24], exact[0, 24] = -mids * 8 * 2.0 ** -10, 6 * 8 * 2.0 ** -10
     big = torch.randn(128, 256, generator=g) * torch.exp(torch.randn(128, 1, generator=g))
     half = (torch.randn(24, 2 * block, generator=g) * 0.02).to(torch.bfloat16)
     return {"random, zero/tiny blocks, an outlier, exact ties": a, "rows of very different "
-            "size": big, "bfloat16 input": half, "all zeros": torch.zeros(3, block)}
+            "size": big, "bfloat16 input": half, "all zeros": torch.zeros(3, block),
+            "exact ties after NVFP4 scaling": exact}
 
 
 for _name, _w in _fp4_cases(32).items():
