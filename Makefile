@@ -45,13 +45,15 @@ demo: install
 # The quantized checkpoints the chapters load, built once and cached beside the converted
 # model (minivllm.quantization.checkpoint.cached_quantized; chapter 15's AWQ g128, chapter
 # 16's two GPTQ g128 (AutoGPTQ's defaults and the engine's), chapter 17's fp8 static
-# checkpoint). A chapter that finds none builds it on first use; this builds them ahead
-# (about a minute each on 2 cores).
+# checkpoint, chapter 28's int8 and fp8 dynamic). A chapter that finds none builds it on
+# first use; this builds them ahead (about a minute each on 2 cores).
 quantized: install
 	$(PY) -m minivllm.quantization.checkpoint awq '{"group_size": 128, "symmetric": false, "clip": false, "calibration_tokens": 1024}'
 	$(PY) -m minivllm.quantization.checkpoint gptq '{"group_size": 128, "symmetric": true, "act_order": false, "percdamp": 0.01}'
 	$(PY) -m minivllm.quantization.checkpoint gptq '{"group_size": 128, "symmetric": true, "act_order": true, "percdamp": 1.0}'
 	$(PY) -m minivllm.quantization.checkpoint fp8 '{"activation_scheme": "static"}'
+	$(PY) -m minivllm.quantization.checkpoint int8
+	$(PY) -m minivllm.quantization.checkpoint fp8
 
 # the quantized checkpoints first: a chapter's time then excludes their one-time build
 test: install quantized
