@@ -268,7 +268,7 @@ class RegressionReport:
         lines = [f"# Precision regression check: **{'PASS' if self.passed else 'FAIL'}**", ""]
         if self.verdicts:
             lines += [f"Baseline: **{self.baseline}**; {self.num_sequences} corpus windows of "
-                      f"{self.seq_len} tokens; {self.num_prompts} chat prompts x "
+                      f"{self.seq_len} tokens; {self.num_prompts} prompts x "
                       f"{self.max_tokens} tokens under each engine's default sampling "
                       f"parameters. Thresholds: mean KL <= {t.max_kl:g} nats, top-1 >= "
                       f"{t.min_top1:g}, default-sampling agreement >= {t.min_default_agreement:g} "
