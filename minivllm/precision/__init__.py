@@ -10,6 +10,9 @@ Module map:
 * ``faults``: planted numerical bugs (fp16 RMSNorm, wrong rotary theta in one layer);
 * ``evalsets``: QA, passkey, multi-turn conversations, a text corpus;
 * ``report``: ``compare(baseline, candidates, eval_sets)``, tables and figures;
+* ``regress``: the regression gate for CI (``minivllm regress``) and golden log-prob
+  snapshots with per-dtype tolerances;
+* ``monitor``: ``DriftMonitor``, a CUSUM over served requests' sampled-token log-probs;
 * ``plots``: the matplotlib figures.
 
 ``LLM.score`` (in ``minivllm.llm``) gives the engine's teacher-forced rows that all of

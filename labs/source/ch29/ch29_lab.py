@@ -104,7 +104,7 @@ _rng = _random.Random()
 _n = _rng.randrange(6, 10)
 _s = _rng.uniform(0.7, 1.4)
 _f32 = [_rng.uniform(1e-11, 5e-11) for _ in range(_n)]
-_bf16 = [_s * _rng.uniform(0.5e-3, 4e-3) for _ in range(_n)]
+_bf16 = [_s * _rng.uniform(1.5e-3, 3.5e-3) for _ in range(_n)]
 _cases = {
     "clearly above the threshold": ([_s * _rng.uniform(5e-3, 9e-3) for _ in range(_n)], _f32, 1e-3, True),
     "tolerated: below max_kl": ([_s * _rng.uniform(5e-3, 9e-3) for _ in range(_n)], _f32, 2e-2, False),
@@ -367,10 +367,11 @@ def _stream(kind, n):
         if kind == "down" and i >= n // 2:
             shift = -2.0 * sd
         x = mu + shift + _rng.gauss(0.0, sd)
-        if kind == "flat":
-            x = mu if i < 30 else mu + _rng.uniform(-0.01, 0.01)  # a stream that never moved
         if kind == "nan" and i == n - 10:
             x = float("nan")
+        if kind == "flat":  # a warmup that never moved, then wiggles of 0.01 nats
+            out.append([mu if i < 60 else mu + _rng.uniform(-0.01, 0.01)] * k)
+            continue
         out.append([x + _rng.uniform(-0.1, 0.1) * sd for _ in range(k)])
     return out
 
@@ -394,9 +395,11 @@ print("hidden test passed")
 # The grader builds the embedded model's engine (float32, served temperature 0.7) and
 # sends it fresh prompts (the user turns of the conversations eval set, as "Q: ... A:"),
 # 8 tokens each, with your monitor (default settings) attached through
-# `LLM.set_precision_monitor`: 30 requests of warmup, then 50 benign requests (other
-# prompts, other batch sizes), then each planted regression in turn, 30 requests each (a
-# default changed under the users: the temperature, then the repetition penalty), each
+# `LLM.set_precision_monitor`: 30 requests of warmup, then 40 benign requests (other
+# prompts, other batch sizes), then each planted regression in turn, up to 30 requests
+# each (defaults changed under the users: the model's generation config no longer read,
+# so the temperature falls back from 0.7 to 1.0; then a hotter temperature with a
+# repetition penalty), each
 # watched by a copy of your monitor that has only seen healthy traffic. Your monitor must
 # raise no alarm over the benign traffic and alarm within 30 requests of each regression; the
 # too-tight configuration (`TOO_TIGHT`), fed the same requests, must fail that check.
@@ -451,17 +454,20 @@ def _send(prompts, batches, tee, change=None):
 _tight = _RefMonitor(warmup=30, min_tokens=4, **TOO_TIGHT)
 _send(_prompts[:30], [30], _Tee(_mine, _tight))
 checks.equal("your monitor's baseline is set after 30 requests", _mine.baseline is not None, True)
-_send(_prompts[30:80], [20, 30], _Tee(_mine, _tight))
+_send(_prompts[30:70], [15, 25], _Tee(_mine, _tight))
 print(f"benign traffic: {_mine.requests - 30} requests; your monitor: alarm {_mine.alarm} "
       f"(S+ {_mine.s_hi:.2f}, S- {_mine.s_lo:.2f}); too tight: alarm {_tight.alarm} "
       f"at request {_tight.alarm_at}")
 _caught = {}
-for _name, _change, _sl in (("temperature 0.7 -> 1.2", {"temperature": 1.2}, slice(80, 110)),
-                            ("repetition_penalty 1.0 -> 1.5", {"repetition_penalty": 1.5},
-                             slice(110, 140))):
+for _name, _change, _sl in (("generation config dropped: temperature 0.7 -> 1.0",
+                             {"temperature": 1.0}, slice(70, 100)),
+                            ("temperature 1.2 with repetition_penalty 1.5",
+                             {"temperature": 1.2, "repetition_penalty": 1.5}, slice(100, 130))):
     _m = _copy.deepcopy(_mine)  # has seen only healthy traffic
     _start = _m.requests
-    _send(_prompts[_sl], [30], _Tee(_m), _change)
+    _send(_prompts[_sl][:10], [10], _Tee(_m), _change)
+    if not _m.alarm:  # the rest only when the first ten did not raise it
+        _send(_prompts[_sl][10:], [20], _Tee(_m), _change)
     _caught[_name] = None if _m.alarm_at is None else _m.alarm_at - _start
     print(f"{_name}: your monitor alarms after {_caught[_name]} requests")
 checks.equal("your monitor's alarms over benign traffic", _mine.alarm, False)
