@@ -260,9 +260,7 @@ AWQ_PATH = cached_quantized(MODEL, "awq", AWQ_CFG)
 print(f"AWQ checkpoint ready in {time.perf_counter() - t:.1f} s (hash-checked): {AWQ_PATH.name}")
 
 qa = evalsets.load_qa()[::6]                       # every 6th question: all categories
-qa_prompts = [tok.encode(tok.apply_chat_template(evalsets.qa_prompt(it.question), tokenize=False,
-                                                 add_generation_prompt=True),
-                         add_special_tokens=False) for it in qa]
+qa_prompts = [evalsets.chat_prompt_ids(tok, evalsets.qa_prompt(it.question)) for it in qa]
 greedy = SamplingParams(temperature=0.0, max_tokens=24)
 base_out = base.generate(qa_prompts, greedy, use_tqdm=False)
 base_answers = [o.outputs[0].token_ids for o in base_out]

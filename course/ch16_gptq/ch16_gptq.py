@@ -365,9 +365,7 @@ print(f"GPTQ checkpoints ready in {time.perf_counter() - t:.1f} s (hash-checked)
 
 windows = evalsets.corpus_sequences(tok, seq_len=64, max_sequences=4)
 qa = evalsets.load_qa()[::11]                      # every 11th question: all categories
-qa_prompts = [tok.encode(tok.apply_chat_template(evalsets.qa_prompt(it.question), tokenize=False,
-                                                 add_generation_prompt=True),
-                         add_special_tokens=False) for it in qa]
+qa_prompts = [evalsets.chat_prompt_ids(tok, evalsets.qa_prompt(it.question)) for it in qa]
 greedy = SamplingParams(temperature=0.0, max_tokens=24)
 base_out = base.generate(qa_prompts, greedy, use_tqdm=False)
 base_answers = [o.outputs[0].token_ids for o in base_out]

@@ -312,9 +312,7 @@ fig
 
 # %%
 qa = evalsets.load_qa()[::22]
-qa_prompts = [tok.encode(tok.apply_chat_template(evalsets.qa_prompt(it.question), tokenize=False,
-                                                 add_generation_prompt=True),
-                         add_special_tokens=False) for it in qa]
+qa_prompts = [evalsets.chat_prompt_ids(tok, evalsets.qa_prompt(it.question)) for it in qa]
 greedy = SamplingParams(temperature=0.0, max_tokens=12)
 
 

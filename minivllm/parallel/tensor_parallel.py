@@ -54,7 +54,7 @@ class TPGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of ``x`` over the ranks, the same bits on every rank (vLLM:
         ``tensor_model_parallel_all_reduce``). Any shape; returns a new tensor."""
-        x = x.contiguous().clone()
+        x = x.clone(memory_format=torch.contiguous_format)  # one copy, contiguous
         dist.all_reduce(x, op=dist.ReduceOp.SUM)
         return x
 

@@ -147,12 +147,7 @@ def default_prompts(tokenizer, num_prompts: int = 8) -> list[list[int]]:
     qa = E.load_qa()
     if not (isinstance(num_prompts, int) and 1 <= num_prompts <= len(qa)):
         raise ValueError(f"num_prompts must be an integer in [1, {len(qa)}], got {num_prompts!r}")
-    out = []
-    for it in qa[:num_prompts]:
-        text = tokenizer.apply_chat_template(E.qa_prompt(it.question), tokenize=False,
-                                             add_generation_prompt=True)
-        out.append(tokenizer.encode(text, add_special_tokens=False))
-    return out
+    return [E.chat_prompt_ids(tokenizer, E.qa_prompt(it.question)) for it in qa[:num_prompts]]
 
 
 def sampling_defaults(llm) -> dict:

@@ -95,11 +95,6 @@ class _Runner:
                 for t in (self.ref.generate(p, max_tokens) for p in prompts)]
 
 
-def _chat_ids(tokenizer, conv) -> list[int]:
-    text = tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
 @dataclass
 class CandidateResult:
     label: str
@@ -373,7 +368,7 @@ def compare(baseline: Optional[Mapping[str, Any]] = None,
                 if seen[it.target_tokens] <= max_passkey_items:
                     kept.append(it)
             items = kept
-        prompts = [_chat_ids(tok, [{"role": "user", "content": it.prompt}]) for it in items]
+        prompts = [E.chat_prompt_ids(tok, [{"role": "user", "content": it.prompt}]) for it in items]
         for runner, res in tqdm(list(zip([base] + cands, [base_res] + results)), desc="passkey",
                                 disable=not progress or not items):
             outs = []
@@ -387,7 +382,7 @@ def compare(baseline: Optional[Mapping[str, Any]] = None,
     # 3. QA (greedy, batched).
     if "qa" in eval_sets:
         qa = E.load_qa()[:max_qa]
-        prompts = [_chat_ids(tok, E.qa_prompt(it.question)) for it in qa]
+        prompts = [E.chat_prompt_ids(tok, E.qa_prompt(it.question)) for it in qa]
         answers = {}
         for runner, res in tqdm(list(zip([base] + cands, [base_res] + results)), desc="qa",
                                 disable=not progress or not qa):

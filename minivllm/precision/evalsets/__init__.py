@@ -159,6 +159,14 @@ def passkey_correct(output: str, passkey: str) -> bool:
     return re.search(rf"(?<!\d){re.escape(passkey)}(?!\d)", output) is not None
 
 
+def chat_prompt_ids(tokenizer, conversation: list[dict]) -> list[int]:
+    """Token ids of ``conversation`` rendered by the tokenizer's chat template with the
+    generation prompt, as a served chat request sees them (the template holds any BOS, so
+    ``encode`` adds none)."""
+    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
 def qa_prompt(question: str) -> list[dict]:
     """The chat used for every QA item."""
     return [{"role": "user", "content": f"Answer in a few words. {question}"}]
