@@ -243,6 +243,9 @@ def child(variant: str, stages: int | None, block_n: int | None, out: Path,
     for B, ctx in SHAPES:
         perm = torch.randperm(nblk, device="cuda", generator=g)
         bt = perm[:B * (ctx // BS)].view(B, -1).to(torch.int32)
+        if os.environ.get("PROBE_L2"):  # every table points into 64 blocks (2 MB: in L2):
+            bt = bt % 64                 # what is left is the kernel's compute time
+
         lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
         q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
         for cache, (kk, vv), scales in (("bf16", (kc, vc), (1.0, 1.0)),
@@ -262,6 +265,15 @@ def child(variant: str, stages: int | None, block_n: int | None, out: Path,
             rows.append(dict(variant=variant, stages=stages, block_n=block_n, cache=cache,
                              batch=B, context=ctx, us=ms * 1e3,
                              GBps=kv_bytes / (ms * 1e-3) / 1e9))
+    try:  # registers, spills and shared memory of each compiled split kernel
+        for dev in PA._decode_split_kernel.device_caches.values():
+            for key, k in dev[0].items():
+                print(json.dumps(dict(variant=variant, n_regs=k.n_regs, n_spills=k.n_spills,
+                                      shared=k.metadata.shared,
+                                      warps=k.metadata.num_warps,
+                                      stages=k.metadata.num_stages)), flush=True)
+    except Exception as e:  # noqa: BLE001  (a probe: report and go on)
+        print(f"no kernel metadata: {e!r}", flush=True)
     (out / "rows.json").write_text(json.dumps(rows))
 
 
