@@ -178,6 +178,20 @@ def test_claims_page_has_every_chapters_rows(site, url):
             assert not missing, (n, measured["text"][:120], missing)
 
 
+def test_chapter_markdown_tables_render(site):
+    """Each table a chapter writes in Markdown is a table on its page (nbconvert drops a
+    table whose rows split on a bare |, as in "max |Δ|": write \\| inside a cell)."""
+    nbs = _docs_module("notebooks")
+    import nbformat
+
+    for n, src in sorted(_chapters_on_disk().items()):
+        nb = nbformat.read(nbs.cached_path(src), as_version=4)
+        tables = sum(len(re.findall(r"^\|[-:| ]+\|\s*$", c.source, re.M))
+                     for c in nb.cells if c.cell_type == "markdown")
+        html = (site / "chapters" / src.stem / "index.html").read_text()
+        assert html.count("<table") >= tables, (n, tables, html.count("<table"))
+
+
 def test_readme_course_table_lists_every_chapter_and_lab():
     """README's course table: one row per chapter, 1-30, with the chapter's notebook and
     its lab, each a file that exists."""

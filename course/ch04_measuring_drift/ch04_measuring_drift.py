@@ -423,7 +423,7 @@ fig
 #
 # | claim | what we measured here |
 # |---|---|
-# | vLLM vs HF log-probs differ by up to ~0.32 on identical inputs (#18352, Qwen3-1.7B bf16) | bf16 engine vs float32 on a 135M model: max |Δ| of sampled and of target tokens a few tenths, RMS a few hundredths (sections 3 and 6); float32 engine vs HF: ~1e-4 (section 1) |
+# | vLLM vs HF log-probs differ by up to ~0.32 on identical inputs (#18352, Qwen3-1.7B bf16) | bf16 engine vs float32 on a 135M model: max \|Δ\| of sampled and of target tokens a few tenths, RMS a few hundredths (sections 3 and 6); float32 engine vs HF: ~1e-4 (section 1) |
 # | the difference is "bf16 numerics and different kernels, including the bf16 lm_head" | yes: a bf16 head alone on the float32 body gives an RMS of the same size as the whole bf16 engine's (section 6) |
 # | an fp32 LM head fixes it (open-instruct #1387, prime-rl #2438) | it removes the head's share exactly, but the total RMS falls only by the factor printed in section 6: the bf16 body's share remains |
 # | RMS δ ≈ 0.002 nats in fp32 vs 0.03 in bf16 (Fast-LLM #525, Qwen2.5-0.5B) | bf16 here: the same order (section 3); float32 engine vs HF here: far below 0.002 (same kernels on one CPU) |
