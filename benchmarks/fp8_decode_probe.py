@@ -192,6 +192,47 @@ def attend_stream_conv(q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, ks
     return m, l + 1.0, acc
 
 
+ABL = tl.constexpr(0)  # ablation: 1 no masks, 2 no softmax, 3 no QK dot, 4 no PV dot
+
+
+@triton.jit
+def attend_ablate(q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, ks_cache_ptr,
+                  vs_cache_ptr, slot, pmask, visible, kvh, d, m, l, acc, sm_scale,
+                  NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr,
+                  DYNAMIC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """PA._attend_tile with one part removed (ABL), to see what each part costs. ABL 1
+    (no load masks, no where) is exact when every tile is full (context % 128 == 0)."""
+    if ABL == 1:
+        pm = tl.full(pmask.shape, 1, tl.int1)
+    else:
+        pm = pmask
+    k = PA._load_kv_tile(k_cache_ptr, k_scale_ptr, ks_cache_ptr, slot, pm, kvh, d,
+                         NUM_KV_HEADS, HEAD_DIM, QUANT, DYNAMIC, q.dtype)
+    if ABL == 3:
+        s = tl.zeros([q.shape[0], k.shape[0]], tl.float32) + tl.sum(k.to(tl.float32), axis=1)[None, :]
+    else:
+        s = dot(q, tl.trans(k), PRECISION, UPCAST) * sm_scale
+    if ABL != 1:
+        s = tl.where(visible, s, float("-inf"))
+    if ABL == 2:
+        p = s
+        m_new = m
+        alpha = tl.full(m.shape, 1.0, tl.float32)
+    else:
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_use)
+        p = tl.exp(s - m_use[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+    v = PA._load_kv_tile(v_cache_ptr, v_scale_ptr, vs_cache_ptr, slot, pm, kvh, d,
+                         NUM_KV_HEADS, HEAD_DIM, QUANT, DYNAMIC, q.dtype)
+    if ABL == 4:
+        acc = acc * alpha[:, None] + tl.sum(v.to(tl.float32), axis=0)[None, :] + tl.sum(p, axis=1)[:, None]
+    else:
+        acc = acc * alpha[:, None] + dot(cast_rne(p, v.dtype), v, PRECISION, UPCAST)
+    return m_new, l, acc
+
+
 def _patch(variant: str) -> None:
     """Swap the kernel's tile helpers for a variant's (before the first compile)."""
     global load_v, KT_DIRECT
@@ -204,6 +245,10 @@ def _patch(variant: str) -> None:
         PA._attend_tile = attend_stream
     if variant == "stream_conv":
         PA._attend_tile = attend_stream_conv
+    if variant.startswith("abl"):
+        global ABL
+        ABL = tl.constexpr(int(variant[3:]))
+        PA._attend_tile = attend_ablate
     if variant == "split1":
         PA.default_splits_per_program = lambda *a: 1
     if variant == "f128":  # the float cache with the fp8 kernel's 128-key tiles
