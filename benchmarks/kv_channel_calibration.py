@@ -22,7 +22,8 @@ import torch
 
 from minivllm import LLM
 from minivllm.precision import evalsets, metrics
-from minivllm.quantization.kv_cache import calibrate_kv_amax, kv_scales_from_amax
+from minivllm.quantization.kv_calibration import calibrate_kv_amax
+from minivllm.quantization.kv_cache import kv_scales_from_amax
 
 
 def main(draws: int = 5, seed: int = 1) -> None:

@@ -215,7 +215,8 @@ def parse_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """What the engine knows about the model after loading its config.json."""
+    """What the engine knows about the model after loading its config.json (vLLM:
+    ``vllm/config/model.py``; built by :meth:`from_hf_config`)."""
 
     model: str  # the name or path the user gave
     path: str  # resolved local HF folder
@@ -227,20 +228,128 @@ class ModelConfig:
     head_dim: int
     eos_token_ids: tuple[int, ...]
 
+    @classmethod
+    def from_hf_config(cls, model: str, path: str, hf_config: dict, dtype: torch.dtype,
+                       max_model_len: int, tokenizer_eos_token_id: Optional[int] = None
+                       ) -> "ModelConfig":
+        """Read the geometry from a config.json dict (``hf_config``, overrides applied).
+
+        ``eos_token_ids``: config.json's ``eos_token_id`` (an int or a list), plus the
+        tokenizer's ``eos_token_id`` when it is not among them. ``head_dim`` defaults to
+        ``hidden_size // num_attention_heads``, ``num_kv_heads`` to the attention heads.
+        """
+        eos = hf_config.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        if tokenizer_eos_token_id is not None and tokenizer_eos_token_id not in eos_ids:
+            eos_ids = eos_ids + (tokenizer_eos_token_id,)
+        num_heads = hf_config["num_attention_heads"]
+        return cls(model=model, path=str(path), dtype=dtype, max_model_len=max_model_len,
+                   vocab_size=hf_config["vocab_size"], num_layers=hf_config["num_hidden_layers"],
+                   num_kv_heads=hf_config.get("num_key_value_heads", num_heads),
+                   head_dim=hf_config.get("head_dim") or hf_config["hidden_size"] // num_heads,
+                   eos_token_ids=eos_ids)
+
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Paged KV-cache geometry. ``num_blocks * block_size`` token slots per layer."""
+    """Paged KV-cache geometry: ``num_gpu_blocks * block_size`` token slots per layer
+    (vLLM: ``vllm/config/cache.py``).
+
+    Two names differ from vLLM's CacheConfig: the storage dtype is the torch dtype
+    ``kv_cache_torch_dtype`` (vLLM's ``cache_dtype`` is the *string*, here
+    ``kv_cache_dtype``), and the old names ``num_blocks`` and ``cache_dtype`` (a torch
+    dtype, not vLLM's string) stay as read-only aliases for the chapters.
+    """
 
     block_size: int
-    num_blocks: int
-    cache_dtype: torch.dtype  # storage dtype of K and V
+    num_gpu_blocks: int  # blocks in the pool (vLLM's name; on CPU too)
+    kv_cache_torch_dtype: torch.dtype  # storage dtype of K and V
     kv_cache_dtype: str  # the name the user gave ("auto", "fp8_e4m3", ...)
     k_scale: float = 1.0  # given static per-tensor scales (stored = value / scale)
     v_scale: float = 1.0
     kv_scale_type: str = "static"  # "static" or "dynamic" (per token and head)
     kv_scale_granularity: str = "tensor"  # static scales per "tensor", "head", or K per "channel"
     enable_prefix_caching: bool = True
+
+    @property
+    def num_blocks(self) -> int:
+        """Alias of ``num_gpu_blocks`` (the old name)."""
+        return self.num_gpu_blocks
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """Alias of ``kv_cache_torch_dtype`` (the old name). Not vLLM's
+        ``CacheConfig.cache_dtype``, which is the string (here ``kv_cache_dtype``)."""
+        return self.kv_cache_torch_dtype
+
+    @classmethod
+    def from_engine_args(cls, args: "EngineArgs", model_config: ModelConfig,
+                         kv_cache_torch_dtype: torch.dtype) -> "CacheConfig":
+        """Size the block pool: ``num_gpu_blocks_override``, else
+        ``kv_cache_memory_bytes`` / bytes per block, else (CUDA) 80 % of
+        ``gpu_memory_utilization`` x free memory, else (CPU) ``max_num_seqs`` full-length
+        sequences capped at :data:`DEFAULT_CPU_KV_CACHE_BYTES`. (vLLM sizes it in the
+        worker after profiling: ``Worker.determine_available_memory``.)
+
+        Raises:
+            ValueError: fewer slots than max_model_len (one full-length request could
+                never run), or more bytes than the device has available now.
+        """
+        from minivllm.worker.model_runner import kv_cache_bytes_per_block
+
+        a, mc = args, model_config
+        per_block = kv_cache_bytes_per_block(mc, a.block_size, kv_cache_torch_dtype,
+                                             a.kv_scale_type == "dynamic")
+        if a.num_gpu_blocks_override is not None:
+            num_blocks = a.num_gpu_blocks_override
+        elif a.kv_cache_memory_bytes is not None:
+            num_blocks = a.kv_cache_memory_bytes // per_block
+        elif str(a.device).startswith("cuda"):
+            free, _ = torch.cuda.mem_get_info()
+            num_blocks = int(free * a.gpu_memory_utilization * 0.8) // per_block
+        else:
+            # Enough for max_num_seqs full-length sequences, capped at the CPU default.
+            wanted = a.max_num_seqs * -(-mc.max_model_len // a.block_size)
+            num_blocks = min(wanted, DEFAULT_CPU_KV_CACHE_BYTES // per_block)
+        if num_blocks * a.block_size < mc.max_model_len:
+            raise ValueError(
+                f"The KV cache holds {num_blocks} blocks x {a.block_size} tokens = "
+                f"{num_blocks * a.block_size} tokens, fewer than max_model_len="
+                f"{mc.max_model_len}, so one full-length request could never run. Give "
+                f"more blocks (num_gpu_blocks_override / kv_cache_memory_bytes) or lower "
+                f"max_model_len (needs >= {-(-mc.max_model_len // a.block_size)} blocks, "
+                f"{per_block} bytes each).")
+        total = num_blocks * per_block
+        available = available_memory_bytes(a.device)
+        if available is not None and total > available:
+            raise ValueError(
+                f"The KV cache would take {num_blocks} blocks x {per_block} bytes = "
+                f"{total / 2**30:.2f} GiB, but only {available / 2**30:.2f} GiB of "
+                f"{'GPU' if a.device.startswith('cuda') else 'CPU'} memory is available. Lower "
+                f"num_gpu_blocks_override / kv_cache_memory_bytes / block_size "
+                f"(block_size={a.block_size}).")
+        k_scale, v_scale = a.kv_scale or (1.0, 1.0)
+        return cls(block_size=a.block_size, num_gpu_blocks=num_blocks,
+                   kv_cache_torch_dtype=kv_cache_torch_dtype, kv_cache_dtype=a.kv_cache_dtype,
+                   k_scale=k_scale, v_scale=v_scale, kv_scale_type=a.kv_scale_type,
+                   kv_scale_granularity=a.kv_scale_granularity,
+                   enable_prefix_caching=a.enable_prefix_caching)
+
+
+def available_memory_bytes(device: str) -> Optional[int]:
+    """Memory a KV cache could take now: free GPU memory, or MemAvailable on Linux;
+    None when unknown (no check is made then)."""
+    if device.startswith("cuda"):
+        index = int(device.partition(":")[2] or 0)
+        return torch.cuda.mem_get_info(index)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 @dataclass(frozen=True)
@@ -251,6 +360,26 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     enable_chunked_prefill: bool
+
+    @classmethod
+    def from_engine_args(cls, args: "EngineArgs", max_model_len: int) -> "SchedulerConfig":
+        """``max_num_batched_tokens`` defaults to 8192 with chunked prefill, else
+        ``max(8192, max_model_len)``.
+
+        Raises:
+            ValueError: without chunked prefill, a budget below max_model_len.
+        """
+        budget = args.max_num_batched_tokens
+        if budget is None:
+            budget = 8192 if args.enable_chunked_prefill else max(8192, max_model_len)
+        if not args.enable_chunked_prefill and budget < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({budget}) is smaller than max_model_len "
+                f"({max_model_len}); without chunked prefill a whole prompt must fit in one "
+                "step. Raise max_num_batched_tokens, lower max_model_len, or "
+                "enable_chunked_prefill=True.")
+        return cls(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
+                   max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill)
 
 
 SPEC_METHODS = ("ngram", "draft_model")
@@ -356,6 +485,35 @@ def parse_speculative_config(value) -> Optional[SpeculativeConfig]:
 
         parse_quantization(quant, None)
     return SpeculativeConfig("draft_model", k, model=model, quantization=quant, dtype=dtype)
+
+
+@dataclass(frozen=True)
+class VllmConfig:
+    """Every config the engine is built from, made once by
+    :meth:`EngineArgs.create_engine_config` (vLLM: ``VllmConfig``, ``vllm/config/vllm.py``).
+
+    Attributes:
+        model_config, cache_config, scheduler_config: see those classes.
+        speculative_config: None without speculative decoding.
+        quant_config: the weight quantization to apply (a ``QuantConfig`` of
+            :mod:`minivllm.quantization`), or None; ``saved_quant_config`` when the
+            checkpoint is already quantized (then nothing is applied at load).
+        saved_quant_config: the checkpoint's own quantization, or None.
+        hf_config: config.json as a dict, with ``hf_overrides`` applied.
+        attention_backend: the resolved backend name ("TORCH" or "TRITON").
+        default_sampling_params: the generation config's defaults
+            (:func:`default_sampling_params`), checked by building a SamplingParams.
+    """
+
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    speculative_config: Optional[SpeculativeConfig]
+    quant_config: object
+    saved_quant_config: object
+    hf_config: dict
+    attention_backend: str
+    default_sampling_params: dict
 
 
 @dataclass
@@ -650,6 +808,86 @@ class EngineArgs:
 
     def replace(self, **changes) -> "EngineArgs":
         return dataclasses.replace(self, **changes)
+
+    def create_engine_config(self) -> VllmConfig:
+        """Validate, read the model's config.json and build every config (vLLM:
+        ``EngineArgs.create_engine_config``). Loads the tokenizer (cached; its
+        ``eos_token_id`` joins the model's) unless ``skip_tokenizer_init``; loads no weights.
+
+        Raises:
+            ValueError: an invalid argument (:meth:`validate`), a CUDA device that is not
+                there, an unknown model, max_model_len above the model's positions, a
+                tensor_parallel_size the model's heads do not divide, a generation config
+                SamplingParams refuses, a KV cache too small for one max_model_len
+                sequence, or speculative decoding whose k + 1 exceeds
+                max_num_batched_tokens.
+        """
+        from minivllm.attention.backends import resolve_attention_backend
+        from minivllm.models.loader import (checkpoint_dtype, derived_max_model_len,
+                                            load_hf_config, resolve_model_path)
+        from minivllm.quantization import checkpoint as qckpt
+        from minivllm.quantization import parse_quantization
+        from minivllm.sampling_params import SamplingParams
+        from minivllm.tokenizer import get_tokenizer
+
+        self.validate()
+        if self.device.startswith("cuda"):
+            if not torch.cuda.is_available():
+                raise ValueError(f"device={self.device!r} was requested but "
+                                 "torch.cuda.is_available() is False; use device='cpu'")
+            index = int(self.device.partition(":")[2] or 0)
+            if index >= torch.cuda.device_count():
+                raise ValueError(f"device={self.device!r}: there are only "
+                                 f"{torch.cuda.device_count()} CUDA device(s)")
+        path = resolve_model_path(self.model)
+        cfg = load_hf_config(path, self.hf_overrides)
+        if self.tensor_parallel_size > 1:
+            from minivllm.parallel.emulated_tp import check_tensor_parallel_size
+
+            check_tensor_parallel_size(cfg, self.tensor_parallel_size)
+        dtype = parse_dtype(self.dtype, checkpoint_dtype(cfg), self.device,
+                            model_type=cfg.get("model_type"))
+        kv_dtype = parse_kv_cache_dtype(self.kv_cache_dtype, dtype)
+        max_pos = derived_max_model_len(cfg)  # max_position_embeddings, x rope scaling
+        max_model_len = self.max_model_len or max_pos
+        if max_model_len > max_pos:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
+                             f"max_position_embeddings={cfg.get('max_position_embeddings', 2048)}"
+                             + (f" (x rope_scaling: {max_pos})" if max_pos !=
+                                cfg.get("max_position_embeddings", 2048) else ""))
+        tokenizer = None if self.skip_tokenizer_init \
+            else get_tokenizer(self.tokenizer or str(path))
+        model_config = ModelConfig.from_hf_config(
+            self.model, str(path), cfg, dtype, max_model_len,
+            None if tokenizer is None else tokenizer.eos_token_id)
+        # vLLM's generation_config: the defaults a request's unset fields take (checked
+        # here by building a SamplingParams from them, so a bad value fails at start)
+        defaults = default_sampling_params(self.generation_config, str(path),
+                                           self.override_generation_config)
+        if defaults:
+            try:
+                SamplingParams(**defaults)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"generation_config / override_generation_config give "
+                                 f"{defaults}, which SamplingParams refuses: {e}") from None
+            logger.info("Default sampling parameters from the generation config: %s (use "
+                        "generation_config='vllm' for SamplingParams' own defaults)", defaults)
+        cache_config = CacheConfig.from_engine_args(self, model_config, kv_dtype)
+        scheduler_config = SchedulerConfig.from_engine_args(self, max_model_len)
+        spec = parse_speculative_config(self.speculative_config)
+        if spec is not None and spec.num_speculative_tokens + 1 > \
+                scheduler_config.max_num_batched_tokens:
+            k = spec.num_speculative_tokens
+            raise ValueError(f"speculative_config num_speculative_tokens={k}: a verification "
+                             f"schedules k + 1 = {k + 1} tokens, more than "
+                             f"max_num_batched_tokens={scheduler_config.max_num_batched_tokens}")
+        return VllmConfig(
+            model_config=model_config, cache_config=cache_config,
+            scheduler_config=scheduler_config, speculative_config=spec,
+            quant_config=parse_quantization(self.quantization, self.quantization_config),
+            saved_quant_config=qckpt.saved_quant_config(cfg), hf_config=cfg,
+            attention_backend=resolve_attention_backend(self.attention_backend, self.device),
+            default_sampling_params=defaults)
 
 
 def default_sampling_params(generation_config: str, model_path: str,

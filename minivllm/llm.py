@@ -18,7 +18,8 @@ import torch
 from tqdm.auto import tqdm
 
 from minivllm.config import EngineArgs
-from minivllm.engine.llm_engine import EngineStats, LLMEngine
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.stats import EngineStats
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.utils import check_valid_unicode
@@ -55,7 +56,11 @@ class LLM:
         if isinstance(kwargs.get("tokenizer"), os.PathLike):
             kwargs["tokenizer"] = os.fspath(kwargs["tokenizer"])
         self.engine_args = EngineArgs(model=model, **kwargs)
-        self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
+        # the bundled calibration sets (minivllm/precision/evalsets) for quantization
+        # methods that calibrate and for calculate_kv_scales
+        from minivllm.quantization.calibration import calibration_sequences
+
+        self.llm_engine = LLMEngine.from_engine_args(self.engine_args, calibration_sequences)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -223,7 +228,7 @@ class LLM:
                                          f"{value!r:.80} (message: {msg!r:.120})")
                     check_valid_unicode(value, f"message {i} {key!r}")
             try:  # the "prompt.chat_template" step: render, then add_special_tokens=False
-                ids = self.llm_engine.render_chat(tok, list(conv), add_generation_prompt,
+                ids = self.llm_engine.input_processor.render_chat(tok, list(conv), add_generation_prompt,
                                                   chat_template)
             except (ValueError, TypeError):
                 raise

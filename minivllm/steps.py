@@ -346,10 +346,10 @@ STEPS: dict[str, Step] = {s.name: s for s in [
     # prompt processing (chapter 26): what token ids a request starts from
     Step("prompt.chat_template", render_chat_ref,
          "render_chat(tokenizer, conversation, add_generation_prompt, chat_template) -> ids",
-         False, False, False, _engine_site("engine", lambda e: e, "render_chat")),
+         False, False, False, _engine_site("input_processor", lambda e: e.input_processor, "render_chat")),
     Step("prompt.truncate", truncate_prompt_ref,
          "truncate(token_ids, truncate_prompt_tokens) -> ids", False, False, False,
-         _engine_site("engine", lambda e: e, "truncate_prompt")),
+         _engine_site("input_processor", lambda e: e.input_processor, "truncate_prompt")),
     # chunked prefill (chapter 23): the read slots and the mask of one prefill chunk
     # (TORCH backend; the TRITON kernels take seq_lens and walk the block tables)
     Step("prefill_chunk", prefill_chunk_ref,

@@ -8,7 +8,7 @@ import struct
 import pytest
 
 from minivllm.core.kv_cache_manager import KVCacheManager, hash_block_tokens
-from minivllm.engine.request import Request
+from minivllm.request import Request
 from minivllm.sampling_params import SamplingParams
 
 BS = 4

@@ -15,7 +15,7 @@ import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.core.scheduler import preempt_request_ref
-from minivllm.engine.request import Request, RequestStatus
+from minivllm.request import Request, RequestStatus
 from minivllm.precision import faults
 from minivllm.precision.metrics import first_divergence
 

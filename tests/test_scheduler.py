@@ -10,7 +10,7 @@ import pytest
 from minivllm.config import SchedulerConfig
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.scheduler import Scheduler, SchedulerOutput
-from minivllm.engine.request import Request, RequestStatus
+from minivllm.request import Request, RequestStatus
 from minivllm.sampling_params import SamplingParams
 
 BS = 4

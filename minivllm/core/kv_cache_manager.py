@@ -34,7 +34,7 @@ import struct
 from typing import Optional
 
 from minivllm.core.block_pool import BlockPool, KVCacheBlock
-from minivllm.engine.request import Request
+from minivllm.request import Request
 
 BlockHash = bytes
 _ROOT_HASH = b"minivllm-prefix-root"
@@ -175,7 +175,7 @@ class KVCacheManager:
         return max(limit, 0)
 
     def _uses_cache(self, request: Request) -> bool:
-        if not self.enable_caching or request.params.prompt_logprobs is not None:
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return False
         return request.score is None or request.score.use_prefix_cache
 

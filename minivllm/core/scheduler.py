@@ -17,13 +17,15 @@ had generated are recomputed in a prefill (preemption by recompute).
 
 from __future__ import annotations
 
+import os
+import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from minivllm.config import SchedulerConfig
 from minivllm.core.kv_cache_manager import KVCacheManager
-from minivllm.engine.request import Request, RequestStatus
+from minivllm.request import Request, RequestStatus
 
 
 @dataclass
@@ -43,6 +45,73 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+@dataclass
+class SchedulerUpdate:
+    """What :meth:`Scheduler.update_from_output` did with one step's model output.
+
+    Attributes:
+        finished: requests finished in this step, in the order they finished (NaN/inf
+            first, then sampled rows in batch order, then speculative ones).
+        sampled: ``(row, request)`` for each sampled row whose token was appended as a
+            generated token (not a forced score token, not a finished request): the rows
+            whose log-probs the output processor records.
+        num_generation_tokens: tokens appended (sampled and accepted speculative ones).
+        num_corrupted_requests: requests newly marked corrupted (NaN/inf).
+        spec_decode_num_drafts, spec_decode_num_draft_tokens,
+            spec_decode_num_accepted_tokens: this step's verifications.
+    """
+
+    finished: list[Request] = field(default_factory=list)
+    sampled: list[tuple[int, Request]] = field(default_factory=list)
+    num_generation_tokens: int = 0
+    num_corrupted_requests: int = 0
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+
+
+def check_stop(request: Request, token: int,
+               detokenize: Callable[[Request], str]) -> Optional[RequestStatus]:
+    """The stop conditions after ``token`` was appended (vLLM: ``check_stop`` in
+    ``vllm/v1/core/sched/utils.py``), in this order: EOS (unless ``ignore_eos``), a stop
+    token id, a stop string (from ``min_tokens`` output tokens on), then the length
+    limit (``max_tokens`` or ``max_model_len``).
+
+    Stop strings are checked here, one token at a time, with ``detokenize`` (the output
+    processor's): vLLM checks them in its detokenizer instead. With stop strings the
+    text is decoded every step (``request.decoded_text``), and only the part the new
+    token could have completed is searched; a hit cuts ``request.output_text``.
+
+    Returns:
+        FINISHED_STOPPED (``request.stop_reason``: None for EOS, else the token id or
+        the string), FINISHED_LENGTH, or None to go on.
+    """
+    p = request.sampling_params
+    if p.stop_strings:  # every step, also before min_tokens, so prev is always current
+        prev, request.decoded_text = request.decoded_text, detokenize(request)
+    if request.num_output_tokens >= p.min_tokens:
+        if not p.ignore_eos and token in request.eos_token_ids:
+            request.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
+        if token in p.stop_token_ids:
+            request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if p.stop_strings:
+            text = request.decoded_text
+            # Only look where the new token could have completed a stop string: text
+            # that existed before this step (e.g. before min_tokens) is not searched.
+            start = len(os.path.commonprefix([prev, text]))
+            for s in p.stop_strings:
+                idx = text.find(s, max(0, start - len(s) + 1))
+                if idx != -1:
+                    request.stop_reason = s
+                    request.output_text = text[:idx + (len(s) if p.include_stop_str_in_output else 0)]
+                    return RequestStatus.FINISHED_STOPPED
+    if request.num_tokens >= request.max_total_tokens:
+        return RequestStatus.FINISHED_LENGTH
+    return None
 
 
 def preempt_request_ref(request: Request) -> None:
@@ -199,7 +268,9 @@ class Scheduler:
 
     def update_after_step(self, scheduled: list[tuple[Request, int]],
                           num_rejected: Optional[dict[str, int]] = None) -> None:
-        """Advance num_computed_tokens and register newly full blocks in the cache.
+        """Advance num_computed_tokens and register newly full blocks in the cache: the
+        first part of :meth:`update_from_output`, callable alone (the chapters' and
+        labs' hand-driven loops append tokens themselves).
 
         ``num_rejected``: request id -> draft tokens the verifier rejected this step
         (speculative decoding). Their K/V was written, but they are not part of the
@@ -210,3 +281,86 @@ class Scheduler:
             rejected = num_rejected.get(request.request_id, 0) if num_rejected else 0
             request.num_computed_tokens += num_new - rejected
             self.kv_cache_manager.cache_blocks(request)
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, output,
+                           detokenize: Callable[[Request], str]) -> SchedulerUpdate:
+        """Apply one step's model output (vLLM: ``Scheduler.update_from_output``).
+
+        1. Scheduled tokens count as computed (:meth:`update_after_step`), minus rejected
+           draft tokens; score requests take their rows (``ScoreState.add``).
+        2. A request whose logits (or K/V) held NaN/inf is marked ``corrupted``; a
+           generate request among them finishes with FINISHED_ERROR (its tokens so far
+           are kept; vLLM counts such requests in vllm:corrupted_requests, we also stop
+           them). Score requests keep their (NaN) rows and go on.
+        3. Each sampled token is appended and :func:`check_stop` decides; a score
+           request instead takes its next forced token, or finishes (FINISHED_LENGTH)
+           once it has every row.
+        4. Accepted speculative tokens are appended one at a time, so that a stop
+           condition ends the request exactly where it is met.
+
+        Args:
+            scheduler_output: the step's :meth:`schedule` result.
+            output: the step's ``ModelRunnerOutput``.
+            detokenize: request -> output text (for stop strings).
+        Returns:
+            a :class:`SchedulerUpdate`. Finished requests are freed (``finish_request``),
+            with ``finish_time`` set; their outputs are the output processor's job.
+        """
+        by_id = {req.request_id: req for req, _ in scheduler_output.scheduled}
+        num_rejected = {rid: len(by_id[rid].spec_token_ids) - (len(toks) - 1)
+                        for rid, toks in output.spec_outputs.items()}
+        self.update_after_step(scheduler_output.scheduled, num_rejected)
+        for rid, (first_pos, rows, count, chosen) in output.score_rows.items():
+            by_id[rid].score.add(first_pos, rows, count, chosen)
+        update = SchedulerUpdate()
+        now = time.monotonic()
+
+        def finish(req: Request, status: RequestStatus) -> None:
+            self.finish_request(req, status)
+            req.finish_time = now
+            update.finished.append(req)
+
+        for rid in output.nonfinite_request_ids:
+            req = by_id[rid]
+            if not req.corrupted:
+                req.corrupted = True
+                update.num_corrupted_requests += 1
+            if req.score is None:
+                finish(req, RequestStatus.FINISHED_ERROR)
+        for i, rid in enumerate(output.sampled_request_ids):
+            req = by_id[rid]
+            if req.is_finished:  # finished with "error" above
+                continue
+            if req.score is not None:  # teacher forcing: no sampling, no stop checks
+                if req.score.done:
+                    finish(req, RequestStatus.FINISHED_LENGTH)
+                else:
+                    req.append_output_token(req.score.forced_token_ids[req.num_output_tokens])
+                continue
+            token = output.sampled_token_ids[i]
+            req.append_output_token(token)
+            update.num_generation_tokens += 1
+            if req.first_token_time is None:
+                req.first_token_time = now
+            update.sampled.append((i, req))
+            status = check_stop(req, token, detokenize)
+            if status is not None:
+                finish(req, status)
+        for rid, tokens in output.spec_outputs.items():
+            req = by_id[rid]
+            update.spec_decode_num_drafts += 1
+            update.spec_decode_num_draft_tokens += len(req.spec_token_ids)
+            update.spec_decode_num_accepted_tokens += len(tokens) - 1
+            req.spec_token_ids, req.draft_probs = [], None
+            if req.is_finished:  # finished with "error" above
+                continue
+            for token in tokens:  # one at a time: a stop condition ends the request exactly
+                req.append_output_token(token)
+                update.num_generation_tokens += 1
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                status = check_stop(req, token, detokenize)
+                if status is not None:
+                    finish(req, status)
+                    break
+        return update

@@ -64,7 +64,9 @@ class AsyncLLM:
 
     def __init__(self, engine_args: EngineArgs, max_waiting_requests: Optional[int] = None,
                  on_step: Optional[Callable[["AsyncLLM", StepRecord], None]] = None):
-        self.engine = LLMEngine.from_engine_args(engine_args)
+        from minivllm.quantization.calibration import calibration_sequences  # as LLM
+
+        self.engine = LLMEngine.from_engine_args(engine_args, calibration_sequences)
         self.max_waiting_requests = max_waiting_requests
         self.on_step = on_step
         self._commands: queue.Queue = queue.Queue()
@@ -199,7 +201,7 @@ class AsyncLLM:
                 req = self.engine.scheduler.requests.get(rid)
                 if req is None or req.num_output_tokens == stream.sent_tokens:
                     continue
-                out = self.engine._make_output(req)
+                out = self.engine.output_processor.make_output(req)
             n = len(out.outputs[0].token_ids)
             record.new_tokens[rid] = n - stream.sent_tokens
             stream.sent_tokens = n

@@ -237,3 +237,25 @@ def worker_threads(tp: int) -> int:
     """Threads per worker process: the machine's cores shared among the tp ranks (at
     least 1), so tp = 3 on 2 cores does not oversubscribe them tp-fold."""
     return max(1, (os.cpu_count() or 1) // tp)
+
+
+def start_tensor_parallel(model, args, vllm_config) -> MultiprocExecutor:
+    """The engine's executor for ``tensor_parallel_size > 1``
+    (``distributed_executor_backend="mp"``): workers load the same checkpoint as rank 0
+    did (``args``: the EngineArgs; ``vllm_config``: the engine's configs)."""
+    from pathlib import Path
+
+    from minivllm.config import LM_HEAD_DTYPES, batch_invariant_enabled
+
+    mc, tp = vllm_config.model_config, args.tensor_parallel_size
+    spec = WorkerSpec(
+        load_args=(Path(mc.path), vllm_config.hf_config, mc.dtype, mc.max_model_len,
+                   args.device, vllm_config.attention_backend),
+        load_kwargs={"float32_matmul_precision": args.float32_matmul_precision,
+                     "load_format": args.load_format, "seed": args.seed},
+        model_config=mc, cache_config=vllm_config.cache_config,
+        device=args.device, seed=args.seed, batch_invariant=batch_invariant_enabled(args),
+        logprobs_mode=args.logprobs_mode,
+        lm_head_dtype=None if args.lm_head_dtype is None else LM_HEAD_DTYPES[args.lm_head_dtype],
+        num_threads=worker_threads(tp))
+    return MultiprocExecutor(model, spec, tp)

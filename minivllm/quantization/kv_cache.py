@@ -256,37 +256,12 @@ def kv_scale_bytes_per_token(num_kv_heads: int, dynamic: bool) -> int:
     return 2 * num_kv_heads * 4 if dynamic else 0
 
 
-def calibrate_kv_amax(model, token_id_lists: list[list[int]],
-                      device: str | torch.device = "cpu", per_channel: bool = False
-                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Largest |K| and |V| per layer and KV head (K per channel too) over calibration
-    sequences.
+def __getattr__(name: str):
+    # calibrate_kv_amax runs the model, so it lives with the other calibration passes
+    # (minivllm/quantization/kv_calibration.py), and this module imports no calibration
+    # code; the old import path (labs ch18, ch19) still works through this hook.
+    if name == "calibrate_kv_amax":
+        from minivllm.quantization.kv_calibration import calibrate_kv_amax
 
-    Each sequence runs as one prefill with a temporary float32 cache
-    (:func:`minivllm.quantization.calibration.calibration_forward`); the stored K (after
-    rotary) and V are read back from it.
-
-    Args:
-        model: our LlamaForCausalLM.
-        token_id_lists: calibration sequences (each >= 1 token).
-        per_channel: K's amax per (KV head, channel), ``[num_kv_heads, head_dim]``.
-    Returns:
-        per layer ``(k_amax, v_amax)``, float32 tensors of shape [num_kv_heads] (CPU);
-        k_amax [num_kv_heads, head_dim] with ``per_channel``.
-    Raises:
-        ValueError: no sequences or an empty one.
-    """
-    from minivllm.quantization.calibration import calibration_forward
-
-    attns = [layer.self_attn for layer in model.layers]
-    amax = [(torch.zeros((a.num_kv_heads, a.head_dim) if per_channel else a.num_kv_heads),
-             torch.zeros(a.num_kv_heads)) for a in attns]
-    k_dims = (0,) if per_channel else (0, 2)
-
-    def observe() -> None:
-        for (k_amax, v_amax), a in zip(amax, attns):
-            torch.maximum(k_amax, a.kv_cache.key.abs().amax(dim=k_dims).float().cpu(), out=k_amax)
-            torch.maximum(v_amax, a.kv_cache.value.abs().amax(dim=(0, 2)).float().cpu(), out=v_amax)
-
-    calibration_forward(model, token_id_lists, device, after_sequence=observe)
-    return amax
+        return calibrate_kv_amax
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,7 +3,7 @@ proposes k tokens autoregressively; the target verifies them.
 
 The draft runs in its own engine (its own weights, dtype, quantization and paged KV
 cache, no prefix caching), driven directly through its ``ModelRunner``: per target
-request it keeps a draft-side :class:`~minivllm.engine.request.Request` whose
+request it keeps a draft-side :class:`~minivllm.request.Request` whose
 ``num_computed_tokens`` counts the tokens whose draft K/V is valid. Before each
 proposal that count is cut back to the longest common prefix of what the draft
 computed (the sequence and its own earlier drafts) and the target's actual sequence,
@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from minivllm.engine.request import Request
+from minivllm.request import Request
 from minivllm.layers.sampler import apply_top_k_top_p
 from minivllm.sampling_params import SamplingParams
 
@@ -47,7 +47,7 @@ class DraftModelProposer:
         args = EngineArgs(
             model=spec.model, dtype=spec.dtype if spec.dtype is not None else mc.dtype,
             quantization=spec.quantization, max_model_len=mc.max_model_len,
-            block_size=cc.block_size, num_gpu_blocks_override=cc.num_blocks,
+            block_size=cc.block_size, num_gpu_blocks_override=cc.num_gpu_blocks,
             max_num_seqs=ta.max_num_seqs, enable_prefix_caching=False,
             skip_tokenizer_init=True, seed=ta.seed, device=ta.device, enforce_eager=True,
             attention_backend=ta.attention_backend)
@@ -116,7 +116,7 @@ class DraftModelProposer:
             logits = self._logits([(d, n) for _, d, _, n in batch])
             for i, a in enumerate(batch):
                 req, d, _, n = a
-                p = req.params
+                p = req.sampling_params
                 if p.temperature < 1e-5:
                     tok = int(logits[i].argmax())
                 else:

@@ -38,7 +38,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from minivllm.attention.metadata import AttentionMetadata, PagedMetadata
-from minivllm.engine.request import Request
+from minivllm.request import Request
 from minivllm.utils import forward_hooks_registered, hook_dicts
 
 logger = logging.getLogger("minivllm")

@@ -23,7 +23,7 @@ from minivllm.attention.metadata import (AttentionMetadata, DecodeGroup, PagedMe
                                          PrefillSeq, chunk_causal_mask, prefill_chunk_ref,
                                          slot_mapping_ref)
 from minivllm.config import CacheConfig, ModelConfig
-from minivllm.engine.request import Request
+from minivllm.request import Request
 from minivllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 from minivllm.quantization.kv_cache import (LayerKVCache, calibrate_kv_amax, is_quantized, qmax,
                                             kv_scale_bytes_per_token, kv_scales_from_amax)

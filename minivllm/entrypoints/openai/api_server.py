@@ -130,8 +130,8 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: Optional[st
         """Check the context, add the request; then a StreamingResponse (``body.stream``)
         or the final RequestOutput. Returns (request id, created, that)."""
         try:  # truncate_prompt_tokens: keep the last k tokens before the length check
-            token_ids = llm.engine.truncate_prompt_tokens(token_ids,
-                                                          params.truncate_prompt_tokens)
+            token_ids = llm.engine.input_processor.truncate_prompt_tokens(
+                token_ids, params.truncate_prompt_tokens)
         except ValueError as e:
             raise APIError(400, str(e), "truncate_prompt_tokens") from None
         check_context(len(token_ids), body.max_tokens)
