@@ -247,7 +247,8 @@ class LLM:
               positions: Union[Sequence[int], Sequence[Optional[Sequence[int]]], None] = None,
               use_prefix_cache: bool = False,
               ) -> Union["torch.Tensor", list["torch.Tensor"]]:
-        """Teacher-forced full-vocabulary scores of fixed token sequences.
+        """Teacher-forced full-vocabulary scores of fixed token sequences (not vLLM's
+        ``LLM.score``, which is cross-encoder similarity scoring; see the end).
 
         Row ``t`` of the result is the model's distribution of the token *after* position
         ``t`` given tokens ``0..t``, so a sequence of T tokens gives T rows (the last row

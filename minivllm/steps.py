@@ -49,7 +49,7 @@ scheduler.preempt      core/scheduler.py:preempt_request_ref      Scheduler._pre
 sampler.penalties      layers/sampler.py:penalties_ref            Sampler
 sampler.top_k_top_p    layers/sampler.py:apply_top_k_top_p        Sampler
 prompt.chat_template   tokenizer.py:render_chat_ref               LLM.chat
-prompt.truncate        tokenizer.py:truncate_prompt_ref           LLMEngine.add_request
+prompt.truncate        tokenizer.py:truncate_prompt_ref           InputProcessor.process_inputs
                                                                   (truncate_prompt_tokens)
 prefill_chunk          attention/metadata.py:prefill_chunk_ref    ModelRunner._prefill_seq
                                                                   (TORCH reads, ch23)

@@ -95,7 +95,7 @@ def test_gptq_beats_rtn_on_the_engines_calibration_batch(tiny_model_dir, one_thr
     """Layer 0 sees float inputs in GPTQ's layer-by-layer pass, so its calibration error
     can be measured on the float model's activations of the same calibration sequences."""
     gptq = build(tiny_model_dir, "gptq")
-    calib = gptq.llm_engine._calibration_sequences("corpus", 512)
+    calib = gptq.llm_engine.calibration_sequences("corpus", 512)
     float_layers = target_layers(float_llm.llm_engine.model_runner.model)
     names = [n for n in float_layers if n.startswith("layers.0.")]
     with observe_inputs({n: float_layers[n] for n in names}, max_rows=10_000) as obs:

@@ -196,7 +196,8 @@ class Scheduler:
         ``KVCacheManager.get_block_ids``), requests move between ``waiting`` and
         ``running``, and an admitted request's ``num_computed_tokens`` is set to its
         prefix-cache hit. The scheduled tokens themselves are counted as computed only
-        by ``update_after_step``, after the model ran.
+        by :meth:`update_from_output` (its first part, :meth:`update_after_step`), after
+        the model ran.
         """
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens

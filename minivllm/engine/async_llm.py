@@ -60,13 +60,13 @@ class AsyncLLM:
             are already waiting; None for no limit.
         on_step: called in the engine thread after every step with a
             :class:`StepRecord` (metrics).
+        calibration_data: see :class:`LLMEngine` (the server passes the bundled sets).
     """
 
     def __init__(self, engine_args: EngineArgs, max_waiting_requests: Optional[int] = None,
-                 on_step: Optional[Callable[["AsyncLLM", StepRecord], None]] = None):
-        from minivllm.quantization.calibration import calibration_sequences  # as LLM
-
-        self.engine = LLMEngine.from_engine_args(engine_args, calibration_sequences)
+                 on_step: Optional[Callable[["AsyncLLM", StepRecord], None]] = None,
+                 calibration_data: Optional[Callable[..., list[list[int]]]] = None):
+        self.engine = LLMEngine.from_engine_args(engine_args, calibration_data)
         self.max_waiting_requests = max_waiting_requests
         self.on_step = on_step
         self._commands: queue.Queue = queue.Queue()

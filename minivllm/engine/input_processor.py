@@ -1,5 +1,6 @@
 """Prompt validation and tokenization before a request enters the scheduler (vLLM:
-``vllm/v1/engine/processor.py``, the ``InputProcessor``).
+``InputProcessor.process_inputs`` in ``vllm/v1/engine/input_processor.py``, earlier
+``Processor`` in ``processor.py``).
 
 Everything a caller can get wrong is checked here, so that a request the scheduler sees
 is valid: the prompt (text, token ids or vLLM's prompt dicts), the sampling parameters

@@ -66,6 +66,8 @@ class LLMEngine:
             else get_tokenizer(args.tokenizer or self.model_config.path)
         self.calibration_data = calibration_data
         mc, quant = self.model_config, config.quant_config
+        self.input_processor = InputProcessor(mc, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
         calibration_ids = None
         if quant is not None and config.saved_quant_config is None and quant.needs_calibration:
             calibration_ids = self.calibration_sequences(quant.calibration,
@@ -104,8 +106,6 @@ class LLMEngine:
             from minivllm.spec_decode import make_proposer
 
             self.proposer = make_proposer(self.speculative_config, self)
-        self.input_processor = InputProcessor(mc, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()
         self._stats = EngineStats()
         self._history: deque = deque(maxlen=100_000)
@@ -321,8 +321,6 @@ class LLMEngine:
                              "(or build it through LLM, which supplies the bundled sets)")
         return self.calibration_data(self.tokenizer, name, max_tokens,
                                      self.model_config.max_model_len)
-
-    _calibration_sequences = calibration_sequences  # the old name (tests)
 
     def calibrate_kv_scales(self, token_id_lists: Optional[list[list[int]]] = None) -> dict:
         """Calibrate static K/V scales; see

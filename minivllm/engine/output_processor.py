@@ -10,7 +10,6 @@ statistics, and, for each finished (or streamed) request, the detokenized text i
 
 from __future__ import annotations
 
-
 from minivllm.core.scheduler import SchedulerUpdate
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
 from minivllm.request import Request, RequestStatus

@@ -445,9 +445,12 @@ def run_server(engine_args, host: str = "127.0.0.1", port: int = 8000,
     finished request (its state is exported as ``minivllm:precision_monitor_*`` gauges)."""
     import uvicorn
 
+    from minivllm.quantization.calibration import calibration_sequences
+
     names = served_model_names or [engine_args.model]
     metrics = ServerMetrics(names[0], log_interval_s if log_stats else None)
-    llm = AsyncLLM(engine_args, max_waiting_requests, on_step=metrics.on_step)
+    llm = AsyncLLM(engine_args, max_waiting_requests, on_step=metrics.on_step,
+                   calibration_data=calibration_sequences)
     if precision_monitor is not None:
         llm.engine.set_precision_monitor(precision_monitor)
     app = build_app(llm, names, api_key, metrics)
