@@ -12,6 +12,9 @@ Module map:
   ``fused_add_rms_norm`` and their ``*_ref``.
 * ``batch_invariant``: matmul and RMSNorm whose per-row results do not depend on the
   batch size -- ``matmul_batch_invariant`` / ``matmul_ref``, ``rms_norm_batch_invariant``.
+* ``reference``: the numerics the kernels implement, in PyTorch only (RMSNorm, the KV
+  storage rules); the engine's CPU path imports them from here, so ``kernels/`` imports
+  nothing from ``minivllm``.
 * ``_triton``: imports Triton (interpreter on machines without CUDA); ``_quant``: the
   rounding helpers the kernels share.
 

@@ -5,7 +5,8 @@ vLLM: ``reshape_and_cache_flash`` (``csrc/cache_kernels.cu``) and its Triton por
 ``slot_mapping[t]``; a negative slot means "padding, do not write" (CUDA-graph batches
 are padded that way).
 
-Storage (the same rules as :mod:`minivllm.quantization.kv_cache`):
+Storage (the rules of :mod:`kernels.reference`, which the engine's
+:mod:`minivllm.quantization.kv_cache` re-exports):
 
 * float caches: ``x.to(cache dtype)`` (round to nearest even);
 * fp8 e4m3 / e5m2: ``Q(x / scale)`` saturated to +-448 / +-57344, nearest even;
@@ -28,6 +29,7 @@ import torch
 
 from kernels._quant import cast_rne, quant_format, quantize
 from kernels._triton import device_ok, next_pow2, tl, triton
+from kernels.reference import qmax, quantize_kv, write_kv_slots
 
 
 @triton.jit
@@ -175,8 +177,7 @@ def reshape_and_cache_ref(key: torch.Tensor, value: torch.Tensor, key_cache: tor
                           k_scale_cache: Optional[torch.Tensor] = None,
                           v_scale_cache: Optional[torch.Tensor] = None) -> None:
     """PyTorch reference of :func:`reshape_and_cache` (same arguments, same effect),
-    built on the engine's own storage rules (``minivllm.quantization.kv_cache``)."""
-    from minivllm.quantization.kv_cache import qmax, quantize_kv, write_kv_slots
+    built on the engine's own storage rules (:mod:`kernels.reference`)."""
 
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()

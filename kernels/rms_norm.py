@@ -20,7 +20,7 @@ import torch
 
 from kernels._quant import cast_rne
 from kernels._triton import device_ok, next_pow2, tl, triton
-from minivllm.layers.rms_norm import rms_norm_ref  # the engine's reference (HF LlamaRMSNorm)
+from kernels.reference import rms_norm_ref  # the engine's RMSNorm (HF LlamaRMSNorm)
 
 
 @triton.jit

@@ -10,14 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Reference RMSNorm. x: [..., hidden] (any float dtype); weight: [hidden]. Same dtype out."""
-    input_dtype = x.dtype
-    h = x.to(torch.float32)
-    variance = h.pow(2).mean(-1, keepdim=True)
-    h = h * torch.rsqrt(variance + eps)
-    return weight * h.to(input_dtype)
+from kernels.reference import rms_norm_ref  # the engine's RMSNorm (kernels/reference.py)
 
 
 def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

@@ -49,61 +49,10 @@ from typing import Optional
 
 import torch
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-QUANTIZED_KV_DTYPES = FP8_DTYPES + (torch.int8,)
-
-
-def is_fp8(dtype: torch.dtype) -> bool:
-    return dtype in FP8_DTYPES
-
-
-def is_quantized(dtype: torch.dtype) -> bool:
-    """True for storage dtypes that use scales (fp8, int8)."""
-    return dtype in QUANTIZED_KV_DTYPES
-
-
-def qmax(dtype: torch.dtype) -> float:
-    """Largest magnitude a quantized KV dtype stores: 448 (e4m3), 57344 (e5m2), 127 (int8).
-
-    Raises:
-        ValueError: a float cache dtype (no scale applies).
-    """
-    if is_fp8(dtype):
-        return float(torch.finfo(dtype).max)
-    if dtype == torch.int8:
-        return 127.0
-    raise ValueError(f"{dtype} is not a quantized KV-cache dtype")
-
-
-def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype,
-                scale: torch.Tensor | float = 1.0) -> torch.Tensor:
-    """K or V ``[tokens, kv_heads, head_dim]`` (compute dtype) -> storage dtype.
-
-    ``scale`` broadcasts against x: a float, a 0-d tensor, ``[kv_heads, 1]`` (per head),
-    ``[kv_heads, head_dim]`` (per channel) or ``[tokens, kv_heads, 1]`` (dynamic). Ignored
-    for float caches.
-    """
-    if not is_quantized(cache_dtype):
-        return x.to(cache_dtype)
-    y = x.float()
-    if not (isinstance(scale, float) and scale == 1.0):
-        y = y / scale
-    m = qmax(cache_dtype)
-    y = y.clamp(-m, m)
-    if cache_dtype == torch.int8:
-        return torch.round(y).to(torch.int8)
-    return y.to(cache_dtype)
-
-
-def dequantize_kv(x: torch.Tensor, dtype: torch.dtype,
-                  scale: torch.Tensor | float = 1.0) -> torch.Tensor:
-    """Stored K or V back to the compute dtype (``stored * scale``, in float32)."""
-    if not is_quantized(x.dtype):
-        return x.to(dtype)
-    y = x.to(torch.float32)
-    if not (isinstance(scale, float) and scale == 1.0):
-        y = y * scale
-    return y.to(dtype)
+# the storage rules live with the kernels that implement them (torch only; re-exported)
+from kernels.reference import (FP8_DTYPES, QUANTIZED_KV_DTYPES,  # noqa: F401
+                               dequantize_kv, is_fp8, is_quantized, qmax, quantize_kv,
+                               read_kv_slots, write_kv_slots)
 
 
 def kv_scales_from_amax(amax: torch.Tensor, qmax_value: float) -> torch.Tensor:
@@ -132,24 +81,6 @@ def kv_scales_from_amax(amax: torch.Tensor, qmax_value: float) -> torch.Tensor:
     if not bool(torch.isfinite(amax).all()) or bool((amax < 0).any()):
         raise ValueError(f"amax must be finite and >= 0, got {amax.tolist()}")
     return torch.where(amax > 0, amax / float(qmax_value), torch.ones_like(amax))
-
-
-def write_kv_slots(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
-    """cache: [num_slots, ...]; slots: [T] int64; values: [T, ...] already in cache's dtype."""
-    if is_fp8(cache.dtype):
-        cache.view(torch.uint8)[slots] = values.view(torch.uint8)
-    else:
-        cache[slots] = values
-
-
-def read_kv_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Gather slots (any shape [...]) -> [..., *cache.shape[1:]] in the storage dtype.
-
-    Uses ``index_select`` on a [num_slots, -1] view: on CPU it is several times faster
-    than advanced indexing (``cache[slots]``) for the same copy."""
-    raw = cache.view(torch.uint8) if is_fp8(cache.dtype) else cache
-    rows = raw.reshape(raw.shape[0], -1).index_select(0, slots.reshape(-1))
-    return rows.view(*slots.shape, *cache.shape[1:]).view(cache.dtype)
 
 
 @dataclass
