@@ -130,7 +130,7 @@ def copy_bandwidth() -> float:
     n = 4 << 30
     src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
     dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300)
+    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300)  # noqa: F821 (del below)
     bw = 2 * n / (ms * 1e-3)
     log(f"copy bandwidth: {bw / 1e9:.0f} GB/s (4 GiB copy, read + write, {ms:.3f} ms)")
     del src, dst
@@ -226,7 +226,7 @@ def decode_attention(copy_bw: float, quick: bool, full_sweep: bool = False) -> t
             PA.DECODE_CONFIG.update(BLOCK_N=block_n, num_warps=warps, num_stages=stages)
             try:
                 ms = bench_graph(lambda: PA.paged_attention_decode(
-                    q, k_cache, v_cache, bt, lens, bs, D ** -0.5, max_seq_len=ctx))
+                    q, k_cache, v_cache, bt, lens, bs, D ** -0.5, max_seq_len=ctx))  # noqa: F821 (del below)
             except Exception as e:  # resources exceeded for this config
                 log(f"  config {block_n}/{warps}/{stages} failed: {type(e).__name__}")
                 continue
@@ -257,7 +257,7 @@ def decode_attention(copy_bw: float, quick: bool, full_sweep: bool = False) -> t
             q, bt, lens = make(B, ctx)
             kv_bytes = B * ctx * Hkv * D * 2 * k_cache.element_size()
             ms_tri = bench_graph(lambda: PA.paged_attention_decode(
-                q, k_cache, v_cache, bt, lens, bs, D ** -0.5, max_seq_len=ctx))
+                q, k_cache, v_cache, bt, lens, bs, D ** -0.5, max_seq_len=ctx))  # noqa: F821 (del below)
             sdpa = sdpa_on_contiguous(q, k_cache, v_cache, bt, bs, D ** -0.5)
             if not sdpa_kernels:
                 sdpa_kernels = cuda_kernel_names(sdpa)
@@ -283,7 +283,7 @@ def decode_attention(copy_bw: float, quick: bool, full_sweep: bool = False) -> t
     k8, v8 = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
     for B, ctx in ([(32, 4096)] if quick else [(64, 4096), (64, 32768), (256, 8192)]):
         q, bt, lens = make(B, ctx)
-        ms = bench_graph(lambda: PA.paged_attention_decode(q, k8, v8, bt, lens, bs, D ** -0.5,
+        ms = bench_graph(lambda: PA.paged_attention_decode(q, k8, v8, bt, lens, bs, D ** -0.5,  # noqa: F821 (del below)
                                                            1.0, 1.0, max_seq_len=ctx))
         kv_bytes = B * ctx * Hkv * D * 2
         fp8_rows.append(dict(batch=B, context=ctx, kv_MB=kv_bytes / 1e6, triton_us=ms * 1e3,
@@ -341,11 +341,11 @@ def engine(copy_bw: float, quick: bool) -> tuple[list[dict], dict]:
     def run_engine(B, n):
         p = prompts(B)
         sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        llm.generate(p[:1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+        llm.generate(p[:1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),  # noqa: F821 (del below)
                      use_tqdm=False)  # warm
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        llm.generate(p, sp, use_tqdm=False)
+        llm.generate(p, sp, use_tqdm=False)  # noqa: F821 (del below)
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
@@ -391,10 +391,10 @@ def engine(copy_bw: float, quick: bool) -> tuple[list[dict], dict]:
         kw = dict(do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0,
                   attention_mask=torch.ones_like(ids))
         with torch.inference_mode():
-            hf.generate(ids[:1, :8], do_sample=False, max_new_tokens=2, pad_token_id=0)
+            hf.generate(ids[:1, :8], do_sample=False, max_new_tokens=2, pad_token_id=0)  # noqa: F821 (del below)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            out = hf.generate(ids, **kw)
+            out = hf.generate(ids, **kw)  # noqa: F821 (del below)
             torch.cuda.synchronize()
         assert out.shape[1] == prompt_len + n, out.shape
         return time.perf_counter() - t0

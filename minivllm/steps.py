@@ -85,7 +85,7 @@ import contextlib
 import fnmatch
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Union
 
 import torch
 

@@ -75,8 +75,11 @@ def test_planted_faults_change_the_engine_only_where_they_should(tiny_model_dir)
     both = [SamplingParams(temperature=1.0, top_k=8, top_p=0.3, seed=s, max_tokens=12, ignore_eos=True)
             for s in range(4)]
     konly = [SamplingParams(temperature=1.0, top_k=8, seed=s, max_tokens=12, ignore_eos=True) for s in range(4)]
-    greedy1 = lambda ids: llm.generate([{"prompt_token_ids": ids}], SamplingParams(
-        temperature=0.0, max_tokens=1), use_tqdm=False)[0].outputs[0].token_ids[0]
+
+    def greedy1(ids):
+        return llm.generate([{"prompt_token_ids": ids}], SamplingParams(
+            temperature=0.0, max_tokens=1), use_tqdm=False)[0].outputs[0].token_ids[0]
+
     ids = [5, 9, 12, 30]
     for _ in range(12):  # a prompt whose greedy next token is already in it
         g0 = greedy1(ids)
@@ -87,8 +90,11 @@ def test_planted_faults_change_the_engine_only_where_they_should(tiny_model_dir)
     # repetition 10 must push the repeated token down on the first step; the bug does not
     pens = [SamplingParams(temperature=0.0, max_tokens=1, repetition_penalty=10.0)]
     sps = both + konly + pens
-    run = lambda: [o.outputs[0].token_ids for o in llm.generate(
-        [prompt] * 8 + [{"prompt_token_ids": ids}], sps, use_tqdm=False)]
+
+    def run():
+        return [o.outputs[0].token_ids for o in llm.generate(
+            [prompt] * 8 + [{"prompt_token_ids": ids}], sps, use_tqdm=False)]
+
     clean = run()
     assert run() == clean  # seeded and greedy: reproducible
     with faults.top_p_before_top_k(llm):

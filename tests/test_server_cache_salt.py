@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.test_server import KEY, NAME, _start, metrics, wait_idle
+from tests.test_server import KEY, NAME, _start, wait_idle
 
 openai = pytest.importorskip("openai")
 

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from minivllm import LLM, SamplingParams
-from minivllm.precision import ReferenceModel, evalsets, metrics, plots
+from minivllm.precision import ReferenceModel, evalsets, metrics
 from minivllm.precision.noise import permuted_mlp_reduction
 
 torch.manual_seed(0)

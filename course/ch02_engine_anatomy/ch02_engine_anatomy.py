@@ -33,7 +33,6 @@
 import time
 
 import numpy as np
-import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.precision import ReferenceModel, metrics

@@ -55,8 +55,8 @@ import numpy as np
 import torch
 from matplotlib.figure import Figure
 
-from minivllm import LLM, SamplingParams
-from minivllm.precision import faults, metrics
+from minivllm import LLM
+from minivllm.precision import faults
 from measure_recompute import batch_run, chat_prompts, compare, sampling, wilson
 
 torch.manual_seed(0)

@@ -159,7 +159,10 @@ def summarize(records: list[dict]) -> dict:
     k_ctl = sum(r["first_divergence"] is not None for r in ctl)
     kl_res = [x for r in pre for x in r["kl_resumed"]]
     kl_oth = [x for r in records for x in r["kl_other"]]
-    med = lambda xs: float(torch.tensor(xs).median()) if xs else None
+
+    def med(xs):
+        return float(torch.tensor(xs).median()) if xs else None
+
     return {
         "requests": len(records), "preempted": len(pre),
         "preempted_diverged": k_pre, "preempted_rate_ci95": wilson(k_pre, len(pre)),

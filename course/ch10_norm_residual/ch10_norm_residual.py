@@ -55,7 +55,7 @@ import torch
 from matplotlib.figure import Figure
 
 from minivllm import LLM
-from minivllm.layers.rms_norm import RMSNorm, fused_add_rms_norm_ref, rms_norm_ref
+from minivllm.layers.rms_norm import RMSNorm, rms_norm_ref
 from minivllm.precision import evalsets, faults, metrics
 from minivllm.precision.layer_diff import capture_hidden_states, find_first_jump, relative_error
 from minivllm.precision.overflow import track_nonfinite
@@ -386,8 +386,8 @@ print(f"| the fp16 'forgot to upcast' RMSNorm is severe on this model (|x| > 256
       f"{kl_noup:.2f} nats; {len(set().union(*hit.values()))} of {sum(map(len, seqs))} token "
       f"rows zeroed by some norm (not only the first token: the others pass 255.9 in layers "
       f"2-8 and at the end); bfloat16 {kl(ref, rowsbf_bad):.1e}; float32 unchanged |")
-print(f"| INCIDENTS #13 lab idea: scale one down_proj or norm weight by 1000 | not exact "
-      f"(changes the model); the reparametrization above changes no float32 bit |")
+print("| INCIDENTS #13 lab idea: scale one down_proj or norm weight by 1000 | not exact "
+      "(changes the model); the reparametrization above changes no float32 bit |")
 
 # %% [markdown]
 # ## Common misconceptions

@@ -284,7 +284,7 @@ ax.axvline(2048, color="0.6", ls=":", lw=1)
 ax.text(2100, 0.04, "L0 = 2048", color="0.4", fontsize=8)
 ax.set_xlabel("wavelength of the pair without scaling (tokens per turn)")
 ax.set_ylabel("inv_freq / unscaled inv_freq")
-ax.set_title(f"What each rope_scaling does to SmolLM2's 32 frequencies (factor 4; llama3: 32)")
+ax.set_title("What each rope_scaling does to SmolLM2's 32 frequencies (factor 4; llama3: 32)")
 ax.legend(fontsize=8)
 fig
 

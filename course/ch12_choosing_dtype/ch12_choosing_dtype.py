@@ -380,7 +380,7 @@ fig
 # %%
 captured = []
 hook = fp32.llm_engine.model_runner.model.layers[11].register_forward_hook(
-    lambda m, a, out: captured.append(out.detach().abs().clone()))
+    lambda m, a, out: captured.append(out.detach().abs().clone()))  # noqa: F821 (del below)
 try:
     fp32.score(seqs[:1], output="logits")
 finally:

@@ -121,7 +121,7 @@ print(f"{len(FP8_LAYERS)} fp8 linear layers; evaluation: {len(windows)} corpus w
 # %%
 seen = {}
 hooks = [m.register_forward_pre_hook(
-    lambda mod, args, name=name: seen.setdefault(name, []).append(args[0].detach().reshape(-1, args[0].shape[-1])))
+    lambda mod, args, name=name: seen.setdefault(name, []).append(args[0].detach().reshape(-1, args[0].shape[-1])))  # noqa: F821 (del below)
     for name, m in target_layers(ref.llm_engine.model_runner.model).items()]
 REF = ref.score(windows, output="logits")
 for h in hooks:

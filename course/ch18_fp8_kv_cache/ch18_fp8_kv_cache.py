@@ -79,7 +79,7 @@ from matplotlib.figure import Figure
 from minivllm import LLM, SamplingParams
 from minivllm.precision import evalsets, faults, metrics
 from minivllm.quantization.calibration import calibration_forward
-from minivllm.quantization.kv_cache import kv_scales_from_amax, qmax
+from minivllm.quantization.kv_cache import kv_scales_from_amax
 
 torch.manual_seed(0)
 T0 = time.perf_counter()

@@ -315,12 +315,12 @@ fp8.score(stale_ids)  # not calibrated yet: its blocks are stored with scale 1.0
 with faults.skip_prefix_reset_on_rescale(fp8):
     fp8.llm_engine.calibrate_kv_scales(calib)
 stale_rows_out, stale_hits = hits_of(
-    lambda: fp8.score(stale_ids, positions=stale_rows, use_prefix_cache=True), fp8)
+    lambda: fp8.score(stale_ids, positions=stale_rows, use_prefix_cache=True), fp8)  # noqa: F821 (del below)
 fp8.reset_prefix_cache()
 fp8_truth = fp8.score(stale_ids, positions=stale_rows)  # calibrated scales, nothing reused
 fp8.llm_engine.calibrate_kv_scales(calib)  # the engine as written: this empties the cache
 _, good_hits = hits_of(
-    lambda: fp8.score(stale_ids, positions=stale_rows, use_prefix_cache=True), fp8)
+    lambda: fp8.score(stale_ids, positions=stale_rows, use_prefix_cache=True), fp8)  # noqa: F821 (del below)
 kl_stale = metrics.mean_kl(fp8_truth, stale_rows_out)
 scales = fp8.kv_cache_scales()
 del fp8
@@ -389,8 +389,8 @@ print(f"| an unchained hash gives false hits at different prefixes, KL >> noise 
       f"{hit_ok}, question rows mean KL {kl_bad.mean():.3g} nats (max {kl_bad.max():.3g}), "
       f"greedy agreement "
       f"{100 * metrics.greedy_agreement(ref_gen.outputs[0].token_ids, bad_gen.outputs[0].token_ids):.0f}% |")
-print(f"| an unchained hash breaks every shared prompt | no: the lookup stops at the first "
-      f"miss, so it needs blocks that recur at other offsets |")
+print("| an unchained hash breaks every shared prompt | no: the lookup stops at the first "
+      "miss, so it needs blocks that recur at other offsets |")
 print(f"| cache_salt isolates tenants | yes: another salt {runs[1][1]} hit tokens, the same "
       f"salt {runs[2][1]}; without the salt in the key {runs[-1][1]}, with identical "
       f"outputs (a privacy bug, invisible to precision metrics) |")

@@ -53,7 +53,6 @@
 # %matplotlib inline
 import time
 
-import torch
 from matplotlib.figure import Figure
 
 from minivllm import LLM

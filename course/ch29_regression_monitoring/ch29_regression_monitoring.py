@@ -404,7 +404,7 @@ rows = [
      (f"not from sampled log-probs: no alarm in {len(watch['fp8 KV cache'])} requests; "
       if alarm_at["fp8 KV cache"] is None else
       f"sampled log-probs: alarm at request {alarm_at['fp8 KV cache']}; ") +
-     f"shadow scoring: " + (f"alarm after {shadow['fp8 KV cache'][1].alarm_at} scored "
+     "shadow scoring: " + (f"alarm after {shadow['fp8 KV cache'][1].alarm_at} scored "
                             f"requests" if shadow["fp8 KV cache"][1].alarm else "no alarm")),
     ("false-alarm rate on benign reorders",
      f"live: {benign_alarms} alarms in {len(watch['benign'])} requests; replayed: "

@@ -36,7 +36,7 @@ intermediate size too. Not emulated: the vocab-parallel padding of the embedding
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F

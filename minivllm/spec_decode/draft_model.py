@@ -12,7 +12,6 @@ so rejected drafts are recomputed, never reused.
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 
