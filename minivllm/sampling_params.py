@@ -10,7 +10,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-_GREEDY_EPS = 1e-5  # vLLM treats temperature below this as greedy
+# vLLM's _SAMPLING_EPS (vllm/sampling_params.py): a temperature below it is greedy, a min_p
+# below it is off. The one threshold the sampler, the runner and spec decoding compare with.
+SAMPLING_EPS = 1e-5
 
 
 @dataclass
@@ -154,7 +156,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature < _GREEDY_EPS
+        return self.temperature < SAMPLING_EPS
 
     @property
     def stop_strings(self) -> list[str]:

@@ -1,5 +1,5 @@
-"""Small helpers shared across the package: input checks for the entry points, and
-whether forward hooks watch a model (the paths that run no Python per module, CUDA
+"""Small helpers shared across the package: integer ceiling division, input checks for
+the entry points, and whether forward hooks watch a model (the paths that run no Python per module, CUDA
 graphs and the deferred residual adds, step aside for them)."""
 
 from __future__ import annotations
@@ -7,6 +7,13 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of integers, ``ceil(a / b)`` without floats (vLLM: ``cdiv`` in
+    ``vllm/utils``): blocks for ``a`` tokens at ``b`` per block, shards of ``a`` rows over
+    ``b`` ranks."""
+    return -(-a // b)
 
 
 def check_valid_unicode(text: str, what: str) -> None:

@@ -35,6 +35,7 @@ from typing import Optional
 
 from minivllm.core.block_pool import BlockPool, KVCacheBlock
 from minivllm.request import Request
+from minivllm.utils import cdiv
 
 BlockHash = bytes
 _ROOT_HASH = b"minivllm-prefix-root"
@@ -189,7 +190,7 @@ class KVCacheManager:
 
     # --- allocation ---------------------------------------------------------------
     def num_blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: Optional[list[KVCacheBlock]] = None) -> bool:

@@ -29,6 +29,8 @@ from typing import Optional
 
 import torch
 
+from minivllm.sampling_params import SAMPLING_EPS
+
 NEG_INF = float("-inf")
 
 
@@ -37,7 +39,7 @@ class SamplingMetadata:
     """Per-row sampling inputs for one step; B = number of rows, V = vocab size.
 
     Attributes:
-        temperature: [B] float32; rows below 1e-5 are greedy (None when all_greedy).
+        temperature: [B] float32; rows below SAMPLING_EPS (1e-5) are greedy (None when all_greedy).
         top_k: [B] int64 (<= 0 disables) or None when no row uses it.
         top_p: [B] float32 (1.0 disables) or None.
         min_p: [B] float32 (0.0 disables) or None.
@@ -269,10 +271,10 @@ class Sampler:
 
     def _sample_mixed(self, logits: torch.Tensor, meta: SamplingMetadata,
                       processed: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Greedy rows (temperature < 1e-5) by argmax, the others sampled. [B] int64.
+        """Greedy rows (temperature < SAMPLING_EPS) by argmax, the others sampled. [B] int64.
         ``processed`` [B, V] (processed logprobs modes): the sampled rows' final logits
         are written into it."""
-        greedy_mask = meta.temperature < 1e-5
+        greedy_mask = meta.temperature < SAMPLING_EPS
         sampled = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
         if greedy_mask.any():
             sampled[greedy_mask] = logits[greedy_mask].argmax(dim=-1)

@@ -40,6 +40,7 @@ from torch import nn
 from minivllm.layers.linear import Linear, QuantLinear
 from minivllm.parallel.emulated_tp import (check_tensor_parallel_size, shard_merged_column,
                                            shard_qkv)
+from minivllm.utils import cdiv
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ class VocabParallelEmbedding(nn.Module):
         vocab, hidden = weight.shape
         tp, r = group.world_size, group.rank
         self.vocab_size = vocab
-        self.per_rank = -(-vocab // tp)
+        self.per_rank = cdiv(vocab, tp)
         self.start = r * self.per_rank
         local = torch.zeros(self.per_rank, hidden, dtype=weight.dtype, device=weight.device)
         rows = weight[self.start:min(vocab, self.start + self.per_rank)]

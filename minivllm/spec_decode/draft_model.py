@@ -17,7 +17,7 @@ import torch
 
 from minivllm.request import Request
 from minivllm.layers.sampler import apply_top_k_top_p
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import SAMPLING_EPS, SamplingParams
 
 
 def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
@@ -116,7 +116,7 @@ class DraftModelProposer:
             for i, a in enumerate(batch):
                 req, d, _, n = a
                 p = req.sampling_params
-                if p.temperature < 1e-5:
+                if p.temperature < SAMPLING_EPS:
                     tok = int(logits[i].argmax())
                 else:
                     row = logits[i:i + 1] / p.temperature
