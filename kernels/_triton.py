@@ -15,6 +15,7 @@ Raises (at import):
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 
@@ -46,7 +47,7 @@ if INTERPRET:
             "the environment.")
 
 
-def device_ok(*tensors: torch.Tensor) -> None:
+def device_ok(*tensors: Optional[torch.Tensor]) -> None:
     """Raise ValueError unless the tensors can run here: CUDA tensors when compiling, CPU
     tensors in the interpreter."""
     want = "cpu" if INTERPRET else "cuda"

@@ -145,7 +145,7 @@ class SamplingParams:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be True or False, got {value!r}")
-        for t in self.stop_token_ids:
+        for t in self.stop_token_ids or ():
             if _not_int(t) or t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
         k = self.truncate_prompt_tokens

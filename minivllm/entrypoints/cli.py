@@ -12,7 +12,7 @@ import dataclasses
 import json
 import math
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 from minivllm.config import ALLOWED_DTYPES, ALLOWED_KV_CACHE_DTYPES, LOGPROBS_MODES, EngineArgs
 from minivllm.quantization import QUANTIZATION_METHODS
@@ -247,6 +247,7 @@ def _cmd_bisect(ns: argparse.Namespace) -> int:
     ref_cfg = parse_config(ns.reference)
     ref_common = {k: v for k, v in common.items() if k in ("model", "max_model_len",
                                                           "num_gpu_blocks_override")}
+    ref: Any  # the HF reference or an engine: both score() teacher-forced logits
     if "reference" in ref_cfg:
         from minivllm.precision.reference import ReferenceModel
 
@@ -349,6 +350,7 @@ def _cmd_regress(ns: argparse.Namespace) -> int:
     engines = {name: LLM(**{**common, **cfg}) for name, cfg in configs.items()}
     cand_text = candidates[0] if candidates else None
     if ns.update_golden:
+        assert cand_text is not None  # --golden takes exactly one candidate
         llm = engines[cand_text]
         seqs = R.eval_sequences(llm.get_tokenizer(), ns.seq_len, ns.num_sequences)
         snap = R.golden_snapshot(llm, seqs, config={**common, **configs[cand_text]})
@@ -365,6 +367,7 @@ def _cmd_regress(ns: argparse.Namespace) -> int:
     else:
         rep = R.RegressionReport("-", thresholds)
     if snapshot is not None:
+        assert cand_text is not None
         rep.golden = R.check_golden(engines[cand_text], snapshot, tolerances)
     paths = rep.save(ns.out)
     if ns.json:

@@ -152,8 +152,8 @@ def rope_inv_freq(head_dim: int, base: float, rope_scaling: dict | None = None
     Returns:
         (inv_freq float32 [head_dim // 2], attention_factor float).
     """
-    scaling = normalize_rope_scaling(rope_scaling)
-    rope_type = "default" if scaling is None else scaling["rope_type"]
+    scaling = normalize_rope_scaling(rope_scaling) or {"rope_type": "default"}
+    rope_type = scaling["rope_type"]
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     if rope_type == "dynamic":
         factor, l0 = scaling["factor"], scaling["max_position_embeddings"]
@@ -254,6 +254,9 @@ class RotaryEmbedding(nn.Module):
         rope_scaling: None, or a normalized scaling dict (:func:`normalize_rope_scaling`),
             passed to ``table_fn`` as ``rope_scaling=`` (only when not None).
     """
+
+    cos_cached: torch.Tensor  # [max_position, head_dim] float32 buffers
+    sin_cached: torch.Tensor
 
     def __init__(self, head_dim: int, max_position: int, base: float, table_fn=rope_table_ref,
                  rope_scaling: dict | None = None):

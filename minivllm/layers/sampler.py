@@ -39,7 +39,8 @@ class SamplingMetadata:
     """Per-row sampling inputs for one step; B = number of rows, V = vocab size.
 
     Attributes:
-        temperature: [B] float32; rows below SAMPLING_EPS (1e-5) are greedy (None when all_greedy).
+        temperature: [B] float32; rows below SAMPLING_EPS (1e-5) are greedy (None when
+            all_greedy).
         top_k: [B] int64 (<= 0 disables) or None when no row uses it.
         top_p: [B] float32 (1.0 disables) or None.
         min_p: [B] float32 (0.0 disables) or None.
@@ -255,14 +256,17 @@ class Sampler:
             sampled = self._sample_mixed(logits, meta, processed)
         out = SamplerOutput(sampled=sampled)
         if self.track_stats:
+            assert raw_lp is not None
             out.raw_sampled_logprobs = raw_lp.gather(1, sampled[:, None]).squeeze(1)
             p = raw_lp.exp()
             out.raw_entropy = -(p * raw_lp.masked_fill(p == 0, 0.0)).sum(-1)
         if want:
             if not raw:
+                assert processed is not None
                 values = torch.log_softmax(processed, dim=-1) \
                     if self.logprobs_mode == "processed_logprobs" else processed
             n = meta.max_num_logprobs
+            assert n is not None and values is not None
             if n > 0:
                 out.topk_logprobs, out.topk_ids = values.topk(n, dim=-1)
             out.sampled_logprobs = values.gather(1, sampled[:, None]).squeeze(1)
@@ -274,13 +278,15 @@ class Sampler:
         """Greedy rows (temperature < SAMPLING_EPS) by argmax, the others sampled. [B] int64.
         ``processed`` [B, V] (processed logprobs modes): the sampled rows' final logits
         are written into it."""
-        greedy_mask = meta.temperature < SAMPLING_EPS
+        temperature = meta.temperature
+        assert temperature is not None  # None only when all_greedy
+        greedy_mask = temperature < SAMPLING_EPS
         sampled = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
         if greedy_mask.any():
             sampled[greedy_mask] = logits[greedy_mask].argmax(dim=-1)
         if not greedy_mask.all():
             rows = (~greedy_mask).nonzero().squeeze(1)
-            sub = logits[rows] / meta.temperature[rows, None]
+            sub = logits[rows] / temperature[rows, None]
             if meta.min_p is not None:
                 sub = apply_min_p(sub, meta.min_p[rows])
             sub = self.top_k_top_p(

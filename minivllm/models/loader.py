@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 
@@ -204,7 +204,7 @@ def load_model(path: Path, cfg: dict, dtype: torch.dtype, max_position: int,
     """
     from minivllm.layers.linear import QuantLinear
     from minivllm.layers.rotary_embedding import RotaryEmbedding, get_rope
-    from minivllm.models.llama import LlamaForCausalLM
+    from minivllm.models.llama import LlamaAttention, LlamaForCausalLM
     from minivllm.quantization import checkpoint as qckpt
     from minivllm.quantization.quantize import quantize_model, set_float32_matmul_precision
 
@@ -221,11 +221,11 @@ def load_model(path: Path, cfg: dict, dtype: torch.dtype, max_position: int,
     model = model.to_empty(device="cpu")
     # One rotary table shared by all layers, float32 (cast to the activation dtype at use,
     # as HF does).
-    head_dim = model.layers[0].self_attn.head_dim
-    rope = get_rope(head_dim, max_position, cfg["rope_theta"], cfg.get("rope_scaling"),
-                    cfg.get("max_position_embeddings"))
-    for layer in model.layers:
-        layer.self_attn.rotary_emb = rope
+    attns = [cast(LlamaAttention, layer.self_attn) for layer in model.layers]
+    rope = get_rope(attns[0].head_dim, max_position, cfg["rope_theta"],
+                    cfg.get("rope_scaling"), cfg.get("max_position_embeddings"))
+    for attn in attns:
+        attn.rotary_emb = rope
     if saved_quant is not None:
         qckpt.load_quantized_weights(model, path, saved_quant)
     else:

@@ -11,6 +11,7 @@ before would replay the unpatched step).
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 
@@ -349,7 +350,7 @@ def zeroed_block_tables(llm):
         raise TypeError(f"faults are planted into an LLM, got {type(llm).__name__}")
     from minivllm.attention.metadata import slot_mapping_ref
 
-    state = {"reading": True, "fresh": set(), "with_context": False}
+    state: dict[str, Any] = {"reading": True, "fresh": set(), "with_context": False}
 
     def write(block_table, positions, block_size):
         if state["reading"]:  # the first write of a new step
@@ -627,7 +628,8 @@ def penalties_prompt_output_mixed(logits, prompt_token_ids, output_token_ids, pr
     the prompt's tokens. Same signature as :func:`minivllm.layers.sampler.penalties_ref`."""
     from minivllm.layers.sampler import penalties_ref
 
-    prompts, outputs = [], []
+    prompts: list[list[int]] = []
+    outputs: list[list[int]] = []
     for p, o in zip(prompt_token_ids, output_token_ids):
         if len(o) == 0:
             prompts.append([])  # the bug: the first step forgets the prompt

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, cast
 
 import numpy as np
 import torch
@@ -202,7 +202,7 @@ def first_divergence(ref_tokens: Sequence[int], cand_tokens: Sequence[int]) -> O
 
 # --- uncertainty ---------------------------------------------------------------------
 
-def bootstrap_ci(groups: Sequence[Sequence[float]] | Sequence[float],
+def bootstrap_ci(groups: Sequence[Sequence[float]] | Sequence[np.ndarray] | Sequence[float],
                  statistic: Callable[[np.ndarray], float] = np.mean,
                  confidence: float = 0.95, n_resamples: int = 2000,
                  seed: int = 0) -> tuple[float, float]:
@@ -223,7 +223,7 @@ def bootstrap_ci(groups: Sequence[Sequence[float]] | Sequence[float],
     if len(groups) == 0:
         raise ValueError("bootstrap_ci needs at least one value")
     if np.ndim(groups[0]) == 0:
-        groups = [[float(g)] for g in groups]
+        groups = [[float(cast(float, g))] for g in groups]
     arrays = [np.asarray(g, dtype=np.float64).ravel() for g in groups]
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, len(arrays), size=(n_resamples, len(arrays)))

@@ -53,7 +53,7 @@ from __future__ import annotations
 import contextlib
 import random
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -116,8 +116,8 @@ def survey(faults=None, layers=None, num_windows: int = 3, window: int = 24,
     from minivllm.precision import evalsets, metrics
     from minivllm.precision.layer_diff import layer_diff
 
-    base = {"model": "smollm2-135m-instruct", "dtype": "float32", "max_model_len": 128,
-            "num_gpu_blocks_override": 16}
+    base: dict[str, Any] = {"model": "smollm2-135m-instruct", "dtype": "float32",
+                            "max_model_len": 128, "num_gpu_blocks_override": 16}
     llm, ref = LLM(**base), LLM(**base)
     seqs = evalsets.corpus_sequences(llm.get_tokenizer(), window, num_windows)
     want = ref.score(seqs, output="logits")
@@ -189,7 +189,7 @@ class Mystery:
         if self.triggered(args):
             stack = contextlib.ExitStack()
             stack.enter_context(self.plant(llm))
-            llm._mystery_fault = stack  # lives as long as the engine
+            setattr(llm, "_mystery_fault", stack)  # lives as long as the engine
         return llm
 
     def plant(self, llm):

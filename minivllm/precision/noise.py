@@ -28,7 +28,7 @@ def permuted_mlp_reduction(llm, seed: int = 0):
     """
     model = llm.llm_engine.model_runner.model
     gen = torch.Generator().manual_seed(seed)
-    saved = []
+    saved: list[tuple[torch.Tensor, ...]] = []
     with torch.no_grad():
         for layer in model.layers:
             mlp = layer.mlp

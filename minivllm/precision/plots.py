@@ -7,9 +7,12 @@ and ``fig.savefig("x.png")`` writes it to disk. Pass ``ax`` to draw into your ow
 
 from __future__ import annotations
 
-from typing import Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from minivllm.precision.layer_diff import LayerDiff
 
 
 def _axes(ax, figsize=(7.0, 4.0)):
@@ -102,7 +105,7 @@ def plot_agreement_by_position(same: Mapping[str, Sequence[np.ndarray]], ax=None
     return fig
 
 
-def plot_layer_errors(diffs: Mapping[str, "object"], ax=None, title: Optional[str] = None):
+def plot_layer_errors(diffs: Mapping[str, LayerDiff], ax=None, title: Optional[str] = None):
     """Relative error of the residual stream after each decoder layer (log scale), one
     line per :class:`~minivllm.precision.layer_diff.LayerDiff`; first jumps marked."""
     fig, ax = _axes(ax)

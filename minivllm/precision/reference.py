@@ -43,7 +43,8 @@ class ReferenceModel:
         path = str(resolve_model_path(model))
         self.path = path
         self.model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=self.dtype, attn_implementation=attn_implementation).to(self.device).eval()
+            path, dtype=self.dtype, attn_implementation=attn_implementation,
+        ).to(self.device).eval()  # type: ignore[arg-type]  # transformers' typing of .to
         self.tokenizer = AutoTokenizer.from_pretrained(path)
 
     @property
@@ -84,7 +85,7 @@ class ReferenceModel:
         """
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        seqs = list(prompts)
+        seqs: list = list(prompts)
         single = bool(seqs) and not isinstance(seqs[0], (list, tuple))
         if single:
             seqs = [seqs]

@@ -271,10 +271,11 @@ class RegressionReport:
                       "| config | mean KL (nats) [95% CI] | top-1 agree | default-sampling "
                       "agree | verdict |", "|---|---|---|---|---|"]
             if self.noise is not None:
-                n = self.noise
+                n, na = self.noise, self.noise_default_agreement
+                agree = "-" if na is None else f"{100 * na:.1f}%"
                 lines.append(f"| noise floor (baseline, reordered MLP sum) | {n.mean_kl:.3g} "
                              f"[{n.kl_ci[0]:.3g}, {n.kl_ci[1]:.3g}] | {100 * n.top1_agreement:.2f}% "
-                             f"| {100 * self.noise_default_agreement:.1f}% | - |")
+                             f"| {agree} | - |")
             for v in self.verdicts:
                 d = v.drift
                 verdict = "pass" if v.passed else "**REGRESSION**: " + "; ".join(v.failures)

@@ -54,13 +54,14 @@ class _Runner:
         from minivllm.precision.reference import ReferenceModel
 
         self.label, self.config = label, dict(config)
+        self.llm: Optional[LLM] = None
+        self.ref: Optional[ReferenceModel] = None
         kind = self.config.pop("reference", None)
         if kind is not None:
             extra = sorted(set(self.config) - {"model"})
             if extra:
                 raise ValueError(f"a reference configuration takes only 'reference' (and "
                                  f"'model'); these engine settings would be ignored: {extra}")
-            self.llm = None
             self.ref = ReferenceModel(self.config.get("model", model), dtype=kind)
             self.tokenizer = self.ref.tokenizer
         else:
@@ -73,7 +74,6 @@ class _Runner:
             if "kv_cache_memory_bytes" not in kw and "num_gpu_blocks_override" not in kw:
                 kw["kv_cache_memory_bytes"] = default_kv_bytes
             self.llm = LLM(**kw)
-            self.ref = None
             self.tokenizer = self.llm.get_tokenizer()
 
     @property
@@ -83,6 +83,7 @@ class _Runner:
     def score(self, seqs: list[list[int]], mode: str):
         if self.llm is not None:
             return self.llm.score(seqs, mode=mode)
+        assert self.ref is not None
         return [self.ref.score(s) for s in seqs]
 
     def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[str]:
@@ -91,8 +92,10 @@ class _Runner:
         if self.llm is not None:
             outs = self.llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
             return [o.outputs[0].text for o in outs]
-        return [self.tokenizer.decode(t, skip_special_tokens=True)
-                for t in (self.ref.generate(p, max_tokens) for p in prompts)]
+        assert self.ref is not None
+        ref = self.ref
+        return [str(self.tokenizer.decode(t, skip_special_tokens=True))
+                for t in (ref.generate(p, max_tokens) for p in prompts)]
 
 
 @dataclass
@@ -185,8 +188,9 @@ class ComparisonReport:
         if any(r.qa_accuracy is not None for r in acc_rows):
             lines += ["| config | QA accuracy | same answer as baseline |", "|---|---|---|"]
             for r in acc_rows:
+                acc = "-" if r.qa_accuracy is None else f"{100 * r.qa_accuracy:.1f}%"
                 agree = "-" if r.qa_agreement is None else f"{100 * r.qa_agreement:.1f}%"
-                lines.append(f"| {r.label} | {100 * r.qa_accuracy:.1f}% | {agree} |")
+                lines.append(f"| {r.label} | {acc} | {agree} |")
             lines.append("")
         diffs = [r for r in self.results if r.layer_diff is not None]
         if diffs:
@@ -344,17 +348,19 @@ def compare(baseline: Optional[Mapping[str, Any]] = None,
             r.drift = M.summarize(drifts[i])
             r.kl_per_sequence = [d.kl for d in drifts[i]]
             r.top1_per_sequence = [d.top1_same for d in drifts[i]]
-        if want_noise:
-            noise_res.drift = M.summarize(noise_drifts)
+        if noise_res is not None:  # want_noise
+            noise = noise_res.drift = M.summarize(noise_drifts)
             noise_res.kl_per_sequence = [d.kl for d in noise_drifts]
-            hi = noise_res.drift.kl_ci[1]
+            hi = noise.kl_ci[1]
             for r in results:
+                drift = r.drift
+                assert drift is not None
                 # NaN (a broken candidate) is never "within the noise"; with a single
                 # sequence there is no interval to compare, so no verdict
-                if r.drift.num_sequences < 2 and np.isfinite(r.drift.mean_kl):
+                if drift.num_sequences < 2 and np.isfinite(drift.mean_kl):
                     r.exceeds_noise_floor = None
                 else:
-                    r.exceeds_noise_floor = not bool(r.drift.kl_ci[0] <= hi)
+                    r.exceeds_noise_floor = not bool(drift.kl_ci[0] <= hi)
 
     # 2. Passkey retrieval (greedy).
     if "passkey" in eval_sets:
@@ -362,7 +368,8 @@ def compare(baseline: Optional[Mapping[str, Any]] = None,
         if passkey_lengths is not None:
             items = [it for it in items if it.target_tokens in set(passkey_lengths)]
         if max_passkey_items is not None:
-            kept, seen = [], {}
+            kept: list = []
+            seen: dict[int, int] = {}
             for it in items:
                 seen[it.target_tokens] = seen.get(it.target_tokens, 0) + 1
                 if seen[it.target_tokens] <= max_passkey_items:
@@ -405,7 +412,7 @@ def compare(baseline: Optional[Mapping[str, Any]] = None,
     if seqs:
         kl = {r.label: r.kl_per_sequence for r in results}
         report.figures["kl_by_position"] = plots.plot_kl_by_position(
-            kl, noise_floor=noise_res.drift.mean_kl if noise_res else None)
+            kl, noise_floor=noise_res.drift.mean_kl if noise_res and noise_res.drift else None)
         report.figures["agreement_by_position"] = plots.plot_agreement_by_position(
             {r.label: r.top1_per_sequence for r in results})
     if "passkey" in eval_sets:

@@ -105,7 +105,7 @@ class DraftModelProposer:
             if not kv.allocate_slots(d, num_new + limit - 1):
                 continue
             active.append([req, d, limit, num_new])
-        drafts = {a[0].request_id: [] for a in active}
+        drafts: dict[str, list[int]] = {a[0].request_id: [] for a in active}
         probs: dict[str, list] = {a[0].request_id: [] for a in active}
         step = 0
         while True:

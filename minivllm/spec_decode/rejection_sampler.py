@@ -38,7 +38,7 @@ def verify_greedy(draft_token_ids: Sequence[int], target_argmax: Sequence[int]) 
     if len(target) != len(draft) + 1:
         raise ValueError(f"verify_greedy needs k + 1 target tokens for k drafts, got "
                          f"{len(target)} for {len(draft)}")
-    out = []
+    out: list[int] = []
     for d, t in zip(draft, target):
         if d != t:
             return out + [t]
@@ -116,4 +116,5 @@ def rejection_sampler_ref(draft_token_ids: Sequence[int], draft_probs: Optional[
     """
     if target_argmax is not None:
         return verify_greedy(draft_token_ids, target_argmax)
+    assert target_probs is not None, "random verification needs target_probs"
     return rejection_sample_random(draft_token_ids, draft_probs, target_probs, generator)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -75,8 +76,10 @@ class ServerMetrics:
         self.itl = latency("vllm:inter_token_latency_seconds", "Time between tokens.")
         self.e2e = latency("vllm:e2e_request_latency_seconds", "Arrival to finish.")
         self._metric = metric
-        self.spec = None  # speculative-decoding counters, created on the first step that has them
-        self.monitor_gauges = None  # precision-monitor gauges, created on the first step with one
+        # speculative-decoding counters, created on the first step that has them
+        self.spec: Optional[dict[str, list]] = None
+        # precision-monitor gauges, created on the first step with one
+        self.monitor_gauges: Optional[dict[str, Any]] = None
         self.model_name = model_name
         self.log_interval_s = log_interval_s
         self._last = {"preemptions": 0, "queries": 0, "hits": 0, "prompt": 0, "gen": 0,

@@ -14,6 +14,7 @@ import argparse
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -64,7 +65,7 @@ def build_qa(ref, batch_size: int = 32, max_tokens: int = 24) -> list[dict]:
     # echo of the question, so such candidates are left out.
     items = [c for c in candidates() if not answer_matches(c[1], c[2])]
     tok = ref.tokenizer
-    kept = []
+    kept: list[dict] = []
     for i in tqdm(range(0, len(items), batch_size), desc="qa"):
         batch = items[i:i + batch_size]
         prompts = [ref.encode_chat(qa_prompt(q)) for _, q, _ in batch]
@@ -88,7 +89,7 @@ def _passkey_prompt(n_filler: int, depth: float, key: str) -> str:
 def build_passkey(ref, max_tokens: int = 12) -> list[dict]:
     tok = ref.tokenizer
     rng = random.Random(1234)
-    items = []
+    items: list[dict[str, Any]] = []
     for target in PASSKEY_LENGTHS:
         for depth in PASSKEY_DEPTHS:
             key = str(rng.randint(10000, 99999))
@@ -117,7 +118,7 @@ def build_passkey(ref, max_tokens: int = 12) -> list[dict]:
 
 def build_conversations(ref, max_tokens: int = 64) -> list[dict]:
     tok = ref.tokenizer
-    convs = [[] for _ in TOPICS]
+    convs: list[list[dict]] = [[] for _ in TOPICS]
     scripts = [SCRIPTS[i % len(SCRIPTS)] for i in range(len(TOPICS))]
     for turn in tqdm(range(len(SCRIPTS[0])), desc="conversations (turns)"):
         for conv, script, topic in zip(convs, scripts, TOPICS):

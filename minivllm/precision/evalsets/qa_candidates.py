@@ -175,10 +175,10 @@ def candidates() -> list[tuple[str, str, list[str]]]:
         out.append(("currency", f"What is the currency of {country}?", list(cur)))
     for book, *author in AUTHORS:
         out.append(("author", f"Who wrote {book}?", list(author)))
-    for q, a in SCIENCE:
-        out.append(("science", q, a))
-    for q, a in EVERYDAY:
-        out.append(("everyday", q, a))
+    for q, answers in SCIENCE:
+        out.append(("science", q, answers))
+    for q, answers in EVERYDAY:
+        out.append(("everyday", q, answers))
     for i, d in enumerate(DAYS):
         out.append(("calendar", f"What day comes after {d}?", [DAYS[(i + 1) % 7]]))
     for i, m in enumerate(MONTHS):
