@@ -1,30 +1,17 @@
-"""KV-cache manager: which blocks each request owns, prefix-cache lookups, and block hashes.
+"""KV-cache manager: which blocks each request owns, prefix-cache lookups, block hashes.
 
-Mirrors vLLM v1's ``vllm/v1/core/kv_cache_manager.py`` (single attention type, so the
-"coordinator" layer of vLLM is folded in here).
+Mirrors vLLM v1's ``vllm/v1/core/kv_cache_manager.py`` (one attention type, so vLLM's
+"coordinator" layer is folded in here) and the hashing of ``vllm/v1/core/kv_cache_utils.py``.
+The scheduler asks it for a request's cached prefix (:meth:`KVCacheManager.get_computed_blocks`),
+for slots for the tokens it schedules (:meth:`KVCacheManager.allocate_slots`), to register
+computed blocks (:meth:`KVCacheManager.cache_blocks`) and to free them; the blocks come
+from :class:`~minivllm.core.block_pool.BlockPool`.
 
-Prefix caching: a full block is identified by a *chained* hash,
-``hash(parent_block_hash, token ids of this block, extra keys)``, so equal hashes mean
-equal whole prefixes, not just equal blocks. Anything that changes the K/V numbers of
-the block must be part of the key; engine-wide settings (model, dtype, kv_cache_dtype)
-are the same for every request of one engine, so only per-request inputs matter here.
-The one per-request input here is ``cache_salt`` (vLLM's request field): it is an extra
-key of the request's **first** block only (:func:`block_extra_keys`), and the chain
-carries it into every later block, so requests with different salts never share a block.
-
-Three steps of :mod:`minivllm.steps` live here: "block_hash" (:func:`hash_block_tokens`),
-"block_hash.extra_keys" (:func:`block_extra_keys`) and "prefix_cache.lookup"
-(:func:`find_longest_cache_hit`).
-
-Which requests read the cache (``KVCacheManager.cache_hit_limit``): generation requests,
-up to all but their last token (its logits are needed); requests with
-``prompt_logprobs`` never (as vLLM v1, ``skip_reading_prefix_cache``: a position served
-from the cache is never run, so its prompt log-prob could not be computed); ``LLM.score``
-requests only with ``use_prefix_cache=True``, and then only up to their first wanted row.
-Every request *writes* its full blocks into the cache once they are computed
-(``Scheduler.update_after_step``), never before: a block is findable only after the
-model wrote its K/V, so two requests of one step cannot hit each other's unwritten
-blocks (nano-vllm PR #209, vllm PR #7822).
+A full block is found by its *chained* hash, ``hash(parent hash, token ids, extra keys)``,
+so equal hashes mean equal whole prefixes (:func:`hash_block_tokens`); what goes into the
+key: :func:`block_extra_keys`; who may read the cache: :meth:`KVCacheManager.cache_hit_limit`.
+Steps of :mod:`minivllm.steps` here: "block_hash", "block_hash.extra_keys",
+"prefix_cache.lookup" (:func:`find_longest_cache_hit`).
 """
 
 from __future__ import annotations
@@ -62,7 +49,12 @@ def block_extra_keys(cache_salt: Optional[str], block_index: int) -> tuple:
     The "block_hash.extra_keys" step's reference (:mod:`minivllm.steps`). Only the first
     block needs the salt: every later hash is chained to it. vLLM:
     ``vllm/v1/core/kv_cache_utils.py:generate_block_hash_extra_keys`` (which also adds
-    LoRA names and multimodal hashes; minivllm has neither)."""
+    LoRA names and multimodal hashes; minivllm has neither).
+
+    Anything that changes the K/V numbers of a block must be part of its key. Engine-wide
+    settings (model, dtype, kv_cache_dtype) are the same for every request of one engine,
+    so only per-request inputs matter, and the one here is ``cache_salt`` (vLLM's request
+    field): requests with different salts never share a block."""
     return (cache_salt,) if block_index == 0 and cache_salt is not None else ()
 
 
@@ -165,9 +157,12 @@ class KVCacheManager:
     def cache_hit_limit(self, request: Request) -> int:
         """The most tokens of ``request`` the prefix cache may serve (0: no lookup).
 
-        ``num_tokens - 1`` for generation; for a score request with
-        ``use_prefix_cache=True`` also at most its first wanted row that it does not
-        hold yet (a row served from the cache is never computed)."""
+        ``num_tokens - 1`` for generation (the last token's logits are needed); for a
+        score request with ``use_prefix_cache=True`` also at most its first wanted row that
+        it does not hold yet (a row served from the cache is never computed). Requests
+        with ``prompt_logprobs`` never read it (as vLLM v1, ``skip_reading_prefix_cache``:
+        a position served from the cache is never run, so its prompt log-prob could not be
+        computed), nor ``LLM.score`` requests without ``use_prefix_cache=True``."""
         if not self._uses_cache(request):
             return 0
         limit = request.num_tokens - 1
@@ -218,7 +213,12 @@ class KVCacheManager:
         return True
 
     def cache_blocks(self, request: Request) -> None:
-        """Register the request's full, computed blocks in the prefix cache."""
+        """Register the request's full, computed blocks in the prefix cache.
+
+        Every request writes its full blocks once they are computed (called after the
+        step, from the scheduler), never before: a block is findable only after the model
+        wrote its K/V, so two requests of one step cannot hit each other's unwritten
+        blocks (nano-vllm PR #209, vllm PR #7822)."""
         if not self.enable_caching:
             return
         self.update_block_hashes(request)
