@@ -18,6 +18,8 @@ from typing import Callable, Optional, Union
 
 import torch
 
+from minivllm.utils import cdiv
+
 logger = logging.getLogger("minivllm")
 
 # dtype names accepted for ``dtype`` (vLLM accepts the same spellings).
@@ -309,7 +311,7 @@ class CacheConfig:
             num_blocks = int(free * a.gpu_memory_utilization * 0.8) // per_block
         else:
             # Enough for max_num_seqs full-length sequences, capped at the CPU default.
-            wanted = a.max_num_seqs * -(-mc.max_model_len // a.block_size)
+            wanted = a.max_num_seqs * cdiv(mc.max_model_len, a.block_size)
             num_blocks = min(wanted, DEFAULT_CPU_KV_CACHE_BYTES // per_block)
         if num_blocks * a.block_size < mc.max_model_len:
             raise ValueError(
@@ -317,7 +319,7 @@ class CacheConfig:
                 f"{num_blocks * a.block_size} tokens, fewer than max_model_len="
                 f"{mc.max_model_len}, so one full-length request could never run. Give "
                 f"more blocks (num_gpu_blocks_override / kv_cache_memory_bytes) or lower "
-                f"max_model_len (needs >= {-(-mc.max_model_len // a.block_size)} blocks, "
+                f"max_model_len (needs >= {cdiv(mc.max_model_len, a.block_size)} blocks, "
                 f"{per_block} bytes each).")
         total = num_blocks * per_block
         available = available_memory_bytes(a.device)

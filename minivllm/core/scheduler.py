@@ -95,7 +95,7 @@ def check_stop(request: Request, token: int,
         if not p.ignore_eos and token in request.eos_token_ids:
             request.stop_reason = None
             return RequestStatus.FINISHED_STOPPED
-        if token in p.stop_token_ids:
+        if token in (p.stop_token_ids or ()):
             request.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
         if p.stop_strings:
@@ -312,7 +312,9 @@ class Scheduler:
                         for rid, toks in output.spec_outputs.items()}
         self.update_after_step(scheduler_output.scheduled, num_rejected)
         for rid, (first_pos, rows, count, chosen) in output.score_rows.items():
-            by_id[rid].score.add(first_pos, rows, count, chosen)
+            score = by_id[rid].score
+            assert score is not None  # score rows come only for score requests
+            score.add(first_pos, rows, count, chosen)
         update = SchedulerUpdate()
         now = time.monotonic()
 

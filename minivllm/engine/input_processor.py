@@ -74,7 +74,7 @@ class InputProcessor:
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer (skip_tokenizer_init=True); use "
                              "stop_token_ids instead")
-        for t in params.stop_token_ids:
+        for t in params.stop_token_ids or ():
             if t >= vocab:
                 raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}), got {t}")
         if isinstance(prompt, str):

@@ -54,6 +54,7 @@ from typing import Optional
 import torch
 
 from minivllm.quantization import QuantConfig, parse_quantization
+from minivllm.utils import cdiv
 
 FORMAT_VERSION = 1
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -392,7 +393,7 @@ def cached_quantized(model: str = "smollm2-135m-instruct", quantization: str = "
         t0 = time.perf_counter()
         n = info["build_max_model_len"]
         llm = LLM(str(src), dtype="float32", max_model_len=n,
-                  num_gpu_blocks_override=-(-n // 16) + 1, quantization=quantization,
+                  num_gpu_blocks_override=cdiv(n, 16) + 1, quantization=quantization,
                   quantization_config=quantization_config)
         with tempfile.TemporaryDirectory(dir=folder.parent, prefix=".build-") as tmp:
             out = llm.save_quantized(Path(tmp) / "ckpt")

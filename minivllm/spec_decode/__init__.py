@@ -52,7 +52,7 @@ def propose_drafts(proposer, scheduler, model_runner) -> None:
         drafts = proposer.propose(reqs, limits)
     else:
         gens = {r.request_id: model_runner.request_generator(r) for r in reqs
-                if r.sampling_params.temperature >= 1e-5}
+                if r.sampling_params.temperature >= SAMPLING_EPS}
         drafts = proposer.propose(reqs, limits, gens)
     by_id = {r.request_id: r for r in reqs}
     for rid, (tokens, probs) in drafts.items():
