@@ -14,11 +14,14 @@ import numbers
 import os
 import re
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 
 from minivllm.utils import cdiv
+
+if TYPE_CHECKING:
+    from minivllm.quantization import QuantConfig
 
 logger = logging.getLogger("minivllm")
 
@@ -511,8 +514,8 @@ class VllmConfig:
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     speculative_config: Optional[SpeculativeConfig]
-    quant_config: object
-    saved_quant_config: object
+    quant_config: Optional[QuantConfig]
+    saved_quant_config: Optional[QuantConfig]
     hf_config: dict
     attention_backend: str
     default_sampling_params: dict

@@ -124,6 +124,7 @@ class ScoreState:
             return torch.empty(0, self.vocab_size, dtype=torch.float32)
         rows = torch.cat(self.rows)
         index = {p: i for i, p in enumerate(self._held)}
+        assert self.positions is not None  # as _wanted
         order = [index[p] for p in self.positions]
         if order == list(range(len(order))):
             return rows
@@ -160,7 +161,7 @@ class Request:
         self.stop_reason: Optional[object] = None
         self.num_preemptions = 0
         # Prefix-cache hashes of this request's full blocks (filled by the KV manager).
-        self.block_hashes: list[int] = []
+        self.block_hashes: list[bytes] = []
         # Limit on total length: max_model_len, or prompt + max_tokens.
         max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len
         self.max_total_tokens = min(max_model_len, len(prompt_token_ids) + max_tokens)

@@ -30,7 +30,7 @@ class KVCacheBlock:
 
     block_id: int
     ref_cnt: int = 0
-    block_hash: Optional[int] = None
+    block_hash: Optional[bytes] = None
 
 
 class BlockPool:
@@ -49,7 +49,7 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue: OrderedDict[int, KVCacheBlock] = OrderedDict(
             (b.block_id, b) for b in self.blocks)
-        self.cached_block_hash_to_block: dict[int, KVCacheBlock] = {}
+        self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
         self.num_evictions = 0
 
     # --- queries ------------------------------------------------------------------
@@ -61,7 +61,7 @@ class BlockPool:
         """Fraction of blocks in use by requests, in [0, 1]."""
         return 1.0 - self.get_num_free_blocks() / self.num_blocks
 
-    def get_cached_block(self, block_hash: int) -> Optional[KVCacheBlock]:
+    def get_cached_block(self, block_hash: bytes) -> Optional[KVCacheBlock]:
         return self.cached_block_hash_to_block.get(block_hash)
 
     # --- allocation ---------------------------------------------------------------
@@ -101,7 +101,7 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_block_queue[block.block_id] = block
 
-    def cache_block(self, block: KVCacheBlock, block_hash: int) -> None:
+    def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
         """Register a full block under its hash. If the hash is already cached by another
         block (two requests computed the same prefix at once) the first one stays."""
         if not self.enable_caching or block.block_hash is not None:

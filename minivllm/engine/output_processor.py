@@ -82,6 +82,7 @@ class OutputProcessor:
     def append_logprobs(self, req: Request, so, i: int, token: int) -> None:
         """Row ``i`` of the sampler output ``so`` (the request's sampled ``token``)."""
         n = req.sampling_params.logprobs
+        assert n is not None and req.logprobs is not None  # called only when asked for
         lp = float(so.sampled_logprobs[i])
         req.logprobs.append(self.logprob_entry(
             token, lp, int(so.sampled_ranks[i]), n,
@@ -92,6 +93,7 @@ class OutputProcessor:
         """A ``PromptLogprobsChunk``; positions already recorded before a preemption (the
         prompt was recomputed) are skipped."""
         n = req.sampling_params.prompt_logprobs
+        assert n is not None and req.prompt_logprobs is not None  # called only when asked for
         for j, tok in enumerate(chunk.token_ids):
             if chunk.first_pos + j < len(req.prompt_logprobs):
                 continue  # already recorded before a preemption (the prompt was recomputed)
