@@ -51,10 +51,10 @@ sampler.top_k_top_p    layers/sampler.py:apply_top_k_top_p        Sampler
 prompt.chat_template   tokenizer.py:render_chat_ref               LLM.chat
 prompt.truncate        tokenizer.py:truncate_prompt_ref           InputProcessor.process_inputs
                                                                   (truncate_prompt_tokens)
-prefill_chunk          attention/metadata.py:prefill_chunk_ref    ModelRunner._prefill_seq
-                                                                  (TORCH reads, ch23)
-rejection_sampler      spec_decode/rejection_sampler.py:          ModelRunner._verify
-                       rejection_sampler_ref                      (speculative, ch21)
+prefill_chunk          attention/metadata.py:prefill_chunk_ref    TORCH backend's
+                                                                  build_metadata (ch23)
+rejection_sampler      spec_decode/rejection_sampler.py:          worker/sampling.py:
+                       rejection_sampler_ref                      verify_drafts (ch21)
 spec_decode.ngram      spec_decode/ngram_proposer.py:             NgramProposer (method
                        propose_ngram                              "ngram", ch21)
 fp8.linear             quantization/w8a8.py:fp8_linear_ref        every fp8 (W8A8)

@@ -183,21 +183,21 @@ def test_greedy_batch_matches_hf_greedy_loop(tiny_model_dir, hf, prompts):
 
 def test_decode_groups_of_very_different_lengths(tiny_model_dir, hf):
     """Decodes of short and long sequences in one step are split into length groups
-    (see ModelRunner._decode_groups); results must not depend on the grouping."""
+    (see TorchAttentionBackend._decode_groups); results must not depend on the grouping."""
     g = torch.Generator().manual_seed(7)
     lengths = (3, 12, 40, 330, 470)
     batch = [torch.randint(3, hf.vocab_size, (n,), generator=g).tolist() for n in lengths]
     llm = make_llm(tiny_model_dir, max_model_len=512)
     runner = llm.llm_engine.model_runner
     seen = []
-    original = runner._decode_groups
+    original = runner.backend._decode_groups
 
-    def spy(rows, tables, lens):
-        groups = original(rows, tables, lens)
+    def spy(common, rows, tables, lens):
+        groups = original(common, rows, tables, lens)
         seen.append(len(groups))
         return groups
 
-    runner._decode_groups = spy
+    runner.backend._decode_groups = spy
     outs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
                                               logprobs=3))
     assert max(seen) >= 2, f"expected several decode groups, saw at most {max(seen)}"

@@ -91,7 +91,7 @@ print("engines ready:", ", ".join(f"{n} {l.llm_engine.model_config.dtype}"
 #
 # Run the same request twice on the same engine, alone: greedy (temperature 0) and
 # sampled with a per-request `seed` (`SamplingParams(seed=...)`; the engine gives the
-# request its own `torch.Generator`, `ModelRunner._sampling_metadata`, and the sampler
+# request its own `torch.Generator`, `worker/sampling.py:sampling_metadata`, and the sampler
 # draws an exponential race `argmax(p / E)`, `sampler.py:random_sample`). Then run the
 # seeded request again, this time **next to another request**.
 
@@ -207,7 +207,7 @@ fig
 # %% [markdown]
 # ## 4. Why: which step depends on the batch?
 #
-# Decode steps are batched: `ModelRunner._decode_groups` gathers the keys of every
+# Decode steps are batched: `TorchAttentionBackend._decode_groups` gathers the keys of every
 # decoding sequence of similar length into one `[B, heads, L, D]` tensor padded to the
 # longest one, and `TorchAttentionBackend._decode` runs one masked
 # `scaled_dot_product_attention` over it (`decode_attention_ref`). The padding is masked,
@@ -271,7 +271,7 @@ for dtype in (torch.float32, torch.bfloat16):
 #
 # `LLM(..., batch_invariant=True)` (or the environment variable `VLLM_BATCH_INVARIANT=1`,
 # vLLM's name for the same mode) makes every step's result for a request a function of
-# that request alone (`ModelRunner._use_batch_invariant`):
+# that request alone (`worker/batch_invariant.py:use_batch_invariant`):
 #
 # - decode attention runs one sequence at a time over its own keys, no padding
 #   (`decode_attention_batch_invariant`). `kernels/paged_attention.py` (the TRITON

@@ -171,7 +171,7 @@ print(f"(float32 {t32:.1f} s, bfloat16 with its engine {tbf:.1f} s)")
 #
 # - the cached K/V of the prefix came from a 49-token prefill and the miss computes them
 #   in a 64-token prefill; the linear layers' per-row results did not depend on the
-#   number of rows here (a CPU GEMM can: the note in `ModelRunner._score_rows` records
+#   number of rows here (a CPU GEMM can: the note in `worker/score.py:score_logits` records
 #   float32 rows that differ at 1-3, 5-7 and 9-11 rows on this CPU, so a very short warm
 #   request could give other bits);
 # - the explicit-mask attention of the hit and the `is_causal` attention of the miss

@@ -1,5 +1,8 @@
-"""Attention over the paged KV cache: metadata built once per step, and backends."""
+"""Attention over the paged KV cache: the per-layer cache (:mod:`.kv_cache`), metadata built
+once per step (:mod:`.metadata`), and backends behind one protocol
+(:mod:`.backends.abstract`)."""
 
-from minivllm.attention.metadata import AttentionMetadata, DecodeGroup, PrefillSeq
+from minivllm.attention.metadata import (AttentionMetadata, CommonAttentionMetadata,
+                                         DecodeGroup, PrefillSeq)
 
-__all__ = ["AttentionMetadata", "DecodeGroup", "PrefillSeq"]
+__all__ = ["AttentionMetadata", "CommonAttentionMetadata", "DecodeGroup", "PrefillSeq"]

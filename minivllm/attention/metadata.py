@@ -1,4 +1,5 @@
-"""Per-step attention metadata, built by the model runner and shared by every layer.
+"""Per-step attention metadata: what the model runner knows (:class:`CommonAttentionMetadata`)
+and what each backend builds from it (:class:`AttentionMetadata`), shared by every layer.
 
 vLLM: ``vllm/v1/attention/backends/*`` (``*AttentionMetadata``). The flat token batch is
 ``[num_tokens]``; ``slot_mapping[t]`` is where token t's K/V is written
@@ -15,7 +16,7 @@ Two read forms, one per backend:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -189,6 +190,58 @@ def prefill_chunk_ref(block_table: torch.Tensor, start: int, n: int, block_size:
                          f"needs {seq_len}")
     kv_slots = slot_mapping(block_table, torch.arange(seq_len), block_size)
     return kv_slots, chunk_causal_mask(n, seq_len, block_table.device)
+
+
+@dataclass
+class CommonAttentionMetadata:
+    """What the model runner knows about one step's requests, before any backend has
+    shaped it: each backend's :meth:`~minivllm.attention.backends.abstract.AttentionBackend.build_metadata`
+    turns it into its own :class:`AttentionMetadata`. vLLM: ``CommonAttentionMetadata``
+    (``vllm/v1/attention/backends/utils.py``), which ``AttentionMetadataBuilder.build``
+    takes.
+
+    Request i (in batch order) has ``query_lens[i]`` new tokens at rows
+    ``query_starts[i] ..`` of the flat batch, positions ``seq_lens[i] - query_lens[i] ..
+    seq_lens[i] - 1``. A request with one new token is a decode, any other a prefill
+    (a prompt, a chunk, or a speculative verification).
+
+    Attributes:
+        slot_mapping: [num_actual_tokens] int64 write slots, on the device (the
+            "slot_mapping" step).
+        query_starts, query_lens, seq_lens: host ints per request (vLLM:
+            ``query_start_loc[:-1]``, its differences, ``seq_lens``).
+        num_tokens: host ints per request, its whole length (prompt + output so far +
+            drafts), ``>= seq_lens[i]`` (the "prefill_chunk" step's ``num_tokens``).
+        block_tables: per request its physical block ids (long enough for seq_lens).
+        num_actual_tokens: the rows of the flat batch (``sum(query_lens)``).
+        block_size: tokens per cache block; device: where the metadata lives.
+        num_slots: slots in each layer's cache (None: unknown; bounds a swapped
+            "prefill_chunk" step's slots).
+        read_slot_mapping, prefill_chunk: the model runner's current "slot_mapping.read"
+            and "prefill_chunk" steps (:mod:`minivllm.steps`), through which the TORCH
+            backend finds the slots it reads; the TRITON kernels walk the block tables.
+    """
+
+    slot_mapping: torch.Tensor
+    query_starts: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    num_tokens: list[int]
+    block_tables: list[list[int]]
+    num_actual_tokens: int
+    block_size: int
+    device: torch.device
+    num_slots: Optional[int] = None
+    read_slot_mapping: Callable = slot_mapping_ref
+    prefill_chunk: Callable = prefill_chunk_ref
+
+    def decodes(self) -> list[int]:
+        """Indices of the requests with one new token, in batch order."""
+        return [i for i, n in enumerate(self.query_lens) if n == 1]
+
+    def prefills(self) -> list[int]:
+        """Indices of the requests with several new tokens, in batch order."""
+        return [i for i, n in enumerate(self.query_lens) if n != 1]
 
 
 def single_prefill_metadata(n: int, device) -> AttentionMetadata:

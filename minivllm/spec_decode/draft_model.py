@@ -74,10 +74,9 @@ class DraftModelProposer:
     def _logits(self, scheduled) -> torch.Tensor:
         runner, kv = self.engine.model_runner, self.engine.kv_cache_manager
         tables = {d.request_id: kv.get_block_ids(d.request_id) for d, _ in scheduled}
-        prepared = runner._prepare(scheduled, tables)
-        ids, pos, meta, logits_rows = prepared[:4]
-        hidden = runner.model(ids, pos, meta)
-        return runner._compute_logits(hidden[logits_rows]).float()
+        inp = runner._prepare_inputs(scheduled, tables)
+        hidden = runner.model(inp.input_ids, inp.positions, runner.backend.build_metadata(inp.attn))
+        return runner._compute_logits(hidden[inp.logits_rows]).float()
 
     def propose(self, requests, max_drafts: dict, generators: dict) -> dict:
         """request id -> (draft token ids, draft probs [n, V] float32 or None for greedy

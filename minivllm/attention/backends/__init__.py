@@ -6,8 +6,10 @@
 * ``TRITON``: paged kernels from :mod:`kernels`; the default on CUDA, and the one CUDA
   graphs capture. On CPU it runs in Triton's interpreter (slow, for learning and tests).
 
-A backend has ``store(kv, slot_mapping, k, v)``, ``forward(q, kv, meta, scale)`` and
-``needs_paged_metadata`` (whether the model runner must build block tables).
+Each implements :class:`~minivllm.attention.backends.abstract.AttentionBackend`:
+``build_metadata(common)`` (its own metadata of a step), ``store(kv, slot_mapping, k,
+v)``, ``forward(q, kv, meta, scale)``, ``set_batch_invariant(on)`` and
+``needs_paged_metadata`` (its metadata is the block-table form CUDA graphs capture).
 """
 
 from __future__ import annotations

@@ -32,7 +32,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from minivllm.attention.metadata import AttentionMetadata
+from minivllm.attention.metadata import (AttentionMetadata, CommonAttentionMetadata,
+                                         DecodeGroup, PrefillSeq, chunk_causal_mask,
+                                         prefill_chunk_ref)
 from minivllm.quantization.kv_cache import LayerKVCache
 
 
@@ -162,7 +164,8 @@ def prefill_attention_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 class TorchAttentionBackend:
-    """The reference backend (default on CPU).
+    """The reference backend (default on CPU); an
+    :class:`~minivllm.attention.backends.abstract.AttentionBackend`.
 
     ``decode_attention`` and ``prefill_attention`` are this layer's "attention.decode" and
     "attention.prefill" steps (swap them with ``LLM.swap_step``)."""
@@ -180,6 +183,104 @@ class TorchAttentionBackend:
         ``with`` block). Prefills already run one sequence at a time."""
         self.decode_attention = decode_attention_batch_invariant if on else decode_attention_ref
 
+    # --- metadata (vLLM: AttentionMetadataBuilder.build) --------------------------
+    def build_metadata(self, common: CommonAttentionMetadata) -> AttentionMetadata:
+        """The read slots of one step: decode queries batched in groups of similar
+        length (:meth:`_decode_groups`), each prefill on its own (:meth:`_prefill_seq`).
+        Both read through ``common.read_slot_mapping`` (the "slot_mapping.read" step)."""
+        c = common
+        dec, pre = c.decodes(), c.prefills()
+        return AttentionMetadata(
+            slot_mapping=c.slot_mapping,
+            decodes=self._decode_groups(c, [c.query_starts[i] for i in dec],
+                                        [c.block_tables[i] for i in dec],
+                                        [c.seq_lens[i] for i in dec]),
+            prefills=[self._prefill_seq(c, c.query_starts[i], c.block_tables[i],
+                                        c.query_lens[i], c.seq_lens[i], c.num_tokens[i])
+                      for i in pre])
+
+    def _prefill_seq(self, c: CommonAttentionMetadata, row: int, table: list[int], n: int,
+                     seq_len: int, num_tokens: int) -> PrefillSeq:
+        """The read slots (and mask) of a sequence with n new tokens (positions seq_len - n
+        .. seq_len - 1 of a request of num_tokens tokens): the "prefill_chunk" step.
+
+        The default step (:func:`~minivllm.attention.metadata.prefill_chunk_ref`) reads
+        the slots of all seq_len tokens through the "slot_mapping.read" step and leaves
+        the mask to the "attention.prefill" step (query i attends to keys 0..seq_len - n
+        + i), so no mask is built here. A swapped step returns ``(kv_slots, mask)``; a
+        mask equal to that standard one is dropped (the same attention call as the
+        default path, bit for bit), any other is kept and :meth:`forward` attends under it.
+
+        Raises:
+            ValueError: a swapped step returned something else than an int64 vector of
+                slots inside the cache and a bool [n, len(kv_slots)] mask.
+        """
+        table_t = torch.tensor(table, dtype=torch.int64)
+        if c.prefill_chunk is prefill_chunk_ref:
+            kv_slots = c.read_slot_mapping(table_t, torch.arange(seq_len), c.block_size)
+            return PrefillSeq(row, row + n, kv_slots.to(c.device))
+        got = c.prefill_chunk(table_t, seq_len - n, n, c.block_size, num_tokens)
+        if not (isinstance(got, (tuple, list)) and len(got) == 2):
+            raise ValueError("the prefill_chunk step must return (kv_slots, mask), got "
+                             f"{type(got).__name__}")
+        kv_slots, mask = got
+        if not (isinstance(kv_slots, torch.Tensor) and kv_slots.dim() == 1
+                and kv_slots.dtype == torch.int64 and kv_slots.numel() >= 1):
+            raise ValueError("prefill_chunk: kv_slots must be a non-empty 1-D int64 tensor, "
+                             f"got {getattr(kv_slots, 'dtype', type(kv_slots).__name__)} "
+                             f"of shape {tuple(getattr(kv_slots, 'shape', ()))}")
+        L = kv_slots.numel()
+        if not (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool
+                and tuple(mask.shape) == (n, L)):
+            raise ValueError(f"prefill_chunk: mask must be a bool tensor of shape [n, "
+                             f"len(kv_slots)] = [{n}, {L}], got "
+                             f"{getattr(mask, 'dtype', type(mask).__name__)} of shape "
+                             f"{tuple(getattr(mask, 'shape', ()))}")
+        if c.num_slots is not None and bool(((kv_slots < 0) | (kv_slots >= c.num_slots)).any()):
+            raise ValueError(f"prefill_chunk: kv_slots outside the pool [0, {c.num_slots})")
+        if L >= n and torch.equal(mask.cpu(), chunk_causal_mask(n, L)):
+            mask = None  # the standard mask: the default attention call
+        else:
+            mask = mask.to(c.device)
+        return PrefillSeq(row, row + n, kv_slots.to(c.device), mask)
+
+    def _decode_groups(self, c: CommonAttentionMetadata, rows: list[int],
+                       tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
+        """Batch decode queries (query rows ``rows``, sequence lengths ``lens``) in groups
+        of similar length: sorted by length, a new group starts when a sequence is both
+        1.5x and 256 tokens longer than the group's shortest, which bounds padding waste
+        while keeping the number of groups small."""
+        if not rows:
+            return []
+        bs, dev = c.block_size, c.device
+        order = sorted(range(len(rows)), key=lambda i: lens[i])
+        groups: list[list[int]] = [[order[0]]]
+        for i in order[1:]:
+            first = lens[groups[-1][0]]
+            if lens[i] > 1.5 * first and lens[i] > first + 256:
+                groups.append([i])
+            else:
+                groups[-1].append(i)
+        out = []
+        for members in groups:
+            members.sort(key=lambda i: rows[i])  # keep batch order inside a group
+            max_len = max(lens[i] for i in members)
+            max_blocks = -(-max_len // bs)
+            table = torch.zeros(len(members), max_blocks, dtype=torch.int64)
+            for r, i in enumerate(members):
+                t = tables[i][:max_blocks]
+                table[r, :len(t)] = torch.tensor(t, dtype=torch.int64)
+            j = torch.arange(max_len)
+            seq_lens = torch.tensor([lens[i] for i in members])
+            out.append(DecodeGroup(
+                rows=torch.tensor([rows[i] for i in members], dtype=torch.int64, device=dev),
+                kv_slots=c.read_slot_mapping(table, j.expand(len(members), max_len),
+                                             bs).to(dev),
+                seq_lens=seq_lens.to(dev),
+                mask=(j[None, :] < seq_lens[:, None])[:, None, None, :].to(dev)))
+        return out
+
+    # --- attention ------------------------------------------------------------------
     def store(self, kv: LayerKVCache, slot_mapping: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
         """Write this step's K/V ([T, kv_heads, head_dim]) at slot_mapping [T], and note

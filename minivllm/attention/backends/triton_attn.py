@@ -17,11 +17,15 @@ from __future__ import annotations
 
 import torch
 
-from minivllm.attention.metadata import AttentionMetadata
+from minivllm.attention.metadata import (AttentionMetadata, CommonAttentionMetadata,
+                                         PagedMetadata)
 from minivllm.quantization.kv_cache import LayerKVCache
 
 
 class TritonAttentionBackend:
+    """The paged-kernel backend; an
+    :class:`~minivllm.attention.backends.abstract.AttentionBackend`."""
+
     name = "TRITON"
     needs_paged_metadata = True
 
@@ -35,6 +39,42 @@ class TritonAttentionBackend:
         self._decode = paged_attention_decode
         self._prefill = paged_prefill_attention
         self._store = reshape_and_cache
+
+    def set_batch_invariant(self, on: bool) -> None:
+        """Nothing to change: the decode kernel is already batch-invariant (fixed split
+        size, splits merged in order) and prefills run one sequence per program."""
+
+    def build_metadata(self, common: CommonAttentionMetadata) -> AttentionMetadata:
+        """The block-table form of one step (``AttentionMetadata.paged``): padded int32
+        block tables and lengths of the decodes and of the prefills, on the device.
+        vLLM: ``TritonAttentionMetadataBuilder.build``."""
+        c, dev = common, common.device
+
+        def i32(values):
+            return torch.tensor(values, dtype=torch.int32, device=dev)
+
+        def tables(rows):
+            width = max(len(t) for t in rows)
+            return i32([t + [0] * (width - len(t)) for t in rows])
+
+        p = PagedMetadata(block_size=c.block_size)
+        dec, pre = c.decodes(), c.prefills()
+        if dec:
+            decode_lens = [c.seq_lens[i] for i in dec]
+            all_rows = len(dec) == c.num_actual_tokens  # then rows are 0..B-1 in order
+            p.decode_rows = None if all_rows else \
+                torch.tensor([c.query_starts[i] for i in dec], device=dev)
+            p.decode_block_tables = tables([c.block_tables[i] for i in dec])
+            p.decode_seq_lens = i32(decode_lens)
+            p.decode_max_seq_len = max(decode_lens)
+        if pre:
+            prefill_ns = [c.query_lens[i] for i in pre]
+            p.prefill_query_starts = i32([c.query_starts[i] for i in pre])
+            p.prefill_query_lens = i32(prefill_ns)
+            p.prefill_seq_lens = i32([c.seq_lens[i] for i in pre])
+            p.prefill_block_tables = tables([c.block_tables[i] for i in pre])
+            p.prefill_max_query_len = max(prefill_ns)
+        return AttentionMetadata(slot_mapping=c.slot_mapping, paged=p)
 
     def store(self, kv: LayerKVCache, slot_mapping: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
