@@ -9,14 +9,16 @@ The storage formats (fp8/int8 quantization, scales, calibration) are in
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from minivllm.config import CacheConfig, ModelConfig
 from minivllm.quantization.kv_cache import (LayerKVCache, calibrate_kv_amax, is_quantized,
                                             kv_scale_bytes_per_token, kv_scales_from_amax,
                                             qmax)
+
+if TYPE_CHECKING:
+    from minivllm.config import CacheConfig, ModelConfig
 
 __all__ = ["LayerKVCache", "kv_cache_bytes_per_block", "allocate_kv_caches",
            "calibrate_kv_scales", "kv_cache_scales", "nonfinite_kv_requests"]

@@ -442,3 +442,45 @@ class EmulatedCUDAGraphRunner(CUDAGraphRunner):
             out = graph.capture(self._forward, bs)
             self.graphs[bs] = (graph, out)
         logger.info("captured emulated CUDA graphs (CPU) for decode batch sizes %s", self.sizes)
+
+
+def make_graph_runner(model, backend_name: str, paged: bool, cache_dtype: torch.dtype,
+                      batch_invariant: bool, max_batch_size: int, max_model_len: int,
+                      block_size: int, device: torch.device, emulate: bool):
+    """The model runner's graph runner (vLLM: ``GPUModelRunner.capture_model``), or None.
+
+    On CUDA: a :class:`CUDAGraphRunner`, unless graphs cannot capture this engine
+    (batch-invariant mode, a backend without the block-table form (``paged`` False),
+    an int8 cache): then None, with a warning that says why. With ``emulate`` (CPU): an
+    :class:`EmulatedCUDAGraphRunner`.
+
+    Raises:
+        ValueError: ``emulate`` where the emulation cannot run (batch-invariant mode,
+            another backend than TORCH, an int8 cache).
+    """
+    if device.type == "cuda":
+        why = None
+        if batch_invariant:
+            why = "batch_invariant=True computes the LM head one row at a time"
+        elif not paged:
+            why = f"the {backend_name} attention backend builds shapes per step"
+        elif cache_dtype == torch.int8:
+            why = "an int8 KV cache checks every step for NaN/inf K/V (a device sync)"
+        if why:
+            logger.warning("CUDA graphs are off: %s; decode runs eagerly "
+                           "(use attention_backend='TRITON', or enforce_eager=True to "
+                           "silence this)", why)
+            return None
+        return CUDAGraphRunner(model, max_batch_size, max_model_len, block_size, device)
+    if not emulate:
+        return None
+    why = None
+    if batch_invariant:
+        why = "batch_invariant=True computes the LM head one row at a time"
+    elif paged:
+        why = f"the emulation needs the TORCH attention backend, not {backend_name}"
+    elif cache_dtype == torch.int8:
+        why = "an int8 KV cache checks every step for NaN/inf K/V (a host sync)"
+    if why:
+        raise ValueError(f"emulate_cuda_graphs=True cannot be used here: {why}")
+    return EmulatedCUDAGraphRunner(model, max_batch_size, max_model_len, block_size, device)

@@ -26,9 +26,9 @@ from minivllm.attention.metadata import (CommonAttentionMetadata, prefill_chunk_
                                          slot_mapping_ref)
 from minivllm.config import CacheConfig, ModelConfig
 from minivllm.request import Request
-from minivllm.layers.sampler import Sampler, SamplerOutput
+from minivllm.layers.sampler import Sampler
 from minivllm.worker import sampling, score
-from minivllm.worker.score import PromptLogprobsChunk
+from minivllm.worker.outputs import ModelRunnerOutput, PromptLogprobsChunk  # noqa: F401
 
 logger = logging.getLogger("minivllm")
 
@@ -59,27 +59,6 @@ class ModelInputs:
     prompt_rows: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     score_rows: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     spec_rows: dict[str, tuple[int, int]] = field(default_factory=dict)
-
-
-@dataclass
-class ModelRunnerOutput:
-    """sampled_request_ids[i] got token sampled_token_ids[i] (= sampler_output.sampled[i],
-    already on the host). vLLM: ``vllm/v1/outputs.py``."""
-
-    sampled_request_ids: list[str] = field(default_factory=list)
-    sampled_token_ids: list[int] = field(default_factory=list)
-    sampler_output: Optional[SamplerOutput] = None
-    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
-    # requests whose logits, prompt log-probs, score rows or int8 K/V held NaN/inf
-    nonfinite_request_ids: list[str] = field(default_factory=list)
-    # LLM.score requests: (first position, [rows, vocab] float32 log-probs or logits,
-    # positions in the chunk, the chosen positions or None: rows for all of them)
-    score_rows: dict[str, tuple[int, torch.Tensor, int, Optional[list[int]]]] = \
-        field(default_factory=dict)
-    # speculative decoding: request id -> the tokens its verification emits (accepted
-    # drafts, then one target token), 1 to k + 1 of them; these requests are not in
-    # sampled_request_ids
-    spec_outputs: dict[str, list[int]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -142,39 +121,13 @@ class ModelRunner:
             from minivllm.worker.batch_invariant import use_batch_invariant
 
             use_batch_invariant(self.model, self.device)
-        if cuda_graph_max_batch_size and self.device.type == "cuda":
-            why = None
-            if self.batch_invariant:
-                why = "batch_invariant=True computes the LM head one row at a time"
-            elif not self.paged:
-                why = f"the {self.backend.name} attention backend builds shapes per step"
-            elif cache_config.cache_dtype == torch.int8:
-                why = "an int8 KV cache checks every step for NaN/inf K/V (a device sync)"
-            if why:
-                logger.warning("CUDA graphs are off: %s; decode runs eagerly "
-                               "(use attention_backend='TRITON', or enforce_eager=True to "
-                               "silence this)", why)
-            else:
-                from minivllm.worker.cuda_graph import CUDAGraphRunner
+        if cuda_graph_max_batch_size:  # decode steps in (emulated) CUDA graphs
+            from minivllm.worker.cuda_graph import make_graph_runner
 
-                self.cuda_graphs = CUDAGraphRunner(
-                    model, cuda_graph_max_batch_size, model_config.max_model_len,
-                    self.block_size, self.device)
-        if emulate:
-            why = None
-            if self.batch_invariant:
-                why = "batch_invariant=True computes the LM head one row at a time"
-            elif self.paged:
-                why = f"the emulation needs the TORCH attention backend, not {self.backend.name}"
-            elif cache_config.cache_dtype == torch.int8:
-                why = "an int8 KV cache checks every step for NaN/inf K/V (a host sync)"
-            if why:
-                raise ValueError(f"emulate_cuda_graphs=True cannot be used here: {why}")
-            from minivllm.worker.cuda_graph import EmulatedCUDAGraphRunner
-
-            self.cuda_graphs = EmulatedCUDAGraphRunner(
-                model, cuda_graph_max_batch_size, model_config.max_model_len,
-                self.block_size, self.device)
+            self.cuda_graphs = make_graph_runner(
+                model, self.backend.name, self.paged, cache_config.cache_dtype,
+                self.batch_invariant, cuda_graph_max_batch_size, model_config.max_model_len,
+                self.block_size, self.device, emulate)
 
     def initialize_kv_cache(self, spare_slot: bool = False) -> None:
         """Allocate the paged KV cache (vLLM: ``GPUModelRunner.initialize_kv_cache``):

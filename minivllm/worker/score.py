@@ -4,29 +4,16 @@ vLLM: ``GPUModelRunner._get_prompt_logprobs_dict``) and the rows of ``LLM.score`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
 from minivllm.request import Request
+from minivllm.worker.outputs import PromptLogprobsChunk
 
 # A chunk of at least this many rows runs the LM head of ``LLM.score(positions=)`` on at
 # least this many rows (see score_logits).
 SCORE_HEAD_MIN_ROWS = 16
-
-
-@dataclass
-class PromptLogprobsChunk:
-    """Prompt log-probs for prompt positions [first_pos, first_pos + len) (the
-    distribution of token p given tokens < p). token_logprobs/ranks: [L]; topk_*: [L, N]."""
-
-    first_pos: int
-    token_ids: list[int]
-    token_logprobs: torch.Tensor
-    ranks: torch.Tensor
-    topk_ids: Optional[torch.Tensor]
-    topk_logprobs: Optional[torch.Tensor]
 
 
 def prompt_logprobs(logits: torch.Tensor, req: Request, pos0: int,
