@@ -3,8 +3,9 @@ size, its allocation and the scales stored with it (vLLM: ``GPUModelRunner.
 initialize_kv_cache`` / ``_allocate_kv_cache_tensors`` in
 ``vllm/v1/worker/gpu_model_runner.py``, ``vllm/v1/kv_cache_interface.py`` for the size).
 
-The storage formats (fp8/int8 quantization, scales, calibration) are in
-:mod:`minivllm.quantization.kv_cache`, where :class:`LayerKVCache` is defined.
+The storage formats (fp8/int8 quantization, scales) are in
+:mod:`minivllm.quantization.kv_cache`, where :class:`LayerKVCache` is defined; the
+calibration pass in :mod:`minivllm.quantization.kv_calibration`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from minivllm.quantization.kv_cache import (LayerKVCache, calibrate_kv_amax, is_quantized,
+from minivllm.quantization.kv_cache import (LayerKVCache, is_quantized,
                                             kv_scale_bytes_per_token, kv_scales_from_amax,
                                             qmax)
 
@@ -37,14 +38,14 @@ def allocate_kv_caches(model, cache_config: CacheConfig, head_dim: int, num_slot
                        device: torch.device) -> list[LayerKVCache]:
     """One zero-filled cache per decoder layer of ``model``, bound to its attention
     (``layer.self_attn.kv_cache``): K and V [num_slots, num_kv_heads, head_dim] in
-    ``cache_config.cache_dtype`` (this rank's KV heads under tensor parallelism), static
+    ``cache_config.kv_cache_torch_dtype`` (this rank's KV heads under tensor parallelism), static
     scales from ``cache_config.k_scale``/``v_scale``, and float32 [num_slots,
     num_kv_heads] per-token scales when ``kv_scale_type == "dynamic"``. Zero-filled:
     padded (masked) reads then never meet NaN garbage."""
     shape = (num_slots, model.layers[0].self_attn.num_kv_heads, head_dim)
     dynamic = cache_config.kv_scale_type == "dynamic"
 
-    def zeros(shape_, dtype=cache_config.cache_dtype):
+    def zeros(shape_, dtype=cache_config.kv_cache_torch_dtype):
         return torch.zeros(shape_, dtype=dtype, device=device)
 
     caches = []
@@ -70,7 +71,9 @@ def calibrate_kv_scales(model, kv_caches: list[LayerKVCache], cache_config: Cach
     Raises:
         ValueError: NaN/inf K or V in calibration (scales unchanged); "channel" on
             another backend than TORCH."""
-    m = qmax(cache_config.cache_dtype)
+    from minivllm.quantization.kv_calibration import calibrate_kv_amax  # runs the model
+
+    m = qmax(cache_config.kv_cache_torch_dtype)
     granularity = cache_config.kv_scale_granularity
     if granularity == "channel" and backend_name != "TORCH":
         raise ValueError("kv_scale_granularity='channel' needs the TORCH attention backend "
@@ -98,7 +101,7 @@ def kv_cache_scales(kv_caches: list[LayerKVCache], cache_config: CacheConfig) ->
     channel [num_kv_heads][head_dim] nested lists); None for a float cache, and the
     string "dynamic" for per-token scales."""
     cc = cache_config
-    if not is_quantized(cc.cache_dtype):
+    if not is_quantized(cc.kv_cache_torch_dtype):
         return {"type": None, "granularity": None, "k_scale": None, "v_scale": None}
     if cc.kv_scale_type == "dynamic":
         return {"type": "dynamic", "granularity": "token", "k_scale": "dynamic",

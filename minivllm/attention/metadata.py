@@ -195,8 +195,9 @@ def prefill_chunk_ref(block_table: torch.Tensor, start: int, n: int, block_size:
 @dataclass
 class CommonAttentionMetadata:
     """What the model runner knows about one step's requests, before any backend has
-    shaped it: each backend's :meth:`~minivllm.attention.backends.abstract.AttentionBackend.build_metadata`
-    turns it into its own :class:`AttentionMetadata`. vLLM: ``CommonAttentionMetadata``
+    shaped it: each backend's ``build_metadata``
+    (:class:`~minivllm.attention.backends.abstract.AttentionBackend`) turns it into its
+    own :class:`AttentionMetadata`. vLLM: ``CommonAttentionMetadata``
     (``vllm/v1/attention/backends/utils.py``), which ``AttentionMetadataBuilder.build``
     takes.
 

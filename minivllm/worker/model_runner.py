@@ -125,13 +125,13 @@ class ModelRunner:
             from minivllm.worker.cuda_graph import make_graph_runner
 
             self.cuda_graphs = make_graph_runner(
-                model, self.backend.name, self.paged, cache_config.cache_dtype,
+                model, self.backend.name, self.paged, cache_config.kv_cache_torch_dtype,
                 self.batch_invariant, cuda_graph_max_batch_size, model_config.max_model_len,
                 self.block_size, self.device, emulate)
 
     def initialize_kv_cache(self, spare_slot: bool = False) -> None:
         """Allocate the paged KV cache (vLLM: ``GPUModelRunner.initialize_kv_cache``):
-        ``cache_config.num_blocks * block_size`` slots (plus one spare at the end with
+        ``cache_config.num_gpu_blocks * block_size`` slots (plus one spare at the end with
         ``spare_slot``, where emulated CUDA graphs' padding rows write slot -1), one
         :class:`~minivllm.quantization.kv_cache.LayerKVCache` per layer, bound to its
         attention and kept in ``self.kv_caches``
@@ -139,7 +139,7 @@ class ModelRunner:
         cc = self.cache_config
         self.kv_caches: list[LayerKVCache] = kvc.allocate_kv_caches(
             self.model, cc, self.model_config.head_dim,
-            cc.num_blocks * cc.block_size + spare_slot, self.device)
+            cc.num_gpu_blocks * cc.block_size + spare_slot, self.device)
 
     def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``model.compute_logits``; in batch-invariant mode one row at a time (the LM
@@ -199,7 +199,8 @@ class ModelRunner:
             seq_lens.append(seq_len)
             totals.append(total)
             tables.append(table)
-            if req.params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
+            if (req.sampling_params.prompt_logprobs is not None
+                    and start < req.num_prompt_tokens - 1):
                 count = min(seq_len, req.num_prompt_tokens - 1) - start
                 prompt_rows[req.request_id] = (row, start, count)
             if req.score is not None:

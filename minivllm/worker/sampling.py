@@ -19,7 +19,7 @@ def sampling_metadata(reqs: list[Request], device: torch.device) -> SamplingMeta
     uses it; the token histories when a penalty is on; each seeded request's own
     generator (created on first use); the EOS/stop ids a request below ``min_tokens``
     may not draw."""
-    ps = [r.params for r in reqs]
+    ps = [r.sampling_params for r in reqs]
 
     def vec(values, dtype=torch.float32):
         return torch.tensor(values, dtype=dtype, device=device)
@@ -47,14 +47,14 @@ def sampling_metadata(reqs: list[Request], device: torch.device) -> SamplingMeta
     asked = [p.logprobs for p in ps if p.logprobs is not None]
     meta.max_num_logprobs = max(asked) if asked else None
     for i, r in enumerate(reqs):
-        if r.params.seed is not None:
+        if r.sampling_params.seed is not None:
             if r.generator is None:
                 r.generator = torch.Generator(device=device)
-                r.generator.manual_seed(r.params.seed)
+                r.generator.manual_seed(r.sampling_params.seed)
             meta.generators[i] = r.generator
-        if r.num_output_tokens < r.params.min_tokens:
-            block = list(r.params.stop_token_ids)
-            if not r.params.ignore_eos:
+        if r.num_output_tokens < r.sampling_params.min_tokens:
+            block = list(r.sampling_params.stop_token_ids)
+            if not r.sampling_params.ignore_eos:
                 block += list(r.eos_token_ids)
             if block:
                 meta.min_tokens_block[i] = block
@@ -64,11 +64,11 @@ def sampling_metadata(reqs: list[Request], device: torch.device) -> SamplingMeta
 def request_generator(r: Request, sampler: Sampler, device: torch.device) -> torch.Generator:
     """The generator of a random request's draws: its own (seeded) one, created on
     first use, or the engine's (``sampler.generator``)."""
-    if r.params.seed is None:
+    if r.sampling_params.seed is None:
         return sampler.generator
     if r.generator is None:
         r.generator = torch.Generator(device=device)
-        r.generator.manual_seed(r.params.seed)
+        r.generator.manual_seed(r.sampling_params.seed)
     return r.generator
 
 
@@ -104,7 +104,7 @@ def verify_drafts(logits: torch.Tensor, reqs: list[Request], num_drafts: list[in
         if not ok:
             bad_ids.add(r.request_id)
             continue
-        p = r.params
+        p = r.sampling_params
         if r.num_output_tokens < p.min_tokens:
             block = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
             if block:

@@ -27,7 +27,7 @@ def prompt_logprobs(logits: torch.Tensor, req: Request, pos0: int,
                            dtype=torch.int64, device=logprobs.device)
     tok_lp = logprobs.gather(1, targets[:, None]).squeeze(1)
     ranks = (logprobs > tok_lp[:, None]).sum(-1) + 1
-    n = req.params.prompt_logprobs
+    n = req.sampling_params.prompt_logprobs
     topk_lp = topk_ids = None
     if n > 0:
         topk_lp, topk_ids = logprobs.topk(n, dim=-1)
