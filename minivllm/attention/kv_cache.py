@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from minivllm.config import CacheConfig, ModelConfig
 
 __all__ = ["LayerKVCache", "kv_cache_bytes_per_block", "allocate_kv_caches",
-           "calibrate_kv_scales", "kv_cache_scales", "nonfinite_kv_requests"]
+           "set_kv_scales_from_amax", "kv_cache_scales", "nonfinite_kv_requests"]
 
 
 def kv_cache_bytes_per_block(model_config: ModelConfig, block_size: int,
@@ -61,25 +61,18 @@ def allocate_kv_caches(model, cache_config: CacheConfig, head_dim: int, num_slot
     return caches
 
 
-def calibrate_kv_scales(model, kv_caches: list[LayerKVCache], cache_config: CacheConfig,
-                        backend_name: str, token_id_lists: list[list[int]],
-                        device: torch.device) -> None:
-    """Set every layer's static K/V scales to ``amax / qmax`` measured on calibration
-    sequences (``cache_config.kv_scale_granularity``): per tensor, per KV head, or K per
-    (KV head, channel) with V per tensor ("channel", TORCH backend only).
+def set_kv_scales_from_amax(kv_caches: list[LayerKVCache], amaxes: list, cache_config: CacheConfig,
+                            device: torch.device) -> None:
+    """Set every layer's static K/V scales to ``amax / qmax`` from calibrated amaxes
+    (per layer ``(k_amax, v_amax)``, as
+    :func:`~minivllm.quantization.kv_calibration.calibrate_kv_amax` returns them), at
+    ``cache_config.kv_scale_granularity``: per tensor, per KV head, or K per (KV head,
+    channel) with V per tensor ("channel").
 
     Raises:
-        ValueError: NaN/inf K or V in calibration (scales unchanged); "channel" on
-            another backend than TORCH."""
-    from minivllm.quantization.kv_calibration import calibrate_kv_amax  # runs the model
-
+        ValueError: NaN/inf K or V amax (scales unchanged)."""
     m = qmax(cache_config.kv_cache_torch_dtype)
     granularity = cache_config.kv_scale_granularity
-    if granularity == "channel" and backend_name != "TORCH":
-        raise ValueError("kv_scale_granularity='channel' needs the TORCH attention backend "
-                         f"(the {backend_name} kernels take [] or [num_kv_heads] scales)")
-    amaxes = calibrate_kv_amax(model, token_id_lists, device,
-                               per_channel=granularity == "channel")
     for layer, (k_amax, v_amax) in enumerate(amaxes):
         if not bool(torch.isfinite(k_amax).all() & torch.isfinite(v_amax).all()):
             raise ValueError(f"KV-scale calibration saw NaN/inf keys or values in layer "

@@ -4,6 +4,8 @@ step's per-request result independent of the batch (vLLM: ``VLLM_BATCH_INVARIANT
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -32,7 +34,7 @@ def use_batch_invariant(model, device: torch.device) -> None:
     from minivllm.layers.rms_norm import RMSNorm
 
     cuda = device.type == "cuda"
-    linear = "rows"
+    linear: Any = "rows"
     if cuda:
         from kernels.batch_invariant import linear_batch_invariant, rms_norm_batch_invariant
 
@@ -43,7 +45,7 @@ def use_batch_invariant(model, device: torch.device) -> None:
         if isinstance(m, Linear) and name != "lm_head":
             m.batch_invariant = linear
         elif isinstance(m, QuantLinear):
-            m.batch_invariant = "rows"
+            m.batch_invariant = "rows"  # type: ignore[assignment]
         elif cuda and isinstance(m, RMSNorm):
             if m.fused_add_impl is not None:
                 from kernels.rms_norm import fused_add_rms_norm

@@ -152,9 +152,23 @@ class ModelRunner:
 
     # --- KV-cache scales (see minivllm.attention.kv_cache) -----------------------------
     def calibrate_kv_scales(self, token_id_lists: list[list[int]]) -> None:
-        """:func:`~minivllm.attention.kv_cache.calibrate_kv_scales` on this cache."""
-        kvc.calibrate_kv_scales(self.model, self.kv_caches, self.cache_config,
-                                self.backend.name, token_id_lists, self.device)
+        """Static K/V scales ``amax / qmax`` measured on calibration sequences
+        (:func:`~minivllm.quantization.kv_calibration.calibrate_kv_amax`, then
+        :func:`~minivllm.attention.kv_cache.set_kv_scales_from_amax`).
+
+        Raises:
+            ValueError: NaN/inf K or V in calibration (scales unchanged);
+                ``kv_scale_granularity="channel"`` on another backend than TORCH."""
+        from minivllm.quantization.kv_calibration import calibrate_kv_amax
+
+        granularity = self.cache_config.kv_scale_granularity
+        if granularity == "channel" and self.backend.name != "TORCH":
+            raise ValueError("kv_scale_granularity='channel' needs the TORCH attention backend "
+                             f"(the {self.backend.name} kernels take [] or [num_kv_heads] "
+                             "scales)")
+        amaxes = calibrate_kv_amax(self.model, token_id_lists, self.device,
+                                   per_channel=granularity == "channel")
+        kvc.set_kv_scales_from_amax(self.kv_caches, amaxes, self.cache_config, self.device)
 
     def kv_cache_scales(self) -> dict:
         """:func:`~minivllm.attention.kv_cache.kv_cache_scales` of this cache."""

@@ -5,7 +5,7 @@ and ``GPUModelRunner._sample`` for the verification)."""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -53,7 +53,7 @@ def sampling_metadata(reqs: list[Request], device: torch.device) -> SamplingMeta
                 r.generator.manual_seed(r.sampling_params.seed)
             meta.generators[i] = r.generator
         if r.num_output_tokens < r.sampling_params.min_tokens:
-            block = list(r.sampling_params.stop_token_ids)
+            block = list(r.sampling_params.stop_token_ids or ())
             if not r.sampling_params.ignore_eos:
                 block += list(r.eos_token_ids)
             if block:
@@ -61,15 +61,19 @@ def sampling_metadata(reqs: list[Request], device: torch.device) -> SamplingMeta
     return meta
 
 
-def request_generator(r: Request, sampler: Sampler, device: torch.device) -> torch.Generator:
+def request_generator(r: Request, sampler: Sampler,
+                      device: torch.device) -> Optional[torch.Generator]:
     """The generator of a random request's draws: its own (seeded) one, created on
     first use, or the engine's (``sampler.generator``)."""
     if r.sampling_params.seed is None:
         return sampler.generator
-    if r.generator is None:
-        r.generator = torch.Generator(device=device)
-        r.generator.manual_seed(r.sampling_params.seed)
-    return r.generator
+    own = r.generator
+    if own is not None:
+        return own
+    gen = torch.Generator(device=device)
+    gen.manual_seed(r.sampling_params.seed)
+    r.generator = gen
+    return gen
 
 
 def verify_drafts(logits: torch.Tensor, reqs: list[Request], num_drafts: list[int],
@@ -106,7 +110,7 @@ def verify_drafts(logits: torch.Tensor, reqs: list[Request], num_drafts: list[in
             continue
         p = r.sampling_params
         if r.num_output_tokens < p.min_tokens:
-            block = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
+            block = list(p.stop_token_ids or ()) + ([] if p.ignore_eos else list(r.eos_token_ids))
             if block:
                 rows = rows.clone()
                 for j in range(k + 1):

@@ -27,7 +27,7 @@ def prompt_logprobs(logits: torch.Tensor, req: Request, pos0: int,
                            dtype=torch.int64, device=logprobs.device)
     tok_lp = logprobs.gather(1, targets[:, None]).squeeze(1)
     ranks = (logprobs > tok_lp[:, None]).sum(-1) + 1
-    n = req.sampling_params.prompt_logprobs
+    n = req.sampling_params.prompt_logprobs or 0  # set: this request asked for them
     topk_lp = topk_ids = None
     if n > 0:
         topk_lp, topk_ids = logprobs.topk(n, dim=-1)
@@ -79,6 +79,7 @@ def score_chunk(req: Request, rows: torch.Tensor, pos0: int, count: int,
     """``ModelRunnerOutput.score_rows`` entry of a score request from its logits rows
     (:func:`score_logits`): ``(pos0, float32 rows on the host (log-softmaxed unless the
     request asked for logits), count, chosen)``, and whether every row is finite."""
+    assert req.score is not None  # a score request
     if not req.score.logits:
         rows = torch.log_softmax(rows, dim=-1)
     return (pos0, rows.cpu(), count, chosen), bool(torch.isfinite(rows.sum(dim=-1)).all())
