@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from minivllm.attention.metadata import AttentionMetadata, PagedMetadata
 from minivllm.request import Request
-from minivllm.utils import forward_hooks_registered, hook_dicts
+from minivllm.utils import cdiv, forward_hooks_registered, hook_dicts
 
 logger = logging.getLogger("minivllm")
 
@@ -107,7 +107,7 @@ class CUDAGraphRunner:
         self.max_batch_size = n = self.sizes[-1]
         self.max_model_len = max_model_len
         self.block_size = block_size
-        self.max_blocks = -(-max_model_len // block_size)
+        self.max_blocks = cdiv(max_model_len, block_size)
         self._i64 = torch.zeros(3, n, dtype=torch.int64, device=device)
         self._i32 = torch.zeros(n * (1 + self.max_blocks), dtype=torch.int32, device=device)
         pin = torch.device(device).type == "cuda"

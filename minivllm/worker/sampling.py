@@ -11,6 +11,7 @@ import torch
 
 from minivllm.request import Request
 from minivllm.layers.sampler import Sampler, SamplingMetadata
+from minivllm.sampling_params import SAMPLING_EPS
 
 
 def sampling_metadata(reqs: list[Request], device: torch.device) -> SamplingMetadata:
@@ -24,7 +25,7 @@ def sampling_metadata(reqs: list[Request], device: torch.device) -> SamplingMeta
     def vec(values, dtype=torch.float32):
         return torch.tensor(values, dtype=dtype, device=device)
 
-    all_greedy = all(p.temperature < 1e-5 for p in ps)
+    all_greedy = all(p.temperature < SAMPLING_EPS for p in ps)
     meta = SamplingMetadata(
         temperature=None if all_greedy else vec([p.temperature for p in ps]),
         all_greedy=all_greedy)
@@ -116,7 +117,7 @@ def verify_drafts(logits: torch.Tensor, reqs: list[Request], num_drafts: list[in
                 for j in range(k + 1):
                     if r.num_output_tokens + j < p.min_tokens:
                         rows[j, block] = float("-inf")
-        if p.temperature < 1e-5:
+        if p.temperature < SAMPLING_EPS:
             toks = rejection_sampler(list(r.spec_token_ids), None, None,
                                      rows.argmax(dim=-1).tolist(), None)
         else:

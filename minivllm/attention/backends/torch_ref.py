@@ -2,29 +2,16 @@
 
 The TORCH backend: one of vLLM's ``vllm/v1/attention/backends/*`` in role (store, then
 attend over the paged cache), written for reading rather than speed; vLLM has no
-pure-PyTorch counterpart.
+pure-PyTorch counterpart. K/V are always read back from the paged cache (also in prefill,
+as vLLM v1's FlashAttention backend does), so the cache's storage dtype affects every
+token. Decodes are batched (keys gathered into a padded ``[B, heads, max_len, D]`` tensor
+and masked, one batch per group of similar lengths); prefills run one sequence at a time
+(causal, or with an explicit mask when earlier chunks or cached prefix blocks precede).
 
-K/V are always read back from the paged cache (also in prefill, as vLLM v1's
-FlashAttention backend does), so the cache's storage dtype affects every token.
-Decodes are batched: their keys are gathered into a padded ``[B, heads, max_len, D]``
-tensor and masked (one such batch per group of similar lengths). Prefills run one sequence at a time (causal, or with an explicit mask
-when earlier chunks / cached prefix blocks precede the new tokens).
-
-The attention math itself is two swappable steps (:mod:`minivllm.steps`), each a plain
-function on dense tensors with its reference here: ``"attention.decode"``
+The attention math is two swappable steps (:mod:`minivllm.steps`), plain functions on
+dense tensors with their references here: ``"attention.decode"``
 (:func:`decode_attention_ref`) and ``"attention.prefill"`` (:func:`prefill_attention_ref`).
-The backend gathers K/V from the cache and calls the layer's current step.
-
-Fully masked rows (a query with no key it may attend to: a padding row with
-``seq_lens[b] == 0``, or a mask row with no True) give **zeros**, never NaN, on both
-backends. That is FlashAttention-2's convention (``csrc/flash_attn/src/softmax.h``: a
-row whose running max stays -inf uses 0 as its max, and a row whose sum is 0 is
-normalised by 1, so its output is 0), which vLLM's backends inherit for their padded
-rows; ``kernels/paged_attention.py`` and ``kernels/prefill_attention.py`` do the same.
-Here it is an explicit guard (:func:`zero_empty_rows`) rather than a property of
-``scaled_dot_product_attention``: recent PyTorch CPU builds return 0 for such a row, but
-older math kernels and other backends return NaN, and any backend returns NaN when the
-masked keys themselves hold NaN (0 * NaN). Course chapter 9.
+Fully masked rows give zeros, never NaN (:func:`zero_empty_rows`; course chapter 9).
 """
 
 from __future__ import annotations
@@ -36,11 +23,23 @@ from minivllm.attention.metadata import (AttentionMetadata, CommonAttentionMetad
                                          DecodeGroup, PrefillSeq, chunk_causal_mask,
                                          prefill_chunk_ref)
 from minivllm.quantization.kv_cache import LayerKVCache
+from minivllm.utils import cdiv
 
 
 def zero_empty_rows(out: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
     """The fully-masked-row guard: ``out`` with the rows where ``empty`` is True set to
     exactly 0 (whatever they held: NaN, inf, or the 0 some SDPA kernels already give).
+
+    Fully masked rows (a query with no key it may attend to: a padding row with
+    ``seq_lens[b] == 0``, or a mask row with no True) give **zeros**, never NaN, on both
+    backends. That is FlashAttention-2's convention (``csrc/flash_attn/src/softmax.h``: a
+    row whose running max stays -inf uses 0 as its max, and a row whose sum is 0 is
+    normalised by 1, so its output is 0), which vLLM's backends inherit for their padded
+    rows; ``kernels/paged_attention.py`` and ``kernels/prefill_attention.py`` do the same.
+    Here it is an explicit guard rather than a property of
+    ``scaled_dot_product_attention``: recent PyTorch CPU builds return 0 for such a row, but
+    older math kernels and other backends return NaN, and any backend returns NaN when the
+    masked keys themselves hold NaN (0 * NaN). Course chapter 9.
 
     Args:
         out: [R, ...] attention output (any float dtype).
@@ -265,7 +264,7 @@ class TorchAttentionBackend:
         for members in groups:
             members.sort(key=lambda i: rows[i])  # keep batch order inside a group
             max_len = max(lens[i] for i in members)
-            max_blocks = -(-max_len // bs)
+            max_blocks = cdiv(max_len, bs)
             table = torch.zeros(len(members), max_blocks, dtype=torch.int64)
             for r, i in enumerate(members):
                 t = tables[i][:max_blocks]
