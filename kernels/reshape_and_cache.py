@@ -150,6 +150,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
         raise ValueError("k_scale_cache and v_scale_cache come together, and only with a "
                          "quantized (fp8/int8) cache")
     if dynamic:
+        assert k_scale_cache is not None and v_scale_cache is not None  # checked just above
         for t in (k_scale_cache, v_scale_cache):
             if t.shape != key_cache.shape[:2] or t.dtype != torch.float32 \
                     or not t.is_contiguous():

@@ -192,11 +192,10 @@ def parse_dtype(name: str | torch.dtype, model_dtype: torch.dtype,
         key = name.lower() if isinstance(name, str) else name
         if key not in _DTYPE_ALIASES:
             raise ValueError(f"Unknown dtype {name!r}; allowed: {', '.join(ALLOWED_DTYPES)}")
-        resolved = _DTYPE_ALIASES[key]
-        if resolved is None:
-            resolved = resolve_auto_dtype(
-                model_dtype, supported_dtypes(device) if supported is None else supported,
-                model_type)
+        alias = _DTYPE_ALIASES[key]  # None: "auto"
+        resolved = alias if alias is not None else resolve_auto_dtype(
+            model_dtype, supported_dtypes(device) if supported is None else supported,
+            model_type)
     if resolved == torch.float16 and model_type in FLOAT16_NOT_SUPPORTED_MODELS:
         raise ValueError(f"The model type {model_type!r} does not support float16. Reason: "
                          f"{FLOAT16_NOT_SUPPORTED_MODELS[model_type]}")
@@ -472,6 +471,7 @@ def parse_speculative_config(value) -> Optional[SpeculativeConfig]:
             lo = hi
         elif hi is None:
             hi = lo
+        assert lo is not None and hi is not None  # set by the branches above
         if lo > hi:
             raise ValueError(f"speculative_config: prompt_lookup_min={lo} is larger than "
                              f"prompt_lookup_max={hi}")
@@ -735,7 +735,8 @@ class EngineArgs:
                 raise ValueError(f"kv_scale must be two finite positive floats (k_scale, v_scale) "
                                  f"within float32's normal range [{tiny:.3g}, {big:.3g}] (the "
                                  f"scales are stored in float32), got {self.kv_scale!r}")
-            self.kv_scale = tuple(float(s) for s in self.kv_scale)
+            k_scale, v_scale = (float(s) for s in self.kv_scale)  # two: checked above
+            self.kv_scale = (k_scale, v_scale)
             if self.calculate_kv_scales is True or self.kv_scale_type == "dynamic":
                 raise ValueError("kv_scale gives fixed scales; it cannot be combined with "
                                  "calculate_kv_scales=True or kv_scale_type='dynamic'")

@@ -152,14 +152,15 @@ class LLM:
             ValueError: bad prompts or a sampling_params list of the wrong length. When one
                 prompt is invalid, no request is run and no blocks are held.
         """
+        batch: object = prompts
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
                                                 and isinstance(prompts[0], numbers.Integral)):
-            prompts = [prompts]
-        if isinstance(prompts, (bytes, bytearray, set, frozenset)) \
-                or not isinstance(prompts, Iterable):
+            batch = [prompts]
+        if isinstance(batch, (bytes, bytearray, set, frozenset)) \
+                or not isinstance(batch, Iterable):
             raise TypeError(f"prompts must be a string, a list of token ids, a prompt dict, or "
-                            f"a list of those, got {type(prompts).__name__}")
-        prompts = list(prompts)
+                            f"a list of those, got {type(batch).__name__}")
+        prompts = list(batch)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -202,10 +203,8 @@ class LLM:
         if not isinstance(messages, (list, tuple)):
             raise TypeError("messages must be a list of {'role': ..., 'content': ...} dicts, "
                             f"or a list of such lists, got {type(messages).__name__}")
-        if messages and isinstance(messages[0], dict):
-            conversations = [messages]
-        else:
-            conversations = list(messages)
+        conversations: list = [messages] if messages and isinstance(messages[0], dict) \
+            else list(messages)
         tok = self.get_tokenizer()
         if tok is None:
             raise ValueError("chat() applies the tokenizer's chat template; this LLM was built "
@@ -271,7 +270,7 @@ class LLM:
                 and the log-softmax, which is the cost of a long score (a [T, vocab]
                 float32 tensor: 393 MB at T = 2,000). The rows come back in the order
                 given and equal the same rows of a full score bit for bit (see
-                ``ModelRunner._score_rows`` for how the CPU GEMM is kept to the same
+                ``minivllm.worker.score.score_logits`` for how the CPU GEMM is kept to the same
                 rounding).
             use_prefix_cache: read prefix-cache hits (default False: every position is
                 computed). A position served from the cache never runs through the
@@ -333,7 +332,7 @@ class LLM:
                 engine.finished_outputs.pop(r.request_id, None)
             raise
         self._run_engine([r.request_id for r in reqs], use_tqdm)
-        results = [r.score.result() for r in reqs]
+        results = [r.score.result() for r in reqs if r.score is not None]  # all of them
         return results[0] if single else results
 
     @staticmethod

@@ -85,7 +85,7 @@ import contextlib
 import fnmatch
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Union
+from typing import Any, Callable, Iterable, Union, cast
 
 import torch
 
@@ -256,17 +256,18 @@ def _fp8_site(name: str, layer: QuantLinear) -> Site:
 
         def forward(x):
             shape = x.shape
-            w = layer.qweight  # fp8_linear_ref keeps q_w's float32 copy on the tensor:
-            if getattr(w, "_fp8_f32_cache", None) is None:  # share the layer's own copy
-                w._fp8_f32_cache = ((w.data_ptr(), w.shape), layer.dequantized_weight(torch.float32))
+            w = cast(torch.Tensor, layer.qweight)  # fp8_linear_ref keeps q_w's float32
+            if getattr(w, "_fp8_f32_cache", None) is None:  # copy on the tensor: share the
+                f32 = layer.dequantized_weight(torch.float32)  # layer's own copy
+                setattr(w, "_fp8_f32_cache", ((w.data_ptr(), w.shape), f32))
             y = fn(x.reshape(-1, shape[-1]), layer.qweight, layer.weight_scale,
                    layer.input_scale, layer.bias)
             return y.reshape(*shape[:-1], y.shape[-1])
-        layer.forward = forward
+        layer.forward = forward  # type: ignore[method-assign]  # the swap itself
 
         def restore():
             if had:
-                layer.forward = old
+                layer.forward = old  # type: ignore[method-assign]
             else:
                 del layer.forward
         return restore

@@ -9,7 +9,6 @@ reuse ``.mypy_cache`` (seconds).
 from __future__ import annotations
 
 import importlib.util
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -34,30 +33,3 @@ def test_ruff_is_clean():
 def test_mypy_is_clean():
     r = _run_tool("mypy")  # files and settings: [tool.mypy] in pyproject.toml
     assert r.returncode == 0, f"mypy found problems:\n{r.stdout}{r.stderr}"
-
-
-def _not_yet_clean() -> list[str]:
-    """The modules of pyproject.toml's `ignore_errors = true` override (issue 22's list)."""
-    text = (ROOT / "pyproject.toml").read_text()
-    blocks = re.findall(r"\[\[tool\.mypy\.overrides\]\]\s*\nmodule = \[([^\]]*)\]\s*\n"
-                        r"ignore_errors = true", text)
-    return [m for b in blocks for m in re.findall(r'"([\w.]+)"', b)]
-
-
-def test_mypy_not_yet_clean_list_is_not_stale(tmp_path):
-    """Every module waived with ``ignore_errors`` still has findings: a module that became
-    clean must leave the list (so the list only shrinks)."""
-    waived = _not_yet_clean()
-    if not waived:
-        return
-    text = (ROOT / "pyproject.toml").read_text().replace("ignore_errors = true",
-                                                         "ignore_errors = false")
-    cfg = tmp_path / "pyproject.toml"
-    cfg.write_text(text)
-    r = _run_tool("mypy", "--config-file", str(cfg))
-    failing = {Path(line.split(":", 1)[0]).with_suffix("").as_posix().replace("/", ".")
-               .removesuffix(".__init__")
-               for line in r.stdout.splitlines() if ": error:" in line}
-    stale = sorted(set(waived) - failing)
-    assert not stale, (f"{stale} pass mypy now: remove them from the ignore_errors list "
-                       "in pyproject.toml")

@@ -360,7 +360,7 @@ def _check_options(method: str, o: dict) -> None:
             bad(name, f"an integer in [{lo}, {hi}]")
     if "percdamp" in o and (isinstance(o["percdamp"], (bool, np.bool_))
                             or not isinstance(o["percdamp"], numbers.Real)
-                            or not 0 < o["percdamp"] <= 1):
+                            or not 0 < float(o["percdamp"]) <= 1):
         bad("percdamp", "a number in (0, 1]")
     if "activation_scheme" in o and o["activation_scheme"] not in ("dynamic", "static"):
         bad("activation_scheme", "'dynamic' or 'static'")

@@ -163,6 +163,7 @@ class LayerKVCache:
         for cache, static, dyn in ((self.key, self._k_b, self.k_scale_cache),
                                    (self.value, self._v_b, self.v_scale_cache)):
             stored = read_kv_slots(cache, slots)
+            scale: torch.Tensor | float
             if dyn is not None:
                 scale = read_kv_slots(dyn, slots)[..., None]
             else:

@@ -49,7 +49,7 @@ def fp8_linear_ref(x: torch.Tensor, q_w: torch.Tensor, w_scale: torch.Tensor,
     key = (q_w.data_ptr(), q_w.shape)
     if cached is None or cached[0] != key:
         cached = (key, q_w.to(torch.float32))
-        q_w._fp8_f32_cache = cached
+        setattr(q_w, "_fp8_f32_cache", cached)  # an attribute torch does not declare
     return wq.fp8_linear(x, q_w, w_scale, x_scale, bias, out_dtype=x.dtype,
                          q_w_float32=cached[1])
 

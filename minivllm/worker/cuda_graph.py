@@ -33,6 +33,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import logging
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -75,7 +76,9 @@ class CUDAGraphRunner:
                  device: torch.device):
         self.model = model
         self._alloc_buffers(max_batch_size, max_model_len, block_size, device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
+        # batch size -> (graph, (logits, finite flags)); the CPU emulation stores its own
+        # graph type (EmulatedCUDAGraph) and capture output here
+        self.graphs: dict[int, tuple[Any, Any]] = {}
         self._capture_all()
         self._watch_model()
 
@@ -362,7 +365,7 @@ class _Tape(TorchDispatchMode):
                         nested += inner
                         stored[i] = [None if ref(y) is not None else y for y in x]
             stored_args, stored_kwargs = tuple(stored), dict(kwargs)
-        out_slots = []
+        out_slots: list[int] = []
         for t in out_leaves:
             if not isinstance(t, torch.Tensor) or id(t) in ext_ids:
                 out_slots.append(-1)  # a non-tensor, or an in-place op on an outside tensor
@@ -374,11 +377,10 @@ class _Tape(TorchDispatchMode):
                 self.made.append(t)
         if single or not isinstance(out, (tuple, list)):
             out_slots = out_slots[:1]
-        if all(sl < 0 for sl in out_slots):
-            out_slots = None
+        kept = None if all(sl < 0 for sl in out_slots) else tuple(out_slots)
         # Tensors made during capture are not kept in the op (the replay supplies its own).
         self.ops.append((func, stored_args, stored_kwargs, tuple(top), tuple(nested), spec,
-                         None if out_slots is None else tuple(out_slots)))
+                         kept))
         return out
 
 

@@ -174,7 +174,7 @@ class ModelRunner:
         """:func:`~minivllm.attention.kv_cache.kv_cache_scales` of this cache."""
         return kvc.kv_cache_scales(self.kv_caches, self.cache_config)
 
-    def request_generator(self, r: Request) -> torch.Generator:
+    def request_generator(self, r: Request) -> Optional[torch.Generator]:
         """:func:`~minivllm.worker.sampling.request_generator` with the engine's sampler."""
         return sampling.request_generator(r, self.sampler, self.device)
 
@@ -311,6 +311,7 @@ class ModelRunner:
                     bad_ids.add(rid)
             if rid in inp.score_rows:
                 row0, pos0, count = inp.score_rows[rid]
+                assert req.score is not None  # score rows belong to score requests
                 chosen = req.score.chosen_in(pos0, count)
                 rows = score.score_logits(self._compute_logits, hidden[row0:row0 + count],
                                           pos0, chosen, self.batch_invariant,
@@ -325,6 +326,7 @@ class ModelRunner:
                               block_tables: dict[str, list[int]]) -> ModelRunnerOutput:
         """A pure decode step in a CUDA graph: the graph computes the logits and their
         finite flags; the sampler runs eagerly on the real rows."""
+        assert self.cuda_graphs is not None  # only called when graphs were captured
         logits, finite = self.cuda_graphs.run(reqs, block_tables)
         out = ModelRunnerOutput()
         bad_ids: set[str] = set()  # int8 caches (whose K/V are checked) run eagerly

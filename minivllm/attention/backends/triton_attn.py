@@ -97,6 +97,7 @@ class TritonAttentionBackend:
         scales = (kv.k_scale, kv.v_scale, kv.k_scale_cache, kv.v_scale_cache)
         out = torch.empty_like(q)
         if p.num_decodes:
+            assert p.decode_block_tables is not None and p.decode_seq_lens is not None
             rows = p.decode_rows
             qd = q if rows is None else q.index_select(0, rows)
             od = self._decode(qd, kv.key, kv.value, p.decode_block_tables, p.decode_seq_lens,
@@ -105,6 +106,8 @@ class TritonAttentionBackend:
             if rows is not None:
                 out.index_copy_(0, rows, od)
         if p.num_prefills:
+            assert (p.prefill_block_tables is not None and p.prefill_query_starts is not None
+                    and p.prefill_query_lens is not None and p.prefill_seq_lens is not None)
             self._prefill(q, kv.key, kv.value, p.prefill_block_tables, p.prefill_query_starts,
                           p.prefill_query_lens, p.prefill_seq_lens, p.block_size, scale,
                           *scales, max_query_len=p.prefill_max_query_len, out=out)

@@ -25,7 +25,7 @@ import json
 import logging
 import time
 import uuid
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Optional, cast
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -263,10 +263,14 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: Optional[st
         if isinstance(prompt, (str, list)) and len(prompt) == 0:
             raise APIError(400, "prompt must not be empty", "prompt")
         params = sampling_params(body, 16, body.logprobs)
-        if isinstance(prompt, str) and llm.tokenizer is not None:
+        if isinstance(prompt, str):
+            if llm.tokenizer is None:
+                raise APIError(400, "a text prompt needs the model's tokenizer and this server "
+                                    "has none: send token ids", "prompt")
             prompt = llm.tokenizer.encode(prompt)
-        rid, created, result = await run(request, body, prompt, params, "cmpl",
-                                         stream_completion)
+        # a list of texts was reduced to its one text above: token ids are left
+        rid, created, result = await run(request, body, cast(list[int], prompt), params,
+                                         "cmpl", stream_completion)
         if isinstance(result, StreamingResponse):
             return result
         out = result
