@@ -59,8 +59,8 @@ class SchedulerUpdate:
             whose log-probs the output processor records.
         num_generation_tokens: tokens appended (sampled and accepted speculative ones).
         num_corrupted_requests: requests newly marked corrupted (NaN/inf).
-        spec_decode_num_drafts, spec_decode_num_draft_tokens,
-            spec_decode_num_accepted_tokens: this step's verifications.
+        spec_decode_num_drafts, spec_decode_num_draft_tokens, spec_decode_num_accepted_tokens:
+            this step's verifications (drafts verified, draft tokens, tokens accepted).
     """
 
     finished: list[Request] = field(default_factory=list)

@@ -17,11 +17,10 @@ class EngineStats:
         kv_cache_usage: fraction of blocks in use now (vllm:kv_cache_usage_perc).
         num_running, num_waiting: queue lengths now.
         num_steps, num_prompt_tokens, num_generation_tokens: totals.
-        spec_decode_num_drafts, spec_decode_num_draft_tokens,
-            spec_decode_num_accepted_tokens: speculative decoding (vllm:spec_decode_*_total):
-            verifications run, draft tokens verified, draft tokens accepted. The
-            acceptance rate is accepted / draft tokens; the mean tokens per verification
-            is 1 + accepted / drafts.
+        spec_decode_num_drafts, spec_decode_num_draft_tokens, spec_decode_num_accepted_tokens:
+            speculative decoding (vllm:spec_decode_*_total): verifications run, draft
+            tokens verified, draft tokens accepted. The acceptance rate is accepted /
+            draft tokens; the mean tokens per verification is 1 + accepted / drafts.
         num_corrupted_requests: requests whose logits, prompt log-probs or (int8 cache)
             K/V held NaN/inf (vllm:corrupted_requests); generation requests among them
             finish with finish_reason "error".
