@@ -323,6 +323,17 @@ class Scheduler:
             req.finish_time = now
             update.finished.append(req)
 
+        def append(req: Request, token: int) -> bool:
+            """Append a generated token; True when a stop condition finished the request."""
+            req.append_output_token(token)
+            update.num_generation_tokens += 1
+            if req.first_token_time is None:
+                req.first_token_time = now
+            status = check_stop(req, token, detokenize)
+            if status is not None:
+                finish(req, status)
+            return status is not None
+
         for rid in output.nonfinite_request_ids:
             req = by_id[rid]
             if not req.corrupted:
@@ -340,15 +351,8 @@ class Scheduler:
                 else:
                     req.append_output_token(req.score.forced_token_ids[req.num_output_tokens])
                 continue
-            token = output.sampled_token_ids[i]
-            req.append_output_token(token)
-            update.num_generation_tokens += 1
-            if req.first_token_time is None:
-                req.first_token_time = now
             update.sampled.append((i, req))
-            status = check_stop(req, token, detokenize)
-            if status is not None:
-                finish(req, status)
+            append(req, output.sampled_token_ids[i])
         for rid, tokens in output.spec_outputs.items():
             req = by_id[rid]
             update.spec_decode_num_drafts += 1
@@ -358,12 +362,6 @@ class Scheduler:
             if req.is_finished:  # finished with "error" above
                 continue
             for token in tokens:  # one at a time: a stop condition ends the request exactly
-                req.append_output_token(token)
-                update.num_generation_tokens += 1
-                if req.first_token_time is None:
-                    req.first_token_time = now
-                status = check_stop(req, token, detokenize)
-                if status is not None:
-                    finish(req, status)
+                if append(req, token):
                     break
         return update
