@@ -417,7 +417,8 @@ print("| INCIDENTS #13 lab idea: scale one down_proj or norm weight by 1000 | no
 # left alone) and `fused_add_rms_norm` (vLLM's residual add + norm, with the clamp). The
 # grader checks them on fresh tensors against the engine's references, then plugs them
 # into the engine through the step registry on fresh sequences: your norm brings the
-# faulty engine's KL from several nats back under 1e-4, and your fused add brings the
+# faulty engine's KL from several nats back under 1e-4 (or under twice the correct float16
+# engine's, on the rare draw where float16 flips a near tie), and your fused add brings the
 # amplified engine (c = 2.75) from NaN to finite logits within 1e-2 nats of float32.
 
 # %%

@@ -338,8 +338,10 @@ checks.at_most("max |normed - RMSNorm(new residual)| (float16)",
 #
 # 1. **The norm.** Your `rms_norm` replaces every RMSNorm of the float16 engine
 #    (`"rms_norm"` step). Pass: KL at most 1e-4 nats (the correct float16 engine measures
-#    about 2e-5 against float32). The broken engine (`broken_norm`) is measured by the same
-#    check and must fail it.
+#    2e-5 to 5e-5 against float32), or at most twice the correct float16 engine's KL on
+#    the same sequences where that is higher (about 2 % of draws hit a near tie that
+#    float16 flips: up to 2.8e-3 measured). The broken engine (`broken_norm`) is measured
+#    by the same check and must fail it.
 # 2. **The overflow.** The float16 engine with its residual stream scaled by 2.75
 #    (`amplified`) runs your `fused_add_rms_norm` as its `"fused_add_rms_norm"` step (every
 #    residual add). Pass: every log-prob finite (no NaN row) and KL at most 1e-2 nats
@@ -364,13 +366,20 @@ _seqs, _ref = _fresh_reference()
 _f16 = engine("float16")
 with _f16.swap_step("rms_norm", rms_norm):
     _mine = _kl(_ref, _f16.score(_seqs))
+_correct = _kl(_ref, _f16.score(_seqs))  # the engine's own (upcasting) RMSNorm
 with broken_norm(_f16):
     _bad = _kl(_ref, _f16.score(_seqs))
+# The bound: 1e-4, or twice the correct float16 engine's KL on the same sequences where
+# that is higher. Measured over 325 draws: the correct engine gives 2e-5..5e-5 on most
+# draws, but 1e-4..2.8e-3 on about 2 % (a position where float16 flips a near tie), and a
+# fixed 1e-4 failed the reference solution there. The broken engine: 6-7.4 nats.
+_bound = max(1e-4, 2 * _correct)
 print(f"mean KL vs float32, fresh sequences of {[len(s) for s in _seqs]} tokens: "
-      f"your rms_norm {_mine:.3g} nats, the broken engine {_bad:.3g} nats")
-if _bad == _bad and _bad <= 1e-4:
+      f"your rms_norm {_mine:.3g} nats, the correct float16 engine {_correct:.3g}, the "
+      f"broken engine {_bad:.3g} nats; pass: at most {_bound:.3g}")
+if _bad == _bad and _bad <= _bound:
     raise checks.CheckFailed("the check does not discriminate: the broken engine passes it")
-checks.at_most("mean KL vs float32 with your rms_norm in every layer (float16)", _mine, 1e-4)
+checks.at_most("mean KL vs float32 with your rms_norm in every layer (float16)", _mine, _bound)
 ### END HIDDEN TESTS
 
 # %% nbgrader={"grade": true, "grade_id": "test_restore_overflow", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
