@@ -2,7 +2,7 @@
 
 import kernels as _kernels  # noqa: F401  (first: on CPU-only machines it sets TRITON_INTERPRET=1)
 
-from minivllm.config import EngineArgs
+from minivllm.engine.arg_utils import EngineArgs
 from minivllm.llm import LLM
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
 from minivllm.sampling_params import SamplingParams

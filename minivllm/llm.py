@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from minivllm.config import EngineArgs
+from minivllm.engine.arg_utils import EngineArgs
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.stats import EngineStats
 from minivllm.outputs import RequestOutput
@@ -31,7 +31,7 @@ Conversation = list[dict[str, str]]
 class LLM:
     """An engine plus a tokenizer, driven to completion by ``generate``/``chat``.
 
-    Keyword arguments are :class:`minivllm.config.EngineArgs` fields (vLLM names):
+    Keyword arguments are :class:`minivllm.engine.arg_utils.EngineArgs` fields (vLLM names):
     ``model, dtype, kv_cache_dtype, block_size, num_gpu_blocks_override,
     kv_cache_memory_bytes, max_num_seqs, max_num_batched_tokens, max_model_len,
     enable_prefix_caching, enable_chunked_prefill, seed, device``, KV scales

@@ -71,6 +71,11 @@ def assert_clean(llm: LLM) -> None:
     ({"kv_cache_dtype": "fp8", "kv_scale": (1.0, 1.0), "calculate_kv_scales": True},
      r"cannot be combined"),
     ({"quantization": "int3"}, r"Unknown quantization 'int3'; allowed: int8, int4, awq"),
+    # the draft model's method, checked by EngineArgs.validate (config.py cannot see the
+    # registry)
+    ({"speculative_config": {"model": "x", "num_speculative_tokens": 1,
+                             "quantization": "int3"}},
+     r"Unknown quantization 'int3'; allowed: int8, int4, awq"),
     ({"quantization_config": {"group_size": 64}}, r"without quantization"),
     ({"quantization": "int4", "quantization_config": {"group_size": 48}},
      r"group_size.*must be the integer 32, 64 or 128, got 48"),

@@ -14,7 +14,7 @@ import torch
 from minivllm import LLM, SamplingParams
 from minivllm.attention.backends.torch_ref import (decode_attention_batch_invariant,
                                                    decode_attention_ref)
-from minivllm.config import EngineArgs, batch_invariant_enabled
+from minivllm.engine.arg_utils import EngineArgs, batch_invariant_enabled
 from minivllm.layers.linear import float_linear, rowwise
 from minivllm.layers.rms_norm import rms_norm_ref
 from minivllm.precision.batching import decode_logits_beside

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from minivllm import LLM, SamplingParams
-from minivllm.config import (ALLOWED_DTYPES, FLOAT16_NOT_SUPPORTED_MODELS, EngineArgs,
-                             parse_dtype, resolve_auto_dtype)
+from minivllm.config import (ALLOWED_DTYPES, FLOAT16_NOT_SUPPORTED_MODELS, parse_dtype,
+                             resolve_auto_dtype)
+from minivllm.engine.arg_utils import EngineArgs
 from minivllm.precision import metrics
 from minivllm.precision.faults import residual_scale_reparam
 from minivllm.precision.overflow import track_nonfinite

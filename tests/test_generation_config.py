@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from minivllm import LLM, SamplingParams
-from minivllm.config import EngineArgs, default_sampling_params
+from minivllm.config import default_sampling_params
+from minivllm.engine.arg_utils import EngineArgs
 from minivllm.layers.sampler import Sampler, SamplingMetadata
 
 

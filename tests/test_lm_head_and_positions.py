@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from minivllm import LLM
-from minivllm.config import EngineArgs
+from minivllm.engine.arg_utils import EngineArgs
 from minivllm.models.llama import lm_head_fp32, lm_head_ref
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from minivllm import LLM, SamplingParams
-from minivllm.config import EngineArgs, SpeculativeConfig, parse_speculative_config
+from minivllm.config import SpeculativeConfig, parse_speculative_config
+from minivllm.engine.arg_utils import EngineArgs
 from minivllm.precision.faults import (rejection_sampler_first_unverified,
                                        spec_accept_first_unverified)
 from minivllm.spec_decode import propose_ngram, rejection_sample_random, verify_greedy

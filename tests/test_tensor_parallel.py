@@ -10,7 +10,7 @@ more than 0.1.
 import pytest
 
 from minivllm import LLM, SamplingParams
-from minivllm.config import EngineArgs
+from minivllm.engine.arg_utils import EngineArgs
 from minivllm.precision.faults import tp_gate_up_contiguous
 
 TOL_FP32 = 1e-4

@@ -20,7 +20,8 @@ from pathlib import Path
 from collections.abc import Iterable
 from typing import Callable, Optional, Sequence, Union
 
-from minivllm.config import LM_HEAD_DTYPES, EngineArgs, batch_invariant_enabled
+from minivllm.config import LM_HEAD_DTYPES
+from minivllm.engine.arg_utils import EngineArgs, batch_invariant_enabled
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.scheduler import Scheduler
 from minivllm.engine.input_processor import InputProcessor

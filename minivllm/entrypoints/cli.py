@@ -1,6 +1,6 @@
 """``minivllm`` command line: ``generate``, ``compare``, ``bisect``, ``regress``, ``demo``, ``serve``, ``bench serve``.
 
-Engine flags are generated from :class:`minivllm.config.EngineArgs`, spelled as
+Engine flags are generated from :class:`minivllm.engine.arg_utils.EngineArgs`, spelled as
 ``vllm serve`` spells them (``--kv-cache-dtype``, ``--max-num-seqs``,
 ``--enable-prefix-caching/--no-enable-prefix-caching`` ...).
 """
@@ -14,7 +14,8 @@ import math
 import sys
 from typing import Any, Optional
 
-from minivllm.config import ALLOWED_DTYPES, ALLOWED_KV_CACHE_DTYPES, LOGPROBS_MODES, EngineArgs
+from minivllm.config import ALLOWED_DTYPES, ALLOWED_KV_CACHE_DTYPES, LOGPROBS_MODES
+from minivllm.engine.arg_utils import EngineArgs
 from minivllm.quantization import QUANTIZATION_METHODS
 
 _CHOICES = {"dtype": ALLOWED_DTYPES, "kv_cache_dtype": ALLOWED_KV_CACHE_DTYPES,

@@ -245,7 +245,8 @@ def start_tensor_parallel(model, args, vllm_config) -> MultiprocExecutor:
     did (``args``: the EngineArgs; ``vllm_config``: the engine's configs)."""
     from pathlib import Path
 
-    from minivllm.config import LM_HEAD_DTYPES, batch_invariant_enabled
+    from minivllm.config import LM_HEAD_DTYPES
+    from minivllm.engine.arg_utils import batch_invariant_enabled
 
     mc, tp = vllm_config.model_config, args.tensor_parallel_size
     spec = WorkerSpec(

@@ -39,7 +39,7 @@ class DraftModelProposer:
     """
 
     def __init__(self, spec, target):
-        from minivllm.config import EngineArgs
+        from minivllm.engine.arg_utils import EngineArgs
         from minivllm.engine.llm_engine import LLMEngine
 
         ta, mc, cc = target.args, target.model_config, target.cache_config
