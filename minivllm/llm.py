@@ -70,13 +70,18 @@ class LLM:
         return self.llm_engine.kv_cache_scales()
 
     def weight_bytes(self) -> dict[str, int]:
-        """Stored weight bytes: ``{"linear", "other", "total"}``."""
-        return self.llm_engine.weight_bytes()
+        """Bytes of the model's weights as stored (quantized layers count their packed
+        tensors and scales): ``{"linear", "other", "total"}``."""
+        from minivllm.quantization.quantize import model_weight_bytes
+
+        return model_weight_bytes(self.llm_engine.model_runner.model)
 
     def save_quantized(self, path):
         """Write this quantized model to a folder ``LLM(path)`` loads again (format:
         :mod:`minivllm.quantization.checkpoint`). Raises ValueError if not quantized."""
-        return self.llm_engine.save_quantized(path)
+        from minivllm.quantization.checkpoint import save_quantized
+
+        return save_quantized(self.llm_engine, path)
 
     def collective_rpc(self, method, args: tuple = ()):
         """Run ``method(model, *args)`` on every tensor-parallel rank's model (tp = 1: the

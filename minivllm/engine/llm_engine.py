@@ -5,10 +5,11 @@ sample) -> ``Scheduler.update_from_output`` (append tokens, check stop condition
 finished requests' blocks) -> ``OutputProcessor.process_outputs`` (log-probs, text) ->
 the outputs of requests that finished in the step.
 
-Around the loop: configs come from ``EngineArgs.create_engine_config`` (config.py),
+Around the loop: configs come from ``EngineArgs.create_engine_config`` (arg_utils.py),
 prompts are checked by the ``InputProcessor`` (input_processor.py), counters live in
-``EngineStats`` (stats.py), KV-scale calibration and quantized checkpoints in
-``minivllm/quantization/``.
+``EngineStats`` (stats.py), KV-scale calibration in ``minivllm/quantization/`` (weight
+bytes and quantized checkpoints too: ``LLM.weight_bytes`` and ``LLM.save_quantized`` call
+them directly).
 """
 
 from __future__ import annotations
@@ -334,16 +335,3 @@ class LLMEngine:
     def kv_cache_scales(self) -> dict:
         """The KV-cache scales in use (see ``ModelRunner.kv_cache_scales``)."""
         return self.model_runner.kv_cache_scales()
-
-    def weight_bytes(self) -> dict[str, int]:
-        """Bytes of the model's weights as stored (quantized layers count their packed
-        tensors and scales): ``{"linear", "other", "total"}``."""
-        from minivllm.quantization.quantize import model_weight_bytes
-
-        return model_weight_bytes(self.model_runner.model)
-
-    def save_quantized(self, path):
-        """Save a quantized model (format: :mod:`minivllm.quantization.checkpoint`)."""
-        from minivllm.quantization.checkpoint import save_quantized
-
-        return save_quantized(self, path)
