@@ -360,7 +360,7 @@ for _cfg, _p, _sup, _mt in _it.product([F32, F16, BF16], _peaks, _platforms,
 #
 # For each of two scenarios the grader measures the peak with your `residual_peaks` on
 # calibration text (float32 engine), asks your `choose_dtype` for a dtype, builds (or
-# reuses) the engine in that dtype and scores two fresh corpus windows of 24 tokens (and
+# reuses) the engine in that dtype and scores four fresh corpus windows of 48 tokens (and
 # for the x4 model answers two fresh questions greedily); the reference is the float32
 # engine on the same model. It then
 # runs the configuration `dtype="auto"` gives on that platform, with the same check, and
@@ -368,8 +368,8 @@ for _cfg, _p, _sup, _mt in _it.product([F32, F16, BF16], _peaks, _platforms,
 #
 # - the x4 model on `PRE_AMPERE` (`auto`: float16): every logit finite, no request ending
 #   `"error"`, KL against float32 at most 5e-3 nats (bfloat16 weights measure ~1e-3);
-# - the unmodified model on `CPU` (`auto`: bfloat16): KL at most 1e-4 nats (float16
-#   measures ~2e-5, bfloat16 ~1e-3).
+# - the unmodified model on `CPU` (`auto`: bfloat16): KL at most 2e-4 nats (float16
+#   measures 2e-5 to 3e-5, bfloat16 1e-3 to 2e-3).
 
 # %% nbgrader={"grade": true, "grade_id": "test_restore", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
 import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
@@ -389,7 +389,8 @@ def _window(n):
 
 
 _calib = [_window(40)]
-_seqs = [_window(24), _window(24)]
+# 4 x 48 positions: with 2 x 24 one draw in 100 put float16 at 1.6e-4 (others <= 4.7e-5)
+_seqs = [_window(48) for _ in range(4)]
 _prompts = [tok.encode(tok.apply_chat_template(evalsets.qa_prompt(q.question), tokenize=False,
                                                add_generation_prompt=True),
                        add_special_tokens=False) for q in _rng.sample(_qa, 2)]
@@ -417,7 +418,9 @@ def _measure(dtype, c):
 
 
 _first = choose_dtype(F32, 1.0, list(CPU))  # your function first: a stub fails here at once
-for _c, _sup, _name, _budget in ((4.0, PRE_AMPERE, "PRE_AMPERE", 5e-3), (1.0, CPU, "CPU", 1e-4)):
+# CPU budget: float16 (the solution) 1.8e-5..3.3e-5 over 100 draws of 4 x 48 tokens, bfloat16
+# (auto) 1.2e-3..2.0e-3: 2e-4 is 6x above the one and 6x below the other
+for _c, _sup, _name, _budget in ((4.0, PRE_AMPERE, "PRE_AMPERE", 5e-3), (1.0, CPU, "CPU", 2e-4)):
     with amplified(engine(F32), _c):
         _peak = float(residual_peaks(engine(F32), _calib).max())
     _mine = choose_dtype(F32, _peak, list(_sup))
