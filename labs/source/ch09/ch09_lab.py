@@ -281,8 +281,11 @@ for _dtype, (_n, _L, _H, _Hkv, _D, _tile), _amp in (
                 f"{'given' if _m is not None else 'None'}"
         checks.equal(f"dtype ({_what})", _got.dtype, torch.float32)
         checks.equal(f"non-finite outputs ({_what})", int((~torch.isfinite(_got)).sum()), 0)
+        # the large-scores case: scores of ~1e3, which float32 rounds by ~1e-4 before exp, so
+        # a correct float32 kernel is off by up to 2.1e-4 (solution over 1000 draws: 6 % above
+        # 2e-5); the no_rescale fixture is off by 1.3-3.9 there, 0.3-1.9 on the first case
         checks.at_most(f"max |online - float64 attention| ({_what})",
-                       (_got.double() - _want).abs().max(), 2e-5)
+                       (_got.double() - _want).abs().max(), 1e-3 if _amp == 30.0 else 2e-5)
     checks.equal("a query with no allowed key gives 0",
                  bool((online_softmax_attention(_q, _k, _v, _mask, _D ** -0.5, _tile)[0] == 0)
                       .all()), True)
