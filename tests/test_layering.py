@@ -49,8 +49,6 @@ _DRAFT = ("the draft model runs in a second LLMEngine built from the target's En
 ALLOWED_UPWARD: dict[tuple[str, str], str] = {
     ("minivllm.config", "minivllm.quantization"):
         "a type annotation only (VllmConfig.quant_config: QuantConfig, under TYPE_CHECKING)",
-    ("minivllm.quantization.kv_cache", "minivllm.quantization.kv_calibration"):
-        "the old import path of calibrate_kv_amax (labs ch18, ch19), a module __getattr__",
     ("minivllm.quantization.calibration", "minivllm.precision.evalsets"):
         "the default calibration text is the bundled eval sets; calibration.py keys the "
         "quantized-checkpoint cache, so it is left as it is",

@@ -32,8 +32,8 @@ Scale granularity (``kv_scale_type`` / ``kv_scale_granularity``):
   ``[num_slots, num_kv_heads]`` tensors (4 bytes per head per token, counted in the
   cache's size). Nothing to calibrate and nothing saturates.
 
-Calibration (:func:`calibrate_kv_amax`) runs the float model on calibration text and
-records per layer (and head) the largest |K| and |V| (after rotary, i.e. what is
+Calibration (:func:`minivllm.quantization.kv_calibration.calibrate_kv_amax`) runs the
+float model on calibration text and records per layer (and head) the largest |K| and |V| (after rotary, i.e. what is
 stored); the scale is ``amax / qmax``. vLLM's ``calculate_kv_scales`` instead takes the
 first batch's amax and divides by fixed headroom constants (``K_SCALE_CONSTANT=200``,
 ``V_SCALE_CONSTANT=100`` in ``vllm/envs.py``); we calibrate over a set so the range is
@@ -186,14 +186,3 @@ class LayerKVCache:
 def kv_scale_bytes_per_token(num_kv_heads: int, dynamic: bool) -> int:
     """Extra bytes per token per layer for dynamic scales (K and V, float32 per head)."""
     return 2 * num_kv_heads * 4 if dynamic else 0
-
-
-def __getattr__(name: str):
-    # calibrate_kv_amax runs the model, so it lives with the other calibration passes
-    # (minivllm/quantization/kv_calibration.py), and this module imports no calibration
-    # code; the old import path (labs ch18, ch19) still works through this hook.
-    if name == "calibrate_kv_amax":
-        from minivllm.quantization.kv_calibration import calibrate_kv_amax
-
-        return calibrate_kv_amax
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -303,7 +303,7 @@ checks.guard()
 import gc as _gc
 import random as _random
 
-from minivllm.quantization.kv_cache import calibrate_kv_amax as _calibrate_amax
+from minivllm.quantization.kv_calibration import calibrate_kv_amax as _calibrate_amax
 from minivllm.quantization.kv_cache import kv_scales_from_amax as _from_amax
 
 _probe = torch.randn(4, 3, 8) * 5                          # the learner's functions first: a

@@ -364,7 +364,7 @@ import contextlib as _contextlib
 import gc as _gc
 import random as _random
 
-from minivllm.quantization.kv_cache import calibrate_kv_amax as _calibrate_amax
+from minivllm.quantization.kv_calibration import calibrate_kv_amax as _calibrate_amax
 from minivllm.quantization.kv_cache import kv_scales_from_amax as _from_amax
 
 _probe = torch.rand(3, 64) * 20                                 # the learner's functions first:
