@@ -33,11 +33,11 @@ Scale granularity (``kv_scale_type`` / ``kv_scale_granularity``):
   cache's size). Nothing to calibrate and nothing saturates.
 
 Calibration (:func:`minivllm.quantization.kv_calibration.calibrate_kv_amax`) runs the
-float model on calibration text and records per layer (and head) the largest |K| and |V| (after rotary, i.e. what is
-stored); the scale is ``amax / qmax``. vLLM's ``calculate_kv_scales`` instead takes the
-first batch's amax and divides by fixed headroom constants (``K_SCALE_CONSTANT=200``,
-``V_SCALE_CONSTANT=100`` in ``vllm/envs.py``); we calibrate over a set so the range is
-known and use the whole grid.
+float model on calibration text and records per layer (and head) the largest |K| and |V|
+(after rotary, i.e. what is stored); the scale is ``amax / qmax``. vLLM's
+``calculate_kv_scales`` instead takes the first batch's amax and divides by fixed
+headroom constants (``K_SCALE_CONSTANT=200``, ``V_SCALE_CONSTANT=100`` in
+``vllm/envs.py``); we calibrate over a set so the range is known and use the whole grid.
 
 fp8 tensors are indexed through a uint8 view because CPU torch lacks fp8 index kernels.
 """
