@@ -237,12 +237,12 @@ for dtype in (torch.float32, torch.bfloat16):
         changed += not torch.equal(decode_attention_ref(q, kp, vp, torch.tensor([n]), 0.125),
                                    solo)
     w = (torch.randn(3072, 576, generator=g) * 0.05).to(dtype)
-    x = torch.randn(16, 576, generator=g).to(dtype)
+    x = torch.randn(64, 576, generator=g).to(dtype)
     rows_alone = torch.cat([float_linear(x[i:i + 1].clone(), w, None, False, owner=w)
-                            for i in range(16)])
+                            for i in range(64)])
     gemm_rows = {M: int(sum(not torch.equal(float_linear(x[:M], w, None, False, owner=w)[i],
                                             rows_alone[i]) for i in range(M)))
-                 for M in (2, 4, 8, 16)}
+                 for M in (2, 4, 8, 16, 32, 33, 64)}
     pad_rows[str(dtype)] = (changed, gemm_rows)
     print(f"{dtype}: padded SDPA differs from the unpadded one for {changed} of 64 pad "
           f"lengths; GEMM rows that differ from the same row alone, by M: {gemm_rows}")
@@ -256,8 +256,13 @@ for dtype in (torch.float32, torch.bfloat16):
 #   8 significant bits, so many of those differences round away, but one that survives is
 #   a whole bf16 ulp, and 30 layers later the logits move by tenths.
 # - **Linears**: the float32 GEMM (oneDNN, packed weights) gives a row different bits at
-#   M >= 2 than alone; the bfloat16 GEMM does not (at any M tried). So in bfloat16 the
-#   padding is the whole story, in float32 both contribute.
+#   M >= 2 than alone. The bfloat16 GEMM depends on the CPU: on the machines this course
+#   was written on, no row changed up to M = 16; on a Xeon with AMX bf16 tiles
+#   (`amx_bf16` in `lscpu`) none changed up to M = 32, and from M = 33 rows change (4 of
+#   33 in this 576 -> 3072 linear, 30 of 33 in the LM head's 576 -> 49152). The dict
+#   printed above is this machine's. A decode step that carries a prefill chunk beside
+#   it easily reaches 33 rows, so where rows change at M = 33, bfloat16 has two causes
+#   too; with decode steps alone (M = batch size), the padding is the whole story.
 # - RMSNorm reduces each row on its own (checked in `tests/test_batch_invariant.py`), and
 #   prefill attention runs one sequence at a time: prefill-mode scores were bitwise equal
 #   in section 3.

@@ -20,9 +20,10 @@
 # length. This lab starts from the engine's batch-invariant mode (`batch_invariant=True`:
 # linears and LM head one row at a time) with that default padded SDPA planted back as
 # its decode attention, so attention is the whole problem. (The linears need the mode:
-# on a CPU with AMX bf16 tiles a bf16 GEMM can also give a row different bits in a batch;
-# measured on a Xeon with `amx_bf16`, the default engine with a correct attention failed
-# 2 of 6 fresh draws of the check below, the batch-invariant one 0 of 6.) You write the decode
+# on a Xeon with AMX bf16 tiles, `amx_bf16`, a bf16 GEMM gives a row different bits from
+# 33 rows up, which a prefill chunk beside the decode reaches; there the default engine
+# with a correct attention failed 2 of 6 fresh draws of the check below, the
+# batch-invariant one 0 of 21.) You write the decode
 # attention yourself, the way `kernels/paged_attention.py` and vLLM's batch-invariant
 # mode do it: **split-KV with a fixed split size, merged in split order**, over each
 # sequence's own keys. The last test plugs it into the engine as its `"attention.decode"`
