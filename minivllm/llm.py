@@ -337,7 +337,10 @@ class LLM:
                 engine.finished_outputs.pop(r.request_id, None)
             raise
         self._run_engine([r.request_id for r in reqs], use_tqdm)
-        results = [r.score.result() for r in reqs if r.score is not None]  # all of them
+        results = []
+        for r in reqs:
+            assert r.score is not None  # every request here was made by add_score_request
+            results.append(r.score.result())
         return results[0] if single else results
 
     @staticmethod

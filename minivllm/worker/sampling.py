@@ -49,10 +49,7 @@ def sampling_metadata(reqs: list[Request], device: torch.device) -> SamplingMeta
     meta.max_num_logprobs = max(asked) if asked else None
     for i, r in enumerate(reqs):
         if r.sampling_params.seed is not None:
-            if r.generator is None:
-                r.generator = torch.Generator(device=device)
-                r.generator.manual_seed(r.sampling_params.seed)
-            meta.generators[i] = r.generator
+            meta.generators[i] = seeded_generator(r, device)
         if r.num_output_tokens < r.sampling_params.min_tokens:
             block = list(r.sampling_params.stop_token_ids or ())
             if not r.sampling_params.ignore_eos:
@@ -68,11 +65,18 @@ def request_generator(r: Request, sampler: Sampler,
     first use, or the engine's (``sampler.generator``)."""
     if r.sampling_params.seed is None:
         return sampler.generator
-    own = r.generator
+    return seeded_generator(r, device)
+
+
+def seeded_generator(r: Request, device: torch.device) -> torch.Generator:
+    """A seeded request's own generator (``sampling_params.seed`` set): created and
+    seeded on first use, then kept on the request so its draws continue across steps."""
+    own, seed = r.generator, r.sampling_params.seed
     if own is not None:
         return own
+    assert seed is not None, "only seeded requests have their own generator"
     gen = torch.Generator(device=device)
-    gen.manual_seed(r.sampling_params.seed)
+    gen.manual_seed(seed)
     r.generator = gen
     return gen
 
