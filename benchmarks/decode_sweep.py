@@ -4,10 +4,10 @@
     python benchmarks/decode_sweep.py --quick    # fewer shapes and configurations
     python benchmarks/decode_sweep.py --spp      # also splits_per_program 1, 2, 4, whole
 
-For each shape (batch, context) it times :func:`kernels.paged_attention.paged_attention_decode`
+For each shape (batch, context) it times :func:`minivllm_kernels.paged_attention.paged_attention_decode`
 under every configuration of the grid (``BLOCK_N`` keys per tile, warps, pipeline
 stages, where ``None`` is the choice of
-:func:`~kernels.paged_attention.decode_num_stages`; with ``--spp`` also
+:func:`~minivllm_kernels.paged_attention.decode_num_stages`; with ``--spp`` also
 ``splits_per_program``: 1, 2, 4 or a whole sequence per program; otherwise the default
 rule's) and ``F.scaled_dot_product_attention`` on the
 same K/V laid out contiguously, all as CUDA-graph replays (median, L2 flushed, as in
@@ -37,7 +37,7 @@ import triton  # noqa: E402
 
 from benchmarks.gpu_suite import (bench_graph, copy_bandwidth, log,  # noqa: E402
                                   paged_decode_inputs, sdpa_on_contiguous, table)
-from kernels import paged_attention as PA  # noqa: E402
+from minivllm_kernels import paged_attention as PA  # noqa: E402
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Why does decode attention over an fp8 KV cache not run at the bandwidth its bytes allow?
 
 A probe for issue 27 item 3 (CUDA only). With a bf16 cache the split-KV decode kernel
-(``kernels/paged_attention.py``) reads K/V at 91-107 % of copy bandwidth at batch >= 32 and
+(``minivllm_kernels/paged_attention.py``) reads K/V at 91-107 % of copy bandwidth at batch >= 32 and
 context >= 4k; with an fp8_e4m3 cache at 44-46 % (``benchmarks/gpu_suite.py``). This script
 times variants of the kernel's K/V tile path, each in its own process (Triton resolves a
 kernel's ``@jit`` helpers when it first compiles), and checks each variant's output bits
@@ -42,8 +42,8 @@ import minivllm  # noqa: E402,F401  (before torch: sets up Triton)
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from kernels import paged_attention as PA  # noqa: E402
-from kernels._quant import cast_rne, dot  # noqa: E402
+from minivllm_kernels import paged_attention as PA  # noqa: E402
+from minivllm_kernels._quant import cast_rne, dot  # noqa: E402
 
 
 @triton.jit

@@ -12,7 +12,7 @@ Steps, all in one process so every ratio is measured side by side:
    engine's greedy output with TRITON + CUDA graphs, TRITON eager and the TORCH
    reference backend.
 1. Copy bandwidth: ``dst.copy_(src)`` of 4 GiB, counted as bytes read + bytes written.
-2. (a) Decode attention: :func:`kernels.paged_attention.paged_attention_decode` on a
+2. (a) Decode attention: :func:`minivllm_kernels.paged_attention.paged_attention_decode` on a
    Llama-3-8B attention shape (32 query heads, 8 KV heads, head_dim 128, bf16 cache,
    block size 16, blocks scattered at random), batch 1..256 x context 512..32k, against
    ``F.scaled_dot_product_attention`` on the same K/V laid out contiguously
@@ -196,7 +196,7 @@ def sdpa_on_contiguous(q, k_cache, v_cache, bt, bs: int, scale: float):
 
 
 def decode_attention(copy_bw: float, quick: bool, full_sweep: bool = False) -> tuple:
-    from kernels import paged_attention as PA
+    from minivllm_kernels import paged_attention as PA
 
     H, Hkv, D, bs = 32, 8, 128, 16
     batches = [1, 8, 32] if quick else [1, 8, 32, 64, 128, 256]

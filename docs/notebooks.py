@@ -4,7 +4,7 @@ The site shows each chapter with its outputs (numbers and plots measured when th
 notebook ran). Executing a chapter takes about a minute on a 2-core CPU, so an executed
 copy is kept in ``build/notebooks/<chapter>.ipynb`` together with a key: the sha256 of
 the chapter's jupytext source and of every file of the engine (``minivllm/``,
-``kernels/``). A build reuses the copy while the key matches and executes the chapter
+``minivllm_kernels/``). A build reuses the copy while the key matches and executes the chapter
 again when the chapter or the engine changed (``MINIVLLM_SITE_STALE_OK=1`` reuses an
 older copy: for writing the docs while the engine is being changed). ``tests/test_course.py`` stores the copy it
 executes, so ``make test`` executes each chapter once for both tests.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE_DIR = Path(os.environ.get("MINIVLLM_SITE_NOTEBOOKS", ROOT / "build" / "notebooks"))
-ENGINE_DIRS = ("minivllm", "kernels")
+ENGINE_DIRS = ("minivllm", "minivllm_kernels")
 META = "minivllm_site"
 
 

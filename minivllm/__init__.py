@@ -1,6 +1,6 @@
 """minivllm: a compact, readable vLLM-style inference engine for the precision course."""
 
-import kernels as _kernels  # noqa: F401  (first: on CPU-only machines it sets TRITON_INTERPRET=1)
+import minivllm_kernels as _kernels  # noqa: F401  (first: on CPU-only machines it sets TRITON_INTERPRET=1)
 
 from minivllm.engine.arg_utils import EngineArgs
 from minivllm.llm import LLM

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import kernels  # noqa: F401  (before torch/transformers import Triton: interpreter on CPU)
+import minivllm_kernels  # noqa: F401  (before torch/transformers import Triton: interpreter on CPU)
 import pytest
 import torch
 

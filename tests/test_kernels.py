@@ -1,4 +1,4 @@
-"""The Triton kernels in :mod:`kernels` against their PyTorch references (``*_ref``).
+"""The Triton kernels in :mod:`minivllm_kernels` against their PyTorch references (``*_ref``).
 
 Every output buffer and cache is POISONED before a kernel runs (NaN for 16/32-bit
 dtypes; for 1-byte dtypes a byte the kernel never writes: 0xFF, a NaN, for fp8 and
@@ -20,7 +20,7 @@ The store kernel must match its reference byte for byte; the attention kernels w
 the tolerances below (the reference dequantizes the same stored bytes, so quantized
 caches get the compute dtype's tolerance); batch invariance is checked bitwise.
 
-Runs in Triton's interpreter on CPU (kernels._triton sets TRITON_INTERPRET=1 without
+Runs in Triton's interpreter on CPU (minivllm_kernels._triton sets TRITON_INTERPRET=1 without
 CUDA) and unchanged on a CUDA GPU.
 """
 
@@ -29,16 +29,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import paged_attention as PA
-from kernels._triton import INTERPRET
-from kernels.activation import silu_and_mul, silu_and_mul_ref
-from kernels.batch_invariant import (linear_batch_invariant, matmul_batch_invariant, matmul_ref,
+from minivllm_kernels import paged_attention as PA
+from minivllm_kernels._triton import INTERPRET
+from minivllm_kernels.activation import silu_and_mul, silu_and_mul_ref
+from minivllm_kernels.batch_invariant import (linear_batch_invariant, matmul_batch_invariant, matmul_ref,
                                      rms_norm_batch_invariant, rms_norm_batch_invariant_ref)
-from kernels.paged_attention import (SPLIT_SIZE, paged_attention_decode,
+from minivllm_kernels.paged_attention import (SPLIT_SIZE, paged_attention_decode,
                                      paged_attention_decode_ref)
-from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
-from kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
-from kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
+from minivllm_kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+from minivllm_kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
+from minivllm_kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 
@@ -819,7 +819,7 @@ SILU_CASES = [(F32, 1, 64, False), (F32, 5, 1536, True), (F16, 3, 1000, False),
 @pytest.mark.parametrize("dtype,rows,inter,strided", SILU_CASES, ids=str)
 def test_silu_and_mul_matches_ref(dtype, rows, inter, strided):
     """Within 1 ulp of the dtype (float32: 4 ulp): Triton's exp may differ from
-    PyTorch's by a few float32 ulp, which can move a rounding (see kernels.activation)."""
+    PyTorch's by a few float32 ulp, which can move a rounding (see minivllm_kernels.activation)."""
     torch.manual_seed(950 + inter + rows)
     wide = randn(rows, 2 * inter + (8 if strided else 0), dtype=dtype, scale=4.0)
     x = wide[:, :2 * inter]  # strided: rows 2 * inter + 8 apart

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # The layers, lowest first. A module belongs to the layer of its longest matching prefix.
 LAYERS: list[tuple[str, list[str]]] = [
-    ("kernels", ["kernels"]),  # Triton kernels and their torch references: no minivllm
+    ("minivllm_kernels", ["minivllm_kernels"]),  # Triton kernels and their torch references: no minivllm
     # leaf modules every layer uses: settings, parameters, outputs, the tokenizer, helpers
     ("base", ["minivllm.config", "minivllm.sampling_params", "minivllm.outputs",
               "minivllm.tokenizer", "minivllm.utils", "minivllm.numerics"]),
@@ -62,7 +62,7 @@ ALLOWED_UPWARD: dict[tuple[str, str], str] = {
 
 def _modules() -> dict[str, Path]:
     mods = {}
-    for top in ("minivllm", "kernels"):
+    for top in ("minivllm", "minivllm_kernels"):
         for path in sorted((ROOT / top).rglob("*.py")):
             parts = list(path.relative_to(ROOT).with_suffix("").parts)
             if parts[-1] == "__init__":
@@ -131,6 +131,6 @@ def test_allowlist_is_not_stale():
 
 def test_kernels_import_nothing_from_minivllm():
     mods = _modules()
-    found = sorted((m, t) for m, p in mods.items() if m.split(".")[0] == "kernels"
+    found = sorted((m, t) for m, p in mods.items() if m.split(".")[0] == "minivllm_kernels"
                    for t in _imports(m, p, mods) if t.split(".")[0] == "minivllm")
-    assert not found, f"kernels/ must not import minivllm (torch references: kernels/): {found}"
+    assert not found, f"minivllm_kernels/ must not import minivllm (torch references: minivllm_kernels/): {found}"

@@ -1,7 +1,7 @@
 """ruff and mypy, configured in pyproject.toml ([tool.ruff], [tool.mypy]), are clean.
 
 ruff checks the whole tree (the package, kernels, tests, benchmarks, the course and lab
-sources); mypy checks ``minivllm/`` and ``kernels/``. Each test fails with the tool's own
+sources); mypy checks ``minivllm/`` and ``minivllm_kernels/``. Each test fails with the tool's own
 report and skips only when the tool is not installed (both are in the ``dev`` extra).
 mypy's first run parses torch's annotations (a minute or two on 2 cores); later runs
 reuse ``.mypy_cache`` (seconds).

@@ -151,8 +151,8 @@ def _paged(lens, Hkv, D, bs, dtype, nan_blocks=True):
 
 @pytest.mark.parametrize("dtype", [F32, F16], ids=str)
 def test_triton_decode_and_prefill_empty_rows_are_zero(dtype):
-    from kernels.paged_attention import paged_attention_decode
-    from kernels.prefill_attention import paged_prefill_attention
+    from minivllm_kernels.paged_attention import paged_attention_decode
+    from minivllm_kernels.prefill_attention import paged_prefill_attention
 
     torch.manual_seed(2)
     H, Hkv, D, bs = 4, 2, 16, 8

@@ -1,4 +1,4 @@
-"""The engine on the TRITON attention backend (kernels/, in Triton's interpreter on CPU)
+"""The engine on the TRITON attention backend (minivllm_kernels/, in Triton's interpreter on CPU)
 against the TORCH reference backend; backend selection; CUDA-graph helpers; dummy weights
 and skip_tokenizer_init.
 
@@ -24,7 +24,7 @@ LOGPROB_TOL_QUANT = 1e-3
 
 
 def kernels_interpreted() -> bool:
-    from kernels._triton import INTERPRET
+    from minivllm_kernels._triton import INTERPRET
     return INTERPRET
 
 
@@ -290,7 +290,7 @@ def test_rotary_kernel_matches_reference(dtype):
     reference rounds it). Compiled for a GPU, within 1 ulp of the dtype: the compiler may
     keep a product in float32 across the rounding and fuse it into an FMA (measured on an
     H200 with Triton 3.6: 1 ulp in float16 and bfloat16). float32: within 2 ulp."""
-    from kernels.rotary import rotary_embedding, rotary_embedding_ref
+    from minivllm_kernels.rotary import rotary_embedding, rotary_embedding_ref
     from minivllm.layers.rotary_embedding import RotaryEmbedding
 
     torch.manual_seed(3)

@@ -279,11 +279,11 @@ for dtype in (torch.float32, torch.bfloat16):
 # that request alone (`worker/batch_invariant.py:use_batch_invariant`):
 #
 # - decode attention runs one sequence at a time over its own keys, no padding
-#   (`decode_attention_batch_invariant`). `kernels/paged_attention.py` (the TRITON
+#   (`decode_attention_batch_invariant`). `minivllm_kernels/paged_attention.py` (the TRITON
 #   backend, and vLLM's approach) gets the same property with split-KV of a **fixed split
 #   size** merged in split order; the lab builds that one;
 # - linears and the LM head run one row at a time on CPU (M is always 1; on CUDA they
-#   go through `kernels/batch_invariant.py`, fixed tiles and no split-K).
+#   go through `minivllm_kernels/batch_invariant.py`, fixed tiles and no split-K).
 #
 # The same measurements as sections 2 and 3, with the mode on:
 
@@ -407,7 +407,7 @@ for c, m in rows:
 #
 # `labs/source/ch05/` starts from the default engine, which fails a bitwise
 # batch-invariance check in bfloat16. You write a decode attention with **fixed-size
-# splits merged in split order** (the `kernels/paged_attention.py` design, in torch) and
+# splits merged in split order** (the `minivllm_kernels/paged_attention.py` design, in torch) and
 # a seeded exponential-race sampler. The grader plugs your attention into the engine as
 # its `"attention.decode"` step and checks that fresh prompts give bitwise equal logits
 # alone and in three fresh batch compositions, next to the default engine failing the

@@ -167,9 +167,9 @@ print(f"distinct completions summed over the 3 prompts: default {DISTINCT['defau
 # rows). On the H200 the recorded cost is an order of magnitude larger,
 # because the mode there turns CUDA graphs off and runs the LM head one row at a time
 # (RESULTS.md says so and leaves a batch-invariant LM head through
-# `kernels/batch_invariant.py` as the next step). vLLM's ~1.6x is for kernels written to
+# `minivllm_kernels/batch_invariant.py` as the next step). vLLM's ~1.6x is for kernels written to
 # be fast *and* invariant (fixed tiles, no split-K, fixed-split attention). The H200 GPU
-# suite also records `"attn_batch_invariant": true`: `kernels/paged_attention.py` splits
+# suite also records `"attn_batch_invariant": true`: `minivllm_kernels/paged_attention.py` splits
 # the keys in fixed 512-token splits merged in order, so its decode attention is
 # invariant by construction, in the default mode too.
 
@@ -549,7 +549,7 @@ rows = [
     ("Linears: fp32 GEMM not M-invariant, bf16 M-invariant (chapter 5 / plan)",
      f"F.linear rows differing by M {GEMM_ROWS['torch F.linear (BLAS sgemm)']}; the engine's "
      f"packed GEMM {GEMM_ROWS['engine linear_ref (oneDNN packed)']} (inference mode)"),
-    ("kernels/paged_attention.py is batch-invariant by design (H200 suite)",
+    ("minivllm_kernels/paged_attention.py is batch-invariant by design (H200 suite)",
      "RESULTS.md: \"attn_batch_invariant\": true"),
     ("E2M1 rounding = FloatFormat('fp4_e2m1') (plan)",
      f"{torch.equal(ours, general)} on {len(x)} values, ties to even"),

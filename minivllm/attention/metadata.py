@@ -10,7 +10,7 @@ Two read forms, one per backend:
 * TORCH (reference): per-sequence read slots (``decodes``, ``prefills``),
   gathered into dense tensors for ``scaled_dot_product_attention``;
 * TRITON: block tables and lengths (``paged``), walked by the kernels in
-  :mod:`kernels`, which never materialise the gathered keys.
+  :mod:`minivllm_kernels`, which never materialise the gathered keys.
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ class EngineArgs:
     # CUDA only: capture decode steps in CUDA graphs (sizes 1, 2, 4, 8, 16, ... up to
     # min(max_num_seqs, 256)), needs the TRITON backend; True runs every step eagerly.
     enforce_eager: bool = False
-    # "TORCH" (reference) or "TRITON" (kernels/); None: TORCH on CPU, TRITON on CUDA.
+    # "TORCH" (reference) or "TRITON" (minivllm_kernels/); None: TORCH on CPU, TRITON on CUDA.
     attention_backend: Optional[str] = None
     # "auto": read the checkpoint; "dummy": random weights, only config.json is read
     # (vLLM's name; for benchmarks of model shapes one does not have).
@@ -100,7 +100,7 @@ class EngineArgs:
     # What it changes (``ModelRunner(batch_invariant=True)``): CPU: decode attention
     # runs per sequence over its own keys (no padding to the group's longest sequence),
     # every linear layer and the LM head run one row at a time; CUDA: linears, LM head
-    # and RMSNorm through ``kernels/batch_invariant.py`` (fixed tiles, no split-K) and
+    # and RMSNorm through ``minivllm_kernels/batch_invariant.py`` (fixed tiles, no split-K) and
     # the TRITON paged attention (fixed split size). Unlike vLLM's mode it does not also
     # make prefill and decode of the same token agree, or change the sampler.
     batch_invariant: bool = False

@@ -171,7 +171,7 @@ class Linear(nn.Linear):
     # Batch-invariant mode (``EngineArgs.batch_invariant``; set per layer by the model
     # runner): None off; "rows": :func:`rowwise` around the engine's own path (CPU);
     # a function with linear_ref's signature: that function (CUDA:
-    # ``kernels.batch_invariant.linear_batch_invariant``). A swapped "linear" step wins.
+    # ``minivllm_kernels.batch_invariant.linear_batch_invariant``). A swapped "linear" step wins.
     batch_invariant = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

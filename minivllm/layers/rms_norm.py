@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.reference import rms_norm_ref  # the engine's RMSNorm (kernels/reference.py)
+from minivllm_kernels.reference import rms_norm_ref  # the engine's RMSNorm (minivllm_kernels/reference.py)
 
 
 def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -30,7 +30,7 @@ def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torc
         rms_norm_ref(residual, weight, eps)``. vLLM's native path adds in float32 and
         normalises the unrounded sum; here the rounded sum is normalised, as the unfused
         model does (``h = x + attn``, then ``norm(h)``), so fused and unfused agree bit
-        for bit (``kernels/rms_norm.py`` does the same).
+        for bit (``minivllm_kernels/rms_norm.py`` does the same).
     """
     h = residual + x
     return rms_norm_ref(h, weight, eps), h
@@ -55,7 +55,7 @@ class RMSNorm(nn.Module):
         return self.impl(x, self.weight, self.eps)
 
     def use_kernels(self, impl, fused_add_impl) -> None:
-        """Run ``impl`` (e.g. ``kernels.rms_norm.rms_norm``) and, in :meth:`add_and_norm`,
+        """Run ``impl`` (e.g. ``minivllm_kernels.rms_norm.rms_norm``) and, in :meth:`add_and_norm`,
         the fused residual-add version."""
         self.impl = self._kernel_impl = impl
         self.fused_add_impl = fused_add_impl

@@ -286,7 +286,7 @@ class RotaryEmbedding(nn.Module):
         self._last = (positions, dtype, cos, sin)
         return cos, sin
 
-    kernel = None  # e.g. kernels.rotary.rotary_embedding (in place, same numbers)
+    kernel = None  # e.g. minivllm_kernels.rotary.rotary_embedding (in place, same numbers)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """positions: [num_tokens] int64; q: [T, Hq, D]; k: [T, Hkv, D]. Returns (q, k)

@@ -107,7 +107,7 @@ class LlamaMLP(nn.Module):
         self.intermediate = intermediate
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
-        self.act_and_mul = None  # e.g. kernels.activation.silu_and_mul: one kernel, same numbers
+        self.act_and_mul = None  # e.g. minivllm_kernels.activation.silu_and_mul: one kernel, same numbers
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -224,13 +224,13 @@ class LlamaForCausalLM(nn.Module):
 
     def use_triton_kernels(self) -> None:
         """RMSNorm (fused with the residual add), rotary and SiLU-and-mul from
-        :mod:`kernels` (the engine does this with the TRITON backend on CUDA). At batch 1
+        :mod:`minivllm_kernels` (the engine does this with the TRITON backend on CUDA). At batch 1
         a decode step is a chain of small kernels; these replace ~25 of the ~40 per
         layer. The numbers match the PyTorch path (rotary bit for bit; RMSNorm up to
-        summation order; SiLU within an ulp, see :mod:`kernels.activation`)."""
-        from kernels.activation import silu_and_mul
-        from kernels.rms_norm import fused_add_rms_norm, rms_norm
-        from kernels.rotary import rotary_embedding
+        summation order; SiLU within an ulp, see :mod:`minivllm_kernels.activation`)."""
+        from minivllm_kernels.activation import silu_and_mul
+        from minivllm_kernels.rms_norm import fused_add_rms_norm, rms_norm
+        from minivllm_kernels.rotary import rotary_embedding
 
         from minivllm.layers.rotary_embedding import RotaryEmbedding
 

@@ -50,7 +50,7 @@ from typing import Optional
 import torch
 
 # the storage rules live with the kernels that implement them (torch only; re-exported)
-from kernels.reference import (FP8_DTYPES, QUANTIZED_KV_DTYPES,  # noqa: F401
+from minivllm_kernels.reference import (FP8_DTYPES, QUANTIZED_KV_DTYPES,  # noqa: F401
                                dequantize_kv, is_fp8, is_quantized, qmax, quantize_kv,
                                read_kv_slots, write_kv_slots)
 
@@ -139,7 +139,7 @@ class LayerKVCache:
         for x, cache, static, dyn in ((k, self.key, self._k_b, self.k_scale_cache),
                                       (v, self.value, self._v_b, self.v_scale_cache)):
             if dyn is not None:
-                # amax * (1/qmax): the same float32 on CPU and CUDA (see kernels/reshape_and_cache)
+                # amax * (1/qmax): the same float32 on CPU and CUDA (see minivllm_kernels/reshape_and_cache)
                 scale = x.detach().float().abs().amax(dim=-1) * (1.0 / qmax(cache.dtype))  # [T, H]
                 scale = torch.where(scale > 0, scale, torch.ones_like(scale))
                 dyn[slots] = scale

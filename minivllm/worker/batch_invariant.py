@@ -20,13 +20,13 @@ def use_batch_invariant(model, device: torch.device) -> None:
       kernel is already invariant (fixed split size, splits merged in order).
     * Linear layers: CPU, one row at a time (:func:`~minivllm.layers.linear.rowwise`:
       oneDNN's float32 GEMM gives a row different bits at M >= 2 than alone); CUDA,
-      ``kernels.batch_invariant.linear_batch_invariant`` (fixed tiles, no split-K).
+      ``minivllm_kernels.batch_invariant.linear_batch_invariant`` (fixed tiles, no split-K).
       Quantized layers: one row at a time on both.
     * LM head: one row at a time (``ModelRunner._compute_logits``).
     * RMSNorm: CPU, unchanged: ``rms_norm_ref`` reduces each row on its own (torch's
       CPU reduction over the contiguous last dimension; checked bitwise in
       ``tests/test_batch_invariant.py``); CUDA, the one-row-per-program Triton kernel
-      (``kernels.batch_invariant.rms_norm_batch_invariant``).
+      (``minivllm_kernels.batch_invariant.rms_norm_batch_invariant``).
     * Prefill attention already runs one sequence at a time.
     Swapped steps (``LLM.swap_step``) still replace these inside their ``with`` block.
     """
@@ -36,7 +36,7 @@ def use_batch_invariant(model, device: torch.device) -> None:
     cuda = device.type == "cuda"
     linear: Any = "rows"
     if cuda:
-        from kernels.batch_invariant import linear_batch_invariant, rms_norm_batch_invariant
+        from minivllm_kernels.batch_invariant import linear_batch_invariant, rms_norm_batch_invariant
 
         linear = linear_batch_invariant
     for layer in model.layers:
@@ -48,7 +48,7 @@ def use_batch_invariant(model, device: torch.device) -> None:
             m.batch_invariant = "rows"  # type: ignore[assignment]
         elif cuda and isinstance(m, RMSNorm):
             if m.fused_add_impl is not None:
-                from kernels.rms_norm import fused_add_rms_norm
+                from minivllm_kernels.rms_norm import fused_add_rms_norm
 
                 m.use_kernels(rms_norm_batch_invariant, fused_add_rms_norm)
             else:

@@ -13,7 +13,7 @@ launches of one forward pass once and replays them with a single call. A graph r
   kernel skips it) and sequence length 0 (attention returns 0 for it);
 * the decode kernel's grid is recorded for ``max_model_len`` keys: programs past a
   sequence's end return at once, and because the split size is fixed, the result equals
-  an eager run's (see :mod:`kernels.paged_attention`).
+  an eager run's (see :mod:`minivllm_kernels.paged_attention`).
 
 The LM head runs inside the graph (it is the largest single matmul of a decode step);
 the sampler runs outside it, on the real rows only. Steps with prefill tokens, scoring

@@ -24,7 +24,7 @@
 # 33 rows up, which a prefill chunk beside the decode reaches; there the default engine
 # with a correct attention failed 2 of 6 fresh draws of the check below, the
 # batch-invariant one 0 of 21.) You write the decode
-# attention yourself, the way `kernels/paged_attention.py` and vLLM's batch-invariant
+# attention yourself, the way `minivllm_kernels/paged_attention.py` and vLLM's batch-invariant
 # mode do it: **split-KV with a fixed split size, merged in split order**, over each
 # sequence's own keys. The last test plugs it into the engine as its `"attention.decode"`
 # step and checks, on prompts you have not seen, that a request's logits are **bitwise**

@@ -3,7 +3,7 @@
 
 * ``TORCH``: the readable reference (``scaled_dot_product_attention`` on gathered K/V);
   the default on CPU.
-* ``TRITON``: paged kernels from :mod:`kernels`; the default on CUDA, and the one CUDA
+* ``TRITON``: paged kernels from :mod:`minivllm_kernels`; the default on CUDA, and the one CUDA
   graphs capture. On CPU it runs in Triton's interpreter (slow, for learning and tests).
 
 Each implements :class:`~minivllm.attention.backends.abstract.AttentionBackend`:

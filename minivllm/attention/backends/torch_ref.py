@@ -35,7 +35,7 @@ def zero_empty_rows(out: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
     backends. That is FlashAttention-2's convention (``csrc/flash_attn/src/softmax.h``: a
     row whose running max stays -inf uses 0 as its max, and a row whose sum is 0 is
     normalised by 1, so its output is 0), which vLLM's backends inherit for their padded
-    rows; ``kernels/paged_attention.py`` and ``kernels/prefill_attention.py`` do the same.
+    rows; ``minivllm_kernels/paged_attention.py`` and ``minivllm_kernels/prefill_attention.py`` do the same.
     Here it is an explicit guard rather than a property of
     ``scaled_dot_product_attention``: recent PyTorch CPU builds return 0 for such a row, but
     older math kernels and other backends return NaN, and any backend returns NaN when the
@@ -98,7 +98,7 @@ def decode_attention_batch_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.
     padded length L even though the padded keys are masked (course chapter 5; measured
     in ``tests/test_batch_invariant.py``), and L is the longest sequence of the decode
     group, i.e. it depends on the other requests. vLLM's batch-invariant mode and
-    ``kernels/paged_attention.py`` get the same property differently: split-KV with a
+    ``minivllm_kernels/paged_attention.py`` get the same property differently: split-KV with a
     fixed split size (not a fixed number of splits), merged in split order.
     Cost: one SDPA call per sequence instead of one per decode group.
     """

@@ -1,13 +1,13 @@
 """Triton paged attention (default on CUDA; on CPU it runs in Triton's interpreter).
 
-The same three steps as the TORCH reference, each a kernel from :mod:`kernels`:
+The same three steps as the TORCH reference, each a kernel from :mod:`minivllm_kernels`:
 
-* store: :func:`kernels.reshape_and_cache.reshape_and_cache` writes (and quantizes) this
+* store: :func:`minivllm_kernels.reshape_and_cache.reshape_and_cache` writes (and quantizes) this
   step's K/V into the cache;
-* decode rows: :func:`kernels.paged_attention.paged_attention_decode` (split-KV with a
+* decode rows: :func:`minivllm_kernels.paged_attention.paged_attention_decode` (split-KV with a
   fixed split size, so a request's result does not depend on its batch);
 * prefill rows (whole prompts, chunks, prompts after prefix-cache hits):
-  :func:`kernels.prefill_attention.paged_prefill_attention`.
+  :func:`minivllm_kernels.prefill_attention.paged_prefill_attention`.
 
 Kernels read K/V straight through the block tables (``AttentionMetadata.paged``); no
 gathered copy of the keys is made. vLLM: ``vllm/v1/attention/backends/triton_attn.py``.
@@ -32,9 +32,9 @@ class TritonAttentionBackend:
     def __init__(self):
         # Imported here: kernels sets TRITON_INTERPRET=1 on machines without CUDA, which
         # must happen before Triton is first imported.
-        from kernels.paged_attention import paged_attention_decode
-        from kernels.prefill_attention import paged_prefill_attention
-        from kernels.reshape_and_cache import reshape_and_cache
+        from minivllm_kernels.paged_attention import paged_attention_decode
+        from minivllm_kernels.prefill_attention import paged_prefill_attention
+        from minivllm_kernels.reshape_and_cache import reshape_and_cache
 
         self._decode = paged_attention_decode
         self._prefill = paged_prefill_attention

@@ -20,12 +20,12 @@ from typing import Optional
 
 import torch
 
-from kernels._quant import cast_rne, quant_format
-from kernels._triton import next_pow2, tl, triton
-from kernels.paged_attention import (_attend_tile, _check_index, _check_out_and_scales,
+from minivllm_kernels._quant import cast_rne, quant_format
+from minivllm_kernels._triton import next_pow2, tl, triton
+from minivllm_kernels.paged_attention import (_attend_tile, _check_index, _check_out_and_scales,
                                      _check_paged_args, _dot_precision, _upcast, attention_ref,
                                      gather_kv)
-from kernels.reshape_and_cache import _per_head
+from minivllm_kernels.reshape_and_cache import _per_head
 
 _BLOCK_M = 16
 _BLOCK_N = 32
@@ -103,7 +103,7 @@ def paged_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cach
         block_size: tokens per cache block.
         scale: softmax scale.
         k_scale, v_scale, k_scale_cache, v_scale_cache: as in
-            :func:`kernels.paged_attention.paged_attention_decode`.
+            :func:`minivllm_kernels.paged_attention.paged_attention_decode`.
         max_query_len: an upper bound of query_lens (default: query_lens.max(), a sync).
         out: optional output buffer shaped like q. Rows of q that belong to no sequence
             are left untouched. ``query_starts + query_lens`` must stay within q's rows

@@ -3,7 +3,7 @@ elsewhere.
 
 Triton reads ``TRITON_INTERPRET`` when a kernel is decorated with ``@triton.jit``. On a
 machine without a CUDA GPU this module sets ``TRITON_INTERPRET=1`` before any kernel of
-:mod:`kernels` is defined, so every one of them runs in Triton's interpreter (NumPy, one program instance at a time: slow,
+:mod:`minivllm_kernels` is defined, so every one of them runs in Triton's interpreter (NumPy, one program instance at a time: slow,
 but the same source, and you can put ``print`` or a debugger in a kernel). Set
 ``TRITON_INTERPRET=1`` yourself to interpret on a GPU machine too.
 
@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-import kernels  # noqa: F401,E402  (sets TRITON_INTERPRET=1 on machines without CUDA)
+import minivllm_kernels  # noqa: F401,E402  (sets TRITON_INTERPRET=1 on machines without CUDA)
 
 try:
     import triton

@@ -1,10 +1,10 @@
 """The numerics the kernels implement, in PyTorch: RMSNorm and the KV-cache storage rules.
 
 Torch only (importing this module does not import Triton), at the bottom of the import
-graph: the kernels' references (``kernels/rms_norm.py``, ``kernels/reshape_and_cache.py``)
+graph: the kernels' references (``minivllm_kernels/rms_norm.py``, ``minivllm_kernels/reshape_and_cache.py``)
 and the engine's CPU path (``minivllm.layers.rms_norm``, ``minivllm.quantization.kv_cache``,
 which re-export these names) run the same functions, so a kernel is checked against
-exactly what the engine computes, and ``kernels/`` imports nothing from ``minivllm``.
+exactly what the engine computes, and ``minivllm_kernels/`` imports nothing from ``minivllm``.
 
 * :func:`rms_norm_ref`: RMSNorm as HF ``LlamaRMSNorm`` computes it (vLLM:
   ``RMSNorm.forward_native``, ``vllm/model_executor/layers/layernorm.py``).

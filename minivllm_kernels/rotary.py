@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels._quant import cast_rne
-from kernels._triton import device_ok, next_pow2, tl, triton
+from minivllm_kernels._quant import cast_rne
+from minivllm_kernels._triton import device_ok, next_pow2, tl, triton
 
 
 @triton.jit

@@ -43,9 +43,9 @@ from typing import Optional
 
 import torch
 
-from kernels._quant import cast_rne, dot, quant_format
-from kernels._triton import INTERPRET, device_ok, next_pow2, tl, triton
-from kernels.reshape_and_cache import _per_head
+from minivllm_kernels._quant import cast_rne, dot, quant_format
+from minivllm_kernels._triton import INTERPRET, device_ok, next_pow2, tl, triton
+from minivllm_kernels.reshape_and_cache import _per_head
 
 SPLIT_SIZE = 512  # tokens per split (a multiple of BLOCK_N)
 # Launch configuration of the split kernel: keys per tile and warps. Both change the order

@@ -13,7 +13,7 @@ The fix is to make the reduction order a function of the row alone:
   output element sums its K products tile by tile in the same order, so row i of
   ``a @ b`` is bit-identical for every M.
 * :func:`rms_norm_batch_invariant`: one program per row, whole row at once (the plain
-  :func:`kernels.rms_norm.rms_norm` kernel already is).
+  :func:`minivllm_kernels.rms_norm.rms_norm` kernel already is).
 
 They trade speed for that property (no shape-tuned tiling, no split-K for small M).
 
@@ -29,9 +29,9 @@ from typing import Optional
 
 import torch
 
-from kernels._quant import cast_rne
-from kernels._triton import INTERPRET, device_ok, tl, triton
-from kernels.rms_norm import rms_norm, rms_norm_ref
+from minivllm_kernels._quant import cast_rne
+from minivllm_kernels._triton import INTERPRET, device_ok, tl, triton
+from minivllm_kernels.rms_norm import rms_norm, rms_norm_ref
 
 BLOCK_M, BLOCK_N, BLOCK_K = 32, 64, 32  # fixed: never chosen from the shape
 
@@ -63,7 +63,7 @@ def _tile_dot_interpreted(a, b):
     [BLOCK_M, BLOCK_K, BLOCK_N] block the same way for every (m, n)). An element's result
     therefore depends on its own row and column only. 16-bit inputs are upcast first,
     so their products are exact (this also replaces the bfloat16 UPCAST of
-    :func:`kernels._quant.dot`: the interpreter's bfloat16 ``tl.dot`` is wrong).
+    :func:`minivllm_kernels._quant.dot`: the interpreter's bfloat16 ``tl.dot`` is wrong).
     """
     prod = a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :]
     return tl.sum(prod, axis=1)
@@ -149,7 +149,7 @@ def matmul_ref(a: torch.Tensor, b: torch.Tensor,
 
 
 def rms_norm_batch_invariant(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Batch-invariant RMSNorm: :func:`kernels.rms_norm.rms_norm` (one row per program)."""
+    """Batch-invariant RMSNorm: :func:`minivllm_kernels.rms_norm.rms_norm` (one row per program)."""
     return rms_norm(x, weight, eps)
 
 

@@ -5,7 +5,7 @@ vLLM: ``reshape_and_cache_flash`` (``csrc/cache_kernels.cu``) and its Triton por
 ``slot_mapping[t]``; a negative slot means "padding, do not write" (CUDA-graph batches
 are padded that way).
 
-Storage (the rules of :mod:`kernels.reference`, which the engine's
+Storage (the rules of :mod:`minivllm_kernels.reference`, which the engine's
 :mod:`minivllm.quantization.kv_cache` re-exports):
 
 * float caches: ``x.to(cache dtype)`` (round to nearest even);
@@ -27,9 +27,9 @@ from typing import Optional
 
 import torch
 
-from kernels._quant import cast_rne, quant_format, quantize
-from kernels._triton import device_ok, next_pow2, tl, triton
-from kernels.reference import qmax, quantize_kv, write_kv_slots
+from minivllm_kernels._quant import cast_rne, quant_format, quantize
+from minivllm_kernels._triton import device_ok, next_pow2, tl, triton
+from minivllm_kernels.reference import qmax, quantize_kv, write_kv_slots
 
 
 @triton.jit
@@ -178,7 +178,7 @@ def reshape_and_cache_ref(key: torch.Tensor, value: torch.Tensor, key_cache: tor
                           k_scale_cache: Optional[torch.Tensor] = None,
                           v_scale_cache: Optional[torch.Tensor] = None) -> None:
     """PyTorch reference of :func:`reshape_and_cache` (same arguments, same effect),
-    built on the engine's own storage rules (:mod:`kernels.reference`)."""
+    built on the engine's own storage rules (:mod:`minivllm_kernels.reference`)."""
 
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()

@@ -13,14 +13,14 @@ Module map:
 * ``batch_invariant``: matmul and RMSNorm whose per-row results do not depend on the
   batch size -- ``matmul_batch_invariant`` / ``matmul_ref``, ``rms_norm_batch_invariant``.
 * ``reference``: the numerics the kernels implement, in PyTorch only (RMSNorm, the KV
-  storage rules); the engine's CPU path imports them from here, so ``kernels/`` imports
+  storage rules); the engine's CPU path imports them from here, so ``minivllm_kernels/`` imports
   nothing from ``minivllm``.
 * ``_triton``: imports Triton (interpreter on machines without CUDA); ``_quant``: the
   rounding helpers the kernels share.
 
 On a machine without CUDA the kernels run in Triton's interpreter. Importing this package
 sets ``TRITON_INTERPRET=1`` there; it must happen before Triton is first imported (torch's
-compiler and transformers import it), so import ``minivllm`` or ``kernels`` first, or set
+compiler and transformers import it), so import ``minivllm`` or ``minivllm_kernels`` first, or set
 ``TRITON_INTERPRET=1`` in the environment.
 """
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import INTERPRET, tl, triton
+from minivllm_kernels._triton import INTERPRET, tl, triton
 
 
 @triton.jit

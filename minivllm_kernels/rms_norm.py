@@ -11,16 +11,16 @@ activation dtype *before* its statistics are taken, as the unfused model does
 
 One program normalises one row with the whole row in registers, summing in a fixed
 order; no other row takes part, so a row's output never depends on how many rows are in
-the batch (the property :mod:`kernels.batch_invariant` needs).
+the batch (the property :mod:`minivllm_kernels.batch_invariant` needs).
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels._quant import cast_rne
-from kernels._triton import device_ok, next_pow2, tl, triton
-from kernels.reference import rms_norm_ref  # the engine's RMSNorm (HF LlamaRMSNorm)
+from minivllm_kernels._quant import cast_rne
+from minivllm_kernels._triton import device_ok, next_pow2, tl, triton
+from minivllm_kernels.reference import rms_norm_ref  # the engine's RMSNorm (HF LlamaRMSNorm)
 
 
 @triton.jit

@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels._quant import cast_rne
-from kernels._triton import INTERPRET, device_ok, tl, triton
+from minivllm_kernels._quant import cast_rne
+from minivllm_kernels._triton import INTERPRET, device_ok, tl, triton
 
 BLOCK = 1024
 _INTERPRETED = tl.constexpr(INTERPRET)
