@@ -8,6 +8,9 @@
 #               lab's own wrong answers; the generic ones for ch01/ch02), exact scores
 #   make grade-all  every lab against EVERY fixture, the generic ones too (exception,
 #               infinite loop, NaN, patched checks): run it before calling a lab done
+#   make mutants  mutation testing of the labs' graders (grading/mutants.py): mutants of each
+#               solution, how many the tests kill; writes reports/mutation/<lab>.json.
+#               LABS="ch01 ch03" for some labs (default: labs 1-15)
 #   make lint-docker  hadolint on the images in docker/
 #   make site   the course website into build/site (mkdocs build --strict)
 # Each creates .venv and installs on first use.
@@ -26,10 +29,10 @@ PYTEST_WORKERS ?= auto
 
 LAB_PORT ?= 8888
 
-.PHONY: install demo test test-fast lab grade grade-all lint-docker site clean help quantized
+.PHONY: install demo test test-fast lab grade grade-all mutants lint-docker site clean help quantized
 
 help:
-	@echo "make demo | make test | make lab | make grade | make grade-all | make install | make test-fast | make lint-docker | make site | make clean"
+	@echo "make demo | make test | make lab | make grade | make grade-all | make mutants | make install | make test-fast | make lint-docker | make site | make clean"
 	@echo "  grade: every lab against CI's fixtures; grade-all: every fixture of every lab (before a lab is done)"
 
 # scripts/install.sh is the one install procedure (CI and the Docker images run it too);
@@ -78,6 +81,13 @@ grade: install
 
 grade-all: install
 	$(PY) -m grading.grade --all $(GRADE_ARGS)
+
+# LABS: the labs whose graders are measured (labs 16-30 join with their issue).
+LABS ?= ch01 ch02 ch03 ch04 ch05 ch06 ch07 ch08 ch09 ch10 ch11 ch12 ch13 ch14 ch15
+
+mutants: install
+	$(PY) -m minivllm.models.embedded
+	$(PY) -m grading.mutants $(LABS)
 
 # hadolint (from the dev extra) on every image; must pass clean.
 lint-docker: install

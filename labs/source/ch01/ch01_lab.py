@@ -29,7 +29,7 @@
 # 1. `mean_kl(ref, cand)`: mean KL divergence, 2 points;
 # 2. `kv_drift(kv_cache_dtype, seqs)`: drift of an engine configuration, 3 points;
 # 3. `choose_kv_cache_dtype(seqs, max_kl)`: the cheapest dtype within a KL budget, 3 points;
-#    then the restore check, 2 points.
+#    then the restore check, 6 points: the engine with your choice, on fresh conversations.
 #
 # Run the cells in order. Do not edit the setup and test cells.
 
@@ -80,6 +80,9 @@ print("example: one conversation,", len(example_seqs[0]), "tokens")
 # positions (normalize them yourself). Return the mean over positions of
 # $\mathrm{KL}(P_\mathrm{ref} \,\|\, P_\mathrm{cand}) = \sum_v p_\mathrm{ref}(v)\,(\log p_\mathrm{ref}(v) - \log p_\mathrm{cand}(v))$
 # in nats, as a Python float. Compute in float64: the values you will compare are tiny.
+# A log-prob may be `-inf` (a token with probability 0, as a sampler's mask leaves it):
+# a token the reference gives probability 0 contributes nothing ($0 \log 0 = 0$). Leave
+# `ref` and `cand` as they are (the caller reuses them).
 
 # %% nbgrader={"grade": false, "grade_id": "mean_kl", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def mean_kl(ref: torch.Tensor, cand: torch.Tensor) -> float:
@@ -120,6 +123,22 @@ for _t, _v in [(1, 3), (7, 50), (33, 1000)]:
 _a32 = torch.randn(5, 20, generator=_g).float()
 checks.close("mean_kl on float32 input", mean_kl(_a32, _a32 * 1.5), _m.mean_kl(_a32, _a32 * 1.5),
              rtol=1e-6)
+# log-probs with -inf entries (tokens a sampler masked out: probability exactly 0 on both
+# sides). 0 * log(0 / 0) counts as 0; a term computed where p_ref == 0 is 0 * (-inf) = NaN.
+_a = torch.log_softmax(torch.randn(6, 40, generator=_g, dtype=torch.float64), dim=-1)
+_b = torch.log_softmax(_a + 0.2 * torch.randn(6, 40, generator=_g, dtype=torch.float64), dim=-1)
+_mask = torch.rand(6, 40, generator=_g) < 0.25
+_a, _b = _a.masked_fill(_mask, float("-inf")), _b.masked_fill(_mask, float("-inf"))
+checks.close("mean_kl with -inf log-probs (masked tokens) on both sides", mean_kl(_a, _b),
+             _m.mean_kl(_a, _b), rtol=1e-6)
+# tiny drift, as a 16-bit cache gives: float32 arithmetic rounds it away (the lab says
+# float64), and the caller's tensors stay as they were; the result is a Python float
+_a = torch.randn(4, 3000, generator=_g) * 4
+_b = (_a.double() + 1e-5 * torch.randn(4, 3000, generator=_g, dtype=torch.float64)).float()
+_want = _m.mean_kl(_a.double(), _b.double())
+_got = checks.call("mean_kl(ref, cand)", mean_kl, _a, _b)
+checks.equal("type of mean_kl's result", type(_got), float)
+checks.close("mean_kl of a tiny float32 drift (computed in float64)", _got, _want, rtol=1e-3)
 ### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "task2", "locked": true, "schema_version": 3, "solution": false, "task": false}
@@ -222,7 +241,8 @@ _lo16, _hi16 = sorted(("float16", "bfloat16"), key=lambda k: _d[k])
 # budgets between the measured drifts, so that each answer is a different dtype: fp8; the
 # 2-byte tie (both qualify: the smaller drift wins); only one 2-byte dtype qualifies;
 # nothing cheaper than float32 qualifies
-for _budget, _want in ((_d["fp8_e4m3"] * 1.01, "fp8_e4m3"), (_d[_hi16] * 1.01, _lo16),
+for _budget, _want in ((_d["fp8_e4m3"], "fp8_e4m3"),  # exactly at the budget: "at most"
+                      (_d[_hi16] * 1.01, _lo16), (_d[_hi16], _lo16),
                        ((_d[_lo16] * _d[_hi16]) ** 0.5, _lo16), (_d[_lo16] * 0.5, "float32")):
     checks.equal(f"choose_kv_cache_dtype(unseen, max_kl={_budget:.3g}) "
                  f"[measured drifts: {', '.join(f'{k} {v:.3g}' for k, v in _d.items())}]",
@@ -230,7 +250,7 @@ for _budget, _want in ((_d["fp8_e4m3"] * 1.01, "fp8_e4m3"), (_d[_hi16] * 1.01, _
 ### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "restore", "locked": true, "schema_version": 3, "solution": false, "task": false}
-# ## Restore check (2 points)
+# ## Restore check (6 points)
 #
 # The grader takes a budget of 1e-5 nats (between the 16-bit caches that chapter 1
 # measured), lets your `choose_kv_cache_dtype` pick a cache on conversations you have not
@@ -239,7 +259,7 @@ for _budget, _want in ((_d["fp8_e4m3"] * 1.01, "fp8_e4m3"), (_d[_hi16] * 1.01, _
 # cost less than float32; the broken configuration (`fp8_e4m3`) is measured by the same
 # check and must fail it, which shows the check can tell them apart.
 
-# %% nbgrader={"grade": true, "grade_id": "test_restore", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "test_restore", "locked": true, "points": 6, "schema_version": 3, "solution": false, "task": false}
 import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()

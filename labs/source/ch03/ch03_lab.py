@@ -27,7 +27,9 @@
 # 1. `decode_bits(bits, fmt)`: bit pattern -> value, 3 points;
 # 2. `round_to(x, fmt, saturate)`: round float32 values to the format, 4 points;
 # 3. `kv_quantize_e4m3(x, cache_dtype, scale)`: the engine's `"kv.quantize"` step written
-#    with your `round_to`, 3 points, checked by plugging it into the engine.
+#    with your `round_to`, 3 points;
+#
+# then the restore check, 7 points: your quantizer plugged into the engine.
 #
 # A format is described by a `minivllm.numerics.FloatFormat`: `fmt.exponent_bits` (E),
 # `fmt.mantissa_bits` (M), `fmt.bias`, `fmt.max_normal`, `fmt.has_inf`. A bit pattern is
@@ -315,6 +317,18 @@ def _mismatch(name, got, want, inputs):
                                  f"ones: {ex}")
 
 
+def _midpoints(fmt, n, g):
+    """n exact midpoints between neighbouring values of fmt (for formats too wide to list),
+    the ones float32 can hold: a random value of fmt plus half its spacing."""
+    M, emin = fmt.mantissa_bits, 1 - fmt.bias
+    v = round_to_format(2.0 ** torch.empty(n).uniform_(math.log2(fmt.min_subnormal),
+                                                        math.log2(fmt.max_normal) - 1,
+                                                        generator=g), fmt).double()
+    ex = torch.floor(torch.log2(v)).clamp(min=emin)
+    mid = v + 2.0 ** (ex - M) / 2
+    return mid[mid.float().double() == mid].float()
+
+
 def _grid(fmt):
     """Every finite non-negative value of fmt (positive patterns through the reference)."""
     E, M = fmt.exponent_bits, fmt.mantissa_bits
@@ -330,17 +344,30 @@ _g = torch.Generator().manual_seed(20261201)
 _fmts = [FP16, BF16, E4M3, E5M2, FORMATS["tf32"],
          FloatFormat("e3m2", 3, 2, 3, 14.0, 2.0 ** -2, 2.0 ** -4, True, "IEEE style"),
          FloatFormat("e3m4fn", 3, 4, 3, 30.0, 2.0 ** -2, 2.0 ** -6, False, "S.111.1111 only"),
-         FloatFormat("e4m3b11", 4, 3, 11, 28.0, 2.0 ** -10, 2.0 ** -13, False, "S.1111.111 only")]
+         FloatFormat("e4m3b11", 4, 3, 11, 28.0, 2.0 ** -10, 2.0 ** -13, False, "S.1111.111 only"),
+         # the widest formats float32 holds: a shift of 1 (ties at half = 1) and of 0 (no
+         # bit dropped: float32 itself, every float32 value is its own rounding)
+         FloatFormat("e8m22", 8, 22, 127, (2 - 2.0 ** -22) * 2.0 ** 127, 2.0 ** -126,
+                     2.0 ** -148, True, "IEEE style"),
+         FORMATS["float32"]]
 for _f in _fmts:
-    _grid_v = _grid(_f)
-    _ties = (_grid_v[:-1] + _grid_v[1:]) / 2                       # exact midpoints
+    if _f.exponent_bits + _f.mantissa_bits <= 18:
+        _grid_v = _grid(_f)
+        _ties = (_grid_v[:-1] + _grid_v[1:]) / 2                   # exact midpoints
+    else:
+        _ties = _midpoints(_f, 80_000, _g)
     _lo, _hi = math.log2(_f.min_subnormal / 8), min(math.log2(_f.max_normal * 4), 127.5)
     _mag = 2.0 ** torch.empty(40_000).uniform_(_lo, _hi, generator=_g)
     _raw = torch.randint(-2 ** 31, 2 ** 31, (40_000,), generator=_g,  # any float32 pattern,
                          dtype=torch.int64).to(torch.int32).view(torch.float32)  # NaN/inf too
     _special = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, _f.max_normal,
                              -_f.max_normal, _f.min_subnormal / 2, -_f.min_subnormal / 2,
-                             _f.min_subnormal * 0.5000001, _f.min_normal, 1e-45, 3.4e38])
+                             _f.min_subnormal * 0.5000001, _f.min_normal, 1e-45, 3.4e38,
+                             -3.4028234663852886e38])
+    # NaNs with the smallest and the largest payloads, either sign (0x7F800001 is NaN too)
+    _nans = torch.tensor([0x7F800001, 0x7FFFFFFF, 0x7FC00000, -0x7FFFFFFF, -1],
+                         dtype=torch.int64).to(torch.int32).view(torch.float32)
+    _special = torch.cat([_special, _nans])
     _x = torch.cat([_mag, -_mag[:10_000], _ties[-20_000:], -_ties[:20_000], _raw, _special])
     _x = _x[torch.randperm(_x.numel(), generator=_g)]
     for _sat in (False, True):
@@ -353,10 +380,15 @@ _mismatch("round_to(float64 [6, 9], e5m2)", round_to(_x64, E5M2), round_to_forma
 _xb = torch.randn(4, 4, 4, generator=_g).to(torch.bfloat16)
 _mismatch("round_to(bfloat16 [4, 4, 4], e4m3)", round_to(_xb, E4M3), round_to_format(_xb, E4M3),
           _xb)
+# a tensor that requires grad (activations captured in a training loop) rounds the same,
+# and the caller's tensor is left as it was
+_xg = (torch.randn(64, generator=_g) * 20).requires_grad_()
+_mismatch("round_to(x with requires_grad=True, e4m3)", checks.call("round_to", round_to, _xg, E4M3),
+          round_to_format(_xg.detach(), E4M3), _xg.detach())
 ### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "task3", "locked": true, "schema_version": 3, "solution": false, "task": false}
-# ## Task 3: repair the engine's KV quantizer (3 points)
+# ## Task 3: repair the engine's KV quantizer (3 points, then the restore check: 7)
 #
 # Write the `"kv.quantize"` step for an fp8 e4m3 cache with your `round_to`:
 # `kv_quantize_e4m3(x, cache_dtype, scale)` gets K or V as `[tokens, kv_heads, head_dim]`
@@ -402,7 +434,61 @@ for _s in (1.0, 0.05):
             f"got {_got.reshape(-1)[_i].float().item()!r}")
 print("visible test passed")
 
-# %% nbgrader={"grade": true, "grade_id": "test_kv_quantize_engine", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "test_kv_quantize_hidden", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
+checks = importlib.reload(checks)
+checks.guard()
+### BEGIN HIDDEN TESTS
+from minivllm.quantization.kv_cache import quantize_kv as _ref_q
+
+# unit: per-head and per-token scales, every e4m3 value and its ties, values past 448
+_g = torch.Generator().manual_seed(77)
+_k = torch.randn(40, 3, 64, generator=_g) * torch.logspace(-4, 3, 64)  # magnitudes 1e-4..1e3
+for _s in (torch.tensor([[0.5], [0.01], [2.0]]), torch.rand(40, 3, 1, generator=_g) * 0.1 + 1e-3):
+    _got = kv_quantize_e4m3(_k, torch.float8_e4m3fn, _s)
+    checks.equal("kv_quantize_e4m3 dtype", _got.dtype, torch.float8_e4m3fn)
+    checks.equal(f"kv_quantize_e4m3 with a tensor scale of shape {tuple(_s.shape)}: stored bytes "
+                 f"different from the reference",
+                 int((_got.view(torch.uint8)
+                      != _ref_q(_k, torch.float8_e4m3fn, _s).view(torch.uint8)).sum()), 0)
+# "Divide exactly as written": x / s and x * (1 / s) differ by an ulp now and then, and
+# where x / s is a midpoint between two e4m3 values, that ulp picks the other neighbour.
+# Inputs built to land there, one scale per token ([tokens, 1, 1]), kept where the two
+# computations store different bytes (the check shows it can tell them apart).
+_mids = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+_mids = _mids[torch.isfinite(_mids) & (_mids > 0)].unique()
+_mids = (_mids[:-1] + _mids[1:]) / 2
+_sc = torch.rand(20_000, generator=_g) * 0.2 + 1e-3
+_t = _mids[torch.randint(0, len(_mids), (20_000,), generator=_g)]
+_xm = (_t.double() * _sc.double()).float()
+_sc, _xm = _sc.reshape(-1, 1, 1), _xm.reshape(-1, 1, 1)
+_by_div = _ref_q(_xm, torch.float8_e4m3fn, _sc).view(torch.uint8)
+_by_mul = _ref_q(_xm * (1.0 / _sc), torch.float8_e4m3fn, 1.0).view(torch.uint8)
+_sel = (_by_div != _by_mul).reshape(-1)
+checks.at_most("inputs where x / s and x * (1 / s) round apart (the check needs some)",
+               -int(_sel.sum()), -20)
+checks.equal(f"kv_quantize_e4m3 on {int(_sel.sum())} values whose x / scale lands on a "
+             f"midpoint between e4m3 neighbours: stored bytes different from the reference",
+             int((kv_quantize_e4m3(_xm[_sel], torch.float8_e4m3fn, _sc[_sel]).view(torch.uint8)
+                  != _by_div[_sel]).sum()), 0)
+_vals = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+_vals = _vals[torch.isfinite(_vals)].unique()
+_x = torch.cat([_vals, (_vals[:-1] + _vals[1:]) / 2, torch.tensor([449.0, 464.0, 500.0, -1e4])])
+_x = _x.reshape(-1, 1, 1)  # [tokens, heads, head_dim] = [N, 1, 1]
+checks.equal("kv_quantize_e4m3 on every e4m3 value, every tie between neighbours and values "
+             "past 448: stored bytes different from the reference",
+             int((kv_quantize_e4m3(_x, torch.float8_e4m3fn, 1.0).view(torch.uint8)
+                  != _ref_q(_x, torch.float8_e4m3fn, 1.0).view(torch.uint8)).sum()), 0)
+### END HIDDEN TESTS
+
+# %% [markdown] nbgrader={"grade": false, "grade_id": "restore_text", "locked": true, "schema_version": 3, "solution": false, "task": false}
+# ## Restore check (7 points)
+#
+# Your quantizer in the engine, on conversations you have not seen: the logits must be
+# bit-identical to the built-in e4m3 cache's, and the planted truncation must fail the
+# same check.
+
+# %% nbgrader={"grade": true, "grade_id": "test_restore", "locked": true, "points": 7, "schema_version": 3, "solution": false, "task": false}
 import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
@@ -447,23 +533,4 @@ if _ng:
         f"truncation: KL {_klb:.3e}). Look for values your rounding sends to a different "
         f"neighbour: ties, subnormals, saturation.")
 checks.equal("mean KL of your quantizer against the built-in cache (nats)", _klg, 0.0)
-
-# unit: per-head and per-token scales, every e4m3 value and its ties, values past 448
-_g = torch.Generator().manual_seed(77)
-_k = torch.randn(40, 3, 64, generator=_g) * torch.logspace(-4, 3, 64)  # magnitudes 1e-4..1e3
-for _s in (torch.tensor([[0.5], [0.01], [2.0]]), torch.rand(40, 3, 1, generator=_g) * 0.1 + 1e-3):
-    _got = kv_quantize_e4m3(_k, torch.float8_e4m3fn, _s)
-    checks.equal("kv_quantize_e4m3 dtype", _got.dtype, torch.float8_e4m3fn)
-    checks.equal(f"kv_quantize_e4m3 with a tensor scale of shape {tuple(_s.shape)}: stored bytes "
-                 f"different from the reference",
-                 int((_got.view(torch.uint8)
-                      != _ref_q(_k, torch.float8_e4m3fn, _s).view(torch.uint8)).sum()), 0)
-_vals = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
-_vals = _vals[torch.isfinite(_vals)].unique()
-_x = torch.cat([_vals, (_vals[:-1] + _vals[1:]) / 2, torch.tensor([449.0, 464.0, 500.0, -1e4])])
-_x = _x.reshape(-1, 1, 1)  # [tokens, heads, head_dim] = [N, 1, 1]
-checks.equal("kv_quantize_e4m3 on every e4m3 value, every tie between neighbours and values "
-             "past 448: stored bytes different from the reference",
-             int((kv_quantize_e4m3(_x, torch.float8_e4m3fn, 1.0).view(torch.uint8)
-                  != _ref_q(_x, torch.float8_e4m3fn, 1.0).view(torch.uint8)).sum()), 0)
 ### END HIDDEN TESTS

@@ -157,7 +157,7 @@ import importlib, grading.checks as checks  # fresh names: a rebinding in the la
 checks = importlib.reload(checks)
 checks.guard()
 ### BEGIN HIDDEN TESTS
-_g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31 - 1, ())))
+_g = torch.Generator().manual_seed(5001)
 for _dtype, _tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
     for _H, _Hkv, _D in ((9, 3, 64), (4, 4, 16)):
         _lens = [int(x) for x in torch.randint(1, 70, (3,), generator=_g)] + [SPLIT_SIZE]
@@ -232,7 +232,7 @@ import importlib, grading.checks as checks  # fresh names: a rebinding in the la
 checks = importlib.reload(checks)
 checks.guard()
 ### BEGIN HIDDEN TESTS
-_g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31 - 1, ())))
+_g = torch.Generator().manual_seed(5002)
 for _i in range(20):
     _V = int(torch.randint(2, 50000, (), generator=_g))
     _p = torch.softmax(torch.randn(_V, generator=_g) * 3, dim=0)
@@ -266,7 +266,7 @@ checks.guard()
 ### BEGIN HIDDEN TESTS
 import random as _random
 
-_rng = _random.Random()
+_rng = _random.Random(5003)
 _g = torch.Generator().manual_seed(_rng.randrange(2 ** 31))
 _n = _rng.randrange(20, 60)
 _q, _k, _v = (torch.randn(1, 9, 64, generator=_g), torch.randn(1, 90, 3, 64, generator=_g),

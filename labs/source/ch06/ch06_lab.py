@@ -107,7 +107,7 @@ checks.guard()
 ### BEGIN HIDDEN TESTS
 import random as _random
 
-_layer = _random.randrange(NUM_LAYERS)
+_layer = _random.Random(6002).randrange(NUM_LAYERS)
 _ids = tok.encode(_text[3000:5500])[:16]
 with broken(_layer):
     _kl = position_kl(llm, _ids)
@@ -170,7 +170,7 @@ import random as _random
 
 _ids = tok.encode(_text[6000:8500])[:20]
 # one layer drawn at random, and layer 9, where the largest error is not the faulty layer
-for _layer in (_random.randrange(NUM_LAYERS), 9):
+for _layer in (_random.Random(6003).randrange(NUM_LAYERS), 9):
     with broken(_layer):
         _found = locate_decode_fault(llm, _ids)
     checks.equal(f"locate_decode_fault on a fresh sequence, fault planted in layer {_layer}",
@@ -238,7 +238,7 @@ checks.guard()
 ### BEGIN HIDDEN TESTS
 import torch.nn.functional as _F
 
-_g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31 - 1, ())))
+_g = torch.Generator().manual_seed(6001)
 for _B, _H, _Hkv, _D, _L in [(1, 4, 4, 16, 1), (3, 8, 2, 32, 75), (4, 12, 4, 128, 300),
                              (5, 6, 1, 48, 33)]:
     _q = torch.randn(_B, _H, _D, generator=_g) * 2
@@ -289,7 +289,7 @@ checks.guard()
 import random as _random
 
 _budget = 1e-9
-_layer = _random.randrange(NUM_LAYERS)
+_layer = _random.Random(6004).randrange(NUM_LAYERS)
 _ids = tok.encode(_text[9000:12000])[:16]
 
 

@@ -104,7 +104,7 @@ checks.guard()
 ### BEGIN HIDDEN TESTS
 import random as _random
 
-_rng = _random.Random()
+_rng = _random.Random(7003)
 for _bs in (1, 3, 8, 16, 32, 128):
     _mgr = KVCacheManager(num_blocks=1, block_size=_bs)  # the engine's own count
     for _n in [0, 1, _bs - 1, _bs, _bs + 1, 5 * _bs, 5 * _bs + 1] + \
@@ -161,7 +161,7 @@ import importlib, grading.checks as checks  # fresh names: a rebinding in the la
 checks = importlib.reload(checks)
 checks.guard()
 ### BEGIN HIDDEN TESTS
-_g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31 - 1, ())))
+_g = torch.Generator().manual_seed(7001)
 for _bs, _nb, _pool in ((1, 9, 40), (4, 6, 50), (16, 5, 64), (32, 3, 20), (7, 8, 100)):
     _table = torch.randperm(_pool, generator=_g)[:_nb]  # non-contiguous, any order
     _pos = torch.randperm(_nb * _bs, generator=_g)[:min(_nb * _bs, 40)]
@@ -214,7 +214,7 @@ import importlib, grading.checks as checks  # fresh names: a rebinding in the la
 checks = importlib.reload(checks)
 checks.guard()
 ### BEGIN HIDDEN TESTS
-_g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31 - 1, ())))
+_g = torch.Generator().manual_seed(7002)
 for _bs in (1, 5, 16, 32):
     for _ in range(3):
         _nb = int(torch.randint(1, 8, (), generator=_g))
@@ -245,7 +245,7 @@ checks.guard()
 ### BEGIN HIDDEN TESTS
 import random as _random
 
-_rng = _random.Random()
+_rng = _random.Random(7004)
 
 
 def _fresh(n):

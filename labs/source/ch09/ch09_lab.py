@@ -169,7 +169,7 @@ import importlib, grading.checks as checks  # fresh names: a rebinding in the la
 checks = importlib.reload(checks)
 checks.guard()
 ### BEGIN HIDDEN TESTS
-_g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31 - 1, ())))
+_g = torch.Generator().manual_seed(9001)
 for _dtype, _amp in ((torch.float32, 3e4), (torch.float16, 3e4), (torch.bfloat16, 3e4),
                      (torch.float32, 50.0), (torch.float16, 11.5)):
     _shape = (3, 5, int(torch.randint(2, 40, (), generator=_g)))
@@ -260,7 +260,7 @@ import importlib, grading.checks as checks  # fresh names: a rebinding in the la
 checks = importlib.reload(checks)
 checks.guard()
 ### BEGIN HIDDEN TESTS
-_g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31 - 1, ())))
+_g = torch.Generator().manual_seed(9002)
 for _dtype, (_n, _L, _H, _Hkv, _D, _tile), _amp in (
         (torch.float32, (5, 37, 6, 3, 16, 8), 1.0),     # tiles do not divide L
         (torch.float32, (3, 50, 4, 1, 8, 7), 30.0),     # large scores
@@ -343,7 +343,7 @@ import importlib, grading.checks as checks  # fresh names: a rebinding in the la
 checks = importlib.reload(checks)
 checks.guard()
 ### BEGIN HIDDEN TESTS
-_g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31 - 1, ())))
+_g = torch.Generator().manual_seed(9003)
 for _n, _L, _H, _Hkv, _D in ((4, 12, 6, 2, 64), (1, 30, 9, 3, 64), (7, 7, 4, 4, 32)):
     # raw products q.k of tens of thousands (c = 1024 times a model's ~60); scaled ~10
     _q = (torch.randn(_n, _H, _D, generator=_g) * 90).half()
@@ -394,7 +394,7 @@ _probe = [online_softmax_attention(torch.randn(1, 4, 8), torch.randn(5, 2, 8),
                               torch.randn(5, 2, 8).half(), None, 0.3)]
 _llm16, _llm32 = engines()
 _tok = _llm16.get_tokenizer()
-_rng = _random.Random()
+_rng = _random.Random(9004)
 
 
 def _fresh(n):

@@ -80,7 +80,7 @@ def _fresh_reference():
     reference for both restore checks, computed once."""
     if not _FRESH:
         import random
-        rng = random.Random()
+        rng = random.Random(10004)
         tok = engine("float32").get_tokenizer()
         seqs = []
         for n in (24, 32):
@@ -153,7 +153,7 @@ import importlib, grading.checks as checks  # fresh names: a rebinding in the la
 checks = importlib.reload(checks)
 checks.guard()
 ### BEGIN HIDDEN TESTS
-_g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31 - 1, ())))
+_g = torch.Generator().manual_seed(10001)
 # per-dtype tolerance on the output, relative to max |weight|: about 1 ulp of the dtype
 _TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 for _dt in (torch.float16, torch.bfloat16, torch.float32):
@@ -216,7 +216,7 @@ import importlib, grading.checks as checks  # fresh names: a rebinding in the la
 checks = importlib.reload(checks)
 checks.guard()
 ### BEGIN HIDDEN TESTS
-_g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31 - 1, ())))
+_g = torch.Generator().manual_seed(10002)
 _special = [float("inf"), -float("inf"), float("nan"), 65504.0, 65519.0, 65520.0, -65536.0,
             3.0e38, -3.3e38, 1.0, -0.0, 1e-30]
 # (x's dtype, the target dtype): every pair where x's dtype can hold the target's limit
@@ -292,7 +292,7 @@ import importlib, grading.checks as checks  # fresh names: a rebinding in the la
 checks = importlib.reload(checks)
 checks.guard()
 ### BEGIN HIDDEN TESTS
-_g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31 - 1, ())))
+_g = torch.Generator().manual_seed(10003)
 _TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 for _dt in (torch.float16, torch.bfloat16, torch.float32):  # nothing passes the range
     _hidden = int(torch.randint(5, 600, (), generator=_g))

@@ -140,7 +140,7 @@ checks.guard()
 ### BEGIN HIDDEN TESTS
 import random as _random
 
-_rng = _random.Random()
+_rng = _random.Random(11001)
 _cases = []
 for _ in range(6):  # your function first, on fresh configurations
     _hd = _rng.choice([32, 64, 96, 128, 256])
@@ -228,7 +228,7 @@ checks.guard()
 ### BEGIN HIDDEN TESTS
 import random as _random
 
-_rng = _random.Random()
+_rng = _random.Random(11002)
 _cases = []
 for _i in range(4):  # your function first, on fresh configurations
     _hd = _rng.choice([16, 64, 80, 128])
@@ -289,7 +289,7 @@ checks.guard()
 ### BEGIN HIDDEN TESTS
 import random as _random
 
-_rng = _random.Random()
+_rng = _random.Random(11003)
 _probe = rope_table(8, 300, 10000.0)  # your function first: a missing one fails here
 checks.equal("rope_table returns (cos, sin)", isinstance(_probe, tuple) and len(_probe) == 2, True)
 _llm = get_llm()
@@ -320,7 +320,7 @@ checks.guard()
 ### BEGIN HIDDEN TESTS
 import random as _random
 
-_rng = _random.Random()
+_rng = _random.Random(11004)
 _probe = rope_table(8, 300, 10000.0, rope_scaling=LLAMA3)  # your function first
 checks.equal("rope_table returns (cos, sin)", isinstance(_probe, tuple) and len(_probe) == 2, True)
 _llm = get_llm()
