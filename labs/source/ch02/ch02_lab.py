@@ -36,10 +36,11 @@
 #
 # 1. `kv_bytes_per_block(...)`: 3 points;
 # 2. `blocks_needed(prompt_lens, max_tokens, block_size, max_num_seqs)`: 3 points;
-# 3. `size_engine(prompt_lens, max_tokens, block_size, budget_bytes)`: 4 points (2 for
-#    the sizing, 2 for accuracy), checked by running the buggy engine with your sizing on
+# 3. `size_engine(prompt_lens, max_tokens, block_size, budget_bytes)`: 8 points (2 for
+#    the sizing, 6 for accuracy), checked by running the buggy engine with your sizing on
 #    a workload you have not seen: every answer must equal the answer of an engine with
-#    ample memory, and an undersized engine must fail that same check.
+#    ample memory, within the budget and with the most concurrency it allows, and an
+#    undersized engine must fail that same check.
 #
 # Run the cells in order. Do not edit the setup and test cells.
 
@@ -152,10 +153,19 @@ for _case in range(5):
     _want = sum(sorted((-(-(n + _mt) // _bs) for n in _lens), reverse=True)[:_ms])
     checks.equal(f"blocks_needed({len(_lens)} prompts, max_tokens={_mt}, block_size={_bs}, "
                  f"max_num_seqs={_ms})", blocks_needed(_lens, _mt, _bs, _ms), _want)
+# block sizes that are not powers of two, with lengths that fill whole blocks exactly: in
+# floating point 273 * (1 / 91) is just above 3, so a ceil of it asks for a 4th block
+checks.equal("blocks_needed([263, 536, 100], 10, 91, 3) (273 and 546 tokens fill exactly 3 "
+             "and 6 blocks of 91)", blocks_needed([263, 536, 100], 10, 91, 3), 3 + 6 + 2)
+checks.equal("blocks_needed([500], 25, 75, 1) (525 tokens: exactly 7 blocks of 75)",
+             blocks_needed([500], 25, 75, 1), 7)
+# the prompt list is the caller's: left as it was (the engine still needs its order)
+_lens = [40, 3, 17, 200, 9]
+checks.call("blocks_needed(lens, 5, 16, 2)", blocks_needed, _lens, 5, 16, 2)
 ### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "task3", "locked": true, "schema_version": 3, "solution": false, "task": false}
-# ## Task 3: size the engine (4 points)
+# ## Task 3: size the engine (2 points, and 6 for accuracy)
 #
 # Given a workload and a KV memory budget in bytes (float32 KV cache), return
 # `{"num_gpu_blocks_override": B, "max_num_seqs": S}` with the **largest** `S` (at most
@@ -204,8 +214,18 @@ _budget = (sum(_needs[:4]) + 1) * _per  # room for exactly 4 at once
 _cfg = size_engine(_lens, _mt, _bs, _budget)
 checks.equal("max_num_seqs for the unseen workload", _cfg.get("max_num_seqs"), 4)
 checks.at_most("KV bytes of your engine", _cfg["num_gpu_blocks_override"] * _per, _budget)
+# budgets exactly at a boundary ("fit" means at most the budget): one request, four, all
+for _room, _s in ((_needs[0], 1), (sum(_needs[:4]), 4), (sum(_needs), len(_lens)),
+                  (sum(_needs) + 50, len(_lens))):
+    checks.equal(f"size_engine(..., budget of exactly {_room} blocks)",
+                 size_engine(_lens, _mt, _bs, _room * _per),
+                 {"num_gpu_blocks_override": sum(_needs[:_s]), "max_num_seqs": _s})
+# a workload whose requests fill whole blocks (32, 48, 16, 64 tokens: 2, 3, 1, 4 blocks)
+checks.equal("size_engine([20, 36, 4, 52], 12, 16, budget of exactly 7 blocks)",
+             size_engine([20, 36, 4, 52], 12, 16, 7 * _per),
+             {"num_gpu_blocks_override": 7, "max_num_seqs": 2})
 try:
-    size_engine(_lens, _mt, _bs, _per)  # one block cannot hold any request
+    size_engine(_lens, _mt, _bs, _needs[0] * _per - 1)  # one byte short of the largest request
 except ValueError:
     pass
 else:
@@ -213,15 +233,16 @@ else:
 ### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "accuracy", "locked": true, "schema_version": 3, "solution": false, "task": false}
-# ## Accuracy under your sizing (2 points)
+# ## Accuracy under your sizing (6 points)
 #
 # The grader runs the engine with the preemption bug planted and your sizing for the
 # unseen workload (10 prompts, 12 greedy tokens each), and compares every answer with an
-# engine with ample memory. A sizing that preempts changes answers here and loses these
+# engine with ample memory; your engine must also stay within the budget and run as many
+# requests at once as the budget allows. A sizing that preempts changes answers here and loses these
 # points; to show that the check can fail, the same check is run on an engine two blocks
 # smaller than yours, which must fail it.
 
-# %% nbgrader={"grade": true, "grade_id": "test_size_accuracy", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "test_size_accuracy", "locked": true, "points": 6, "schema_version": 3, "solution": false, "task": false}
 import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
@@ -255,4 +276,8 @@ if _bad_small == 0:
                              "every answer right")
 checks.equal("requests whose greedy tokens differ from the ample-memory engine", _bad, 0)
 checks.equal("preemptions with your sizing", _pre, 0)
+checks.at_most("KV bytes of your engine (num_gpu_blocks_override x bytes per block)",
+               _cfg["num_gpu_blocks_override"] * _per, _budget)
+checks.equal("max_num_seqs: the most requests at once that this budget holds with no "
+             "preemption", _cfg["max_num_seqs"], 4)
 ### END HIDDEN TESTS
