@@ -24,7 +24,7 @@
 # 2. `is_anomaly(base_rows, cand_rows, noise_rows, groups)`: the chapter's decision rule
 #    with a cluster bootstrap, 3 points;
 # 3. `fp32_logits(hidden, weight)`: the fp32 LM head, 3 points;
-#    then the restore check, 2 points: your LM head goes into the bf16 engine through
+#    then the restore check, 6 points: your LM head goes into the bf16 engine through
 #    `swap_step("lm_head", ...)` on text you have not seen.
 #
 # The grader calls your functions on **new** inputs and compares with the engine's own
@@ -110,6 +110,7 @@ _b[6, 7] = float("inf")
 _b[4, 0] = float("-inf")
 checks.close("topk_overlap with NaN / +inf / -inf entries", topk_overlap(_a, _b, 5),
              _m.topk_overlap(_a, _b, 5), rtol=1e-12)
+checks.call("topk_overlap(ref, cand, 5)", topk_overlap, _a, _b, 5)  # inputs left as they were
 for _bad in (0, 301, 2.0):
     try:
         topk_overlap(_a, _b, _bad)
@@ -136,7 +137,8 @@ for _bad in (0, 301, 2.0):
 # mean with `metrics.bootstrap_ci(list_of_per_group_arrays)` (its defaults: 2000
 # resamples, seed 0). Return `"anomaly"` when the candidate's interval lies entirely above
 # the noise floor's (its low end above the noise's high end) **and** the candidate's mean KL
-# is above `PRACTICAL_KL`; otherwise `"noise"`.
+# is above `PRACTICAL_KL` (both strictly: equal is not above); otherwise `"noise"`. Leave
+# the inputs as they are.
 
 # %% nbgrader={"grade": false, "grade_id": "is_anomaly", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def is_anomaly(base_rows, cand_rows, noise_rows, groups) -> str:
@@ -200,6 +202,30 @@ _synth = {
 }
 for _name, (_want, _b, _c, _n, _gr) in _synth.items():  # cheap, and the learner's first
     checks.equal(f"is_anomaly: {_name}", is_anomaly(_b, _c, _n, _gr), _want)
+
+# the rule's two boundaries, where "above" means strictly above. 8 positions of identical
+# rows give every position the same KL k, so every interval is exactly [k, k] and any mean
+# of them is exactly k.
+_row = torch.randn(1, 64, generator=_g, dtype=torch.float64) * 3
+_b8 = _row.repeat(8, 1)
+_c8 = (_row + 0.5 * torch.randn(1, 64, generator=_g, dtype=torch.float64)).repeat(8, 1)
+_g8 = [0, 0, 1, 1, 2, 2, 3, 3]
+_k = float(metrics.kl_divergence(_b8[:1], _c8[:1])[0])
+checks.equal(f"is_anomaly when the candidate's interval [{_k:.4g}, {_k:.4g}] touches the noise "
+             "floor's (low end equal to the noise's high end: not above it)",
+             is_anomaly(_b8, _c8, _c8.clone(), _g8), "noise")
+_saved = PRACTICAL_KL
+try:
+    PRACTICAL_KL = _k  # the threshold exactly at the candidate's mean KL: not above it
+    _verdict = is_anomaly(_b8, _c8, _b8.clone(), _g8)
+finally:
+    PRACTICAL_KL = _saved
+checks.equal(f"is_anomaly when the candidate's mean KL equals PRACTICAL_KL ({_k:.4g}) and the "
+             "noise floor is 0", _verdict, "noise")
+checks.equal(f"is_anomaly with the same rows at the lab's threshold ({PRACTICAL_KL:g} < {_k:.4g})",
+             is_anomaly(_b8, _c8, _b8.clone(), _g8), "anomaly")
+# the caller's tensors and group list are left as they were
+checks.call("is_anomaly(base, cand, noise, groups)", is_anomaly, _sb, _one, _sn, list(_sg))
 
 # fresh windows, engine candidates: their expected verdicts were measured in chapter 4
 _seqs = windows[30:34]
@@ -291,7 +317,7 @@ checks.close("fp32_logits on the model's tied weight vs the engine's fp32 head",
 ### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "restore", "locked": true, "schema_version": 3, "solution": false, "task": false}
-# ## Restore check (2 points)
+# ## Restore check (6 points)
 #
 # The grader plugs your `fp32_logits` into the broken bf16 engine with
 # `broken.swap_step("lm_head", fp32_logits)` and scores corpus windows you have not seen.
@@ -303,7 +329,7 @@ checks.close("fp32_logits on the model's tied weight vs the engine's fp32 head",
 # For information, the cell also prints both against the float32 engine: there the fix
 # removes the head's share only, as the chapter showed (errors add in quadrature).
 
-# %% nbgrader={"grade": true, "grade_id": "test_restore", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "test_restore", "locked": true, "points": 6, "schema_version": 3, "solution": false, "task": false}
 import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
