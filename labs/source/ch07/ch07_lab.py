@@ -32,7 +32,7 @@
 # 1. `blocks_for(num_tokens, block_size)`: how many blocks a sequence needs, 2 points;
 # 2. `slot_mapping(block_table, positions, block_size)`: the step itself, 4 points;
 # 3. `read_slots(block_table, seq_len, block_size)`: what a reader gathers, 2 points;
-#    then the restore check, 2 points.
+#    then the restore check, 6 points.
 #
 # Run the cells in order. Do not edit the setup and test cells.
 
@@ -181,6 +181,15 @@ _got = slot_mapping(_rows, _pos, _bs)
 checks.equal("batched slot_mapping shape", tuple(_got.shape), (_B, _nb * _bs))
 checks.equal("batched slot_mapping ([4, 6] tables sharing 2 prefix blocks) equal to the "
              "reference", torch.equal(_got, slot_mapping_ref(_rows, _pos, _bs)), True)
+# two leading dimensions ([2, 3, 5] tables: groups of decode batches) and a block size
+# above 128 (vLLM's MLA and hybrid models use 256 and more); the inputs are left unchanged
+_rows3 = torch.randperm(400, generator=_g)[:30].reshape(2, 3, 5)
+_pos3 = torch.randint(0, 5 * 256, (2, 3, 7), generator=_g)
+_got = checks.call("slot_mapping(3-D table, 3-D positions, 256)", slot_mapping, _rows3, _pos3, 256)
+checks.equal("slot_mapping on [2, 3, 5] tables with block_size 256: shape", tuple(_got.shape),
+             (2, 3, 7))
+checks.equal("slot_mapping on [2, 3, 5] tables with block_size 256 equal to the reference",
+             torch.equal(_got, slot_mapping_ref(_rows3, _pos3, 256)), True)
 ### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "task3", "locked": true, "schema_version": 3, "solution": false, "task": false}
@@ -225,10 +234,15 @@ for _bs in (1, 5, 16, 32):
         checks.equal(f"read_slots shape (seq_len {_L})", tuple(_got.shape), (_L,))
         checks.equal(f"read_slots(table={_table.tolist()}, seq_len={_L}, block_size={_bs}) "
                      f"equal to the reference", torch.equal(_got, _want), True)
+# one full block of 512, and the table left as it was
+_table = torch.randperm(50, generator=_g)[:3]
+_got = checks.call("read_slots(table, 512, 512)", read_slots, _table, 512, 512)
+checks.equal("read_slots(table, 512, 512): exactly the first block's slots",
+             torch.equal(_got, slot_mapping_ref(_table, torch.arange(512), 512)), True)
 ### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "restore", "locked": true, "schema_version": 3, "solution": false, "task": false}
-# ## Restore check (2 points)
+# ## Restore check (6 points)
 #
 # The grader fragments the pool, plugs your `slot_mapping` into the engine
 # (`llm.swap_step("slot_mapping", slot_mapping)`: writer and reader), scores three fresh
@@ -238,7 +252,7 @@ for _bs in (1, 5, 16, 32):
 # right one reads exactly the same K/V) and the greedy tokens too. The broken engine (the off-by-one) is measured
 # by the same check and must fail it, which shows the check can tell them apart.
 
-# %% nbgrader={"grade": true, "grade_id": "test_restore", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "test_restore", "locked": true, "points": 6, "schema_version": 3, "solution": false, "task": false}
 import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
