@@ -36,7 +36,7 @@
 #
 # 1. `invariant_decode_attention(q, k, v, seq_lens, scale)`: the step, 4 points;
 # 2. `seeded_sample(probs, seed)`: one seeded exponential-race draw, 2 points;
-#    then the restore check, 2 points.
+#    then the restore check, 6 points.
 #
 # Run the cells in order. Do not edit the setup and test cells.
 
@@ -172,6 +172,16 @@ for _dtype, _tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         checks.at_most(f"max |out - float64 reference| ({_dtype}, H={_H}, Hkv={_Hkv}, "
                        f"lengths {_lens}, padded to {_L})",
                        float((_got.double() - _want).abs().max()), _tol)
+        if _dtype is torch.float32 and _H == 9:
+            # scores in the hundreds (a sharp head): exp of a score minus anything but the
+            # running max overflows float32
+            _kb = _k * 40
+            _gotb = invariant_decode_attention(_q, _kb, _v, _sl, _D ** -0.5)
+            _wantb = decode_attention_ref(_q.double(), _kb.double(), _v.double(), _sl, _D ** -0.5)
+            # (float32 scores of that size carry ~1e-5 of rounding: the solution's error
+            # measured 1.1e-5..1.6e-5 over 40 draws; an overflow gives NaN or inf)
+            checks.at_most("max |out - float64 reference| with scores in the hundreds",
+                           float((_gotb.double() - _wantb).abs().max()), 1e-3)
         # the same sequence 0, padded differently and with other batch mates
         for _extra, _mates in ((1, 1), (17, 3), (40, 0)):
             _L2 = _lens[0] + _extra
@@ -245,10 +255,34 @@ for _i in range(20):
                           torch.softmax(torch.randn(_V, generator=_g), 0)])
     _want = int(random_sample(_batch, {1: _gen}, torch.Generator().manual_seed(_i))[1])
     checks.equal(f"seeded_sample(probs of {_V} tokens, seed {_seed}) vs the engine", _got, _want)
+# near ties, built so that p / E and p * (1 / E) (an ulp apart now and then) pick
+# different tokens: the engine divides, and the same seed must give its token
+_cases = []
+for _seed in range(5000, 5400):
+    _gen = torch.Generator()
+    _gen.manual_seed(_seed)
+    _e = torch.empty(2).exponential_(generator=_gen)
+    _a = torch.tensor(0.5)
+    _b = (_a * _e[1] / _e[0]).float()
+    for _step in range(6):
+        _p = torch.stack([_a, _b])
+        if int((_p / _e).argmax()) != int((_p * (1.0 / _e)).argmax()):
+            _cases.append((_seed, _p))
+            break
+        _b = torch.nextafter(_b, torch.tensor(1.0))
+    if len(_cases) == 6:
+        break
+checks.at_most("near-tie cases found (the check needs some)", -len(_cases), -6)
+for _seed, _p in _cases:
+    _gen = torch.Generator()
+    _gen.manual_seed(_seed)
+    _want = int(random_sample(_p[None], {0: _gen}, None)[0])
+    checks.equal(f"seeded_sample({_p.tolist()}, seed {_seed}) (a near tie) vs the engine",
+                 seeded_sample(_p, _seed), _want)
 ### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "restore", "locked": true, "schema_version": 3, "solution": false, "task": false}
-# ## Restore check (2 points)
+# ## Restore check (6 points)
 #
 # The grader plugs your attention into the engine (`llm.swap_step("attention.decode",
 # invariant_decode_attention)`), takes two fresh 6-token sequences from the corpus and
@@ -259,7 +293,7 @@ for _i in range(20):
 # SDPA, `decode_attention_ref`) is measured by the same engine check and must fail it,
 # which shows the check can tell them apart.
 
-# %% nbgrader={"grade": true, "grade_id": "test_restore", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "test_restore", "locked": true, "points": 6, "schema_version": 3, "solution": false, "task": false}
 import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
