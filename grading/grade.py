@@ -109,6 +109,12 @@ def _solution_code(cell_source: str) -> str:
     return SOLUTION_RE.sub(lambda m: m.group(1), cell_source)
 
 
+# records.digest of each lab when its source was converted into the course root: the
+# record of a grading vouches for the files as they were then, not as they are when the
+# grading ends (a lab edited meanwhile is graded on its old source)
+BUILT_DIGESTS: dict[str, str] = {}
+
+
 def build_course(course: Path, labs: list[str]) -> None:
     import jupytext
 
@@ -120,6 +126,8 @@ def build_course(course: Path, labs: list[str]) -> None:
         src = ROOT / "labs" / "source" / lab
         out = course / "source" / lab
         out.mkdir(parents=True)
+        if (ROOT / "grading" / "fixtures" / f"{lab}.py").is_file():
+            BUILT_DIGESTS[lab] = records.digest(lab)
         for py in sorted(src.glob("*.py")):
             nb = jupytext.read(py)
             jupytext.write(nb, out / (py.stem + ".ipynb"), fmt="ipynb")
@@ -243,6 +251,9 @@ def grade_lab(lab: str, course: Path, everything: bool = False,
     by :func:`print_report`)."""
     import nbformat
 
+    if lab in BUILT_DIGESTS and records.digest(lab) != BUILT_DIGESTS[lab]:
+        raise RuntimeError(f"{lab}: its source or fixture file changed after the course root "
+                           "was built; grade it again")
     fx = fixtures.load(lab)
     timeout = set_timeout(course, timeout)
     source = nbformat.read(course / "source" / lab / f"{fx.NOTEBOOK}.ipynb", as_version=4)
@@ -304,6 +315,7 @@ def grade_lab(lab: str, course: Path, everything: bool = False,
     slow = ({g: s for g, s in sol["cell_s"].items() if s > SLOW_FRACTION * timeout}
             if sol else {})
     return {"lab": lab, "ok": not problems, "problems": problems,
+            "digest": BUILT_DIGESTS.get(lab),
             "fixtures_graded": names, "timeout_s": timeout,
             "solution_run_s": sol["run_s"] if sol else None,
             "slow_cells": slow, "slow_limit_s": SLOW_FRACTION * timeout,
@@ -409,8 +421,13 @@ def main(argv=None) -> int:
             runs.append((generic_lab, generic, args.timeout or generic_timeout))
         results = []
         for lab, names, timeout in runs:
-            r = grade_lab(lab, course, args.all, names, timeout,
-                          feedback=not args.no_feedback)
+            try:
+                r = grade_lab(lab, course, args.all, names, timeout,
+                              feedback=not args.no_feedback)
+            except RuntimeError as e:  # nbgrader failed, or the lab changed: the next lab
+                print(f"\nFAILED: {lab}: {e}", flush=True)
+                results.append({"lab": lab, "ok": False, "problems": [str(e)]})
+                continue
             r["extra_load_processes"] = args.load
             print_report(r)
             if (args.all or args.record) and args.timeout is None and r["ok"]:

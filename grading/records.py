@@ -84,6 +84,9 @@ def write(result: dict, root: Path = ROOT) -> Path:
         raise ValueError(f"{lab}: a record needs the solution, the released copy and every "
                          f"lab-specific fixture graded and passing (missing {missing}, "
                          f"ok={result['ok']})")
+    if result.get("digest") and result["digest"] != digest(lab, root):
+        raise ValueError(f"{lab}: its source or fixture file changed while it was graded; "
+                         "the record would vouch for files that were not graded")
     rec = {"lab": lab, "digest": digest(lab, root),
            "files": [str(p.relative_to(root)) for p in lab_files(lab, root)],
            "commit": _commit(root),
