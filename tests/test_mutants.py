@@ -218,3 +218,26 @@ def test_new_object():
     d = {}
     with pytest.raises(checks.CheckFailed):
         checks.new_object("f", d, d)
+
+
+_SILENT = {"print", "guard", "equal", "close", "at_most", "one_of", "same", "unchanged",
+           "new_object", "rng_unchanged", "bits_equal"}
+
+
+@pytest.mark.parametrize("lab", LABS)
+def test_no_test_cell_ends_in_a_value(lab):
+    """nbgrader reads a number that a graded cell displays as partial credit (and fails
+    the whole submission when it exceeds the cell's points): a test cell's last statement
+    must not be an expression with a value (checks.call returns the learner's result)."""
+    bad = []
+    for c in mutants.lab_cells(lab):
+        if c.kind != "test":
+            continue
+        body = ast.parse(c.source).body
+        last = body[-1] if body else None
+        if isinstance(last, ast.Expr):
+            f = last.value.func if isinstance(last.value, ast.Call) else None
+            name = getattr(f, "attr", None) or getattr(f, "id", None)
+            if name not in _SILENT:
+                bad.append(f"{c.grade_id}: {ast.unparse(last)[:80]}")
+    assert not bad, f"{lab}: test cells ending in a displayed value: {bad}"

@@ -161,7 +161,7 @@ checks.equal("blocks_needed([500], 25, 75, 1) (525 tokens: exactly 7 blocks of 7
              blocks_needed([500], 25, 75, 1), 7)
 # the prompt list is the caller's: left as it was (the engine still needs its order)
 _lens = [40, 3, 17, 200, 9]
-checks.call("blocks_needed(lens, 5, 16, 2)", blocks_needed, _lens, 5, 16, 2)
+_ = checks.call("blocks_needed(lens, 5, 16, 2)", blocks_needed, _lens, 5, 16, 2)
 ### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "task3", "locked": true, "schema_version": 3, "solution": false, "task": false}

@@ -30,7 +30,7 @@
 # 1. `position_kl(llm, ids)`: per-position KL between prefill and decode, 2 points;
 # 2. `locate_decode_fault(llm, ids)`: the faulty layer, 3 points;
 # 3. `decode_attention_fp32(q, k, v, seq_lens, scale)`: the fixed decode step, 3 points;
-#    then the restore check, 2 points.
+#    then the restore check, 6 points.
 #
 # Run the cells in order. Do not edit the setup and test cells.
 
@@ -177,6 +177,49 @@ for _layer in (_random.Random(6003).randrange(NUM_LAYERS), 9):
                  _found, _layer)
 checks.equal("locate_decode_fault on the clean engine (nothing to find)",
              locate_decode_fault(llm, _ids[:12]), None)
+
+# The rule at its edges, on error profiles built exactly: capture_hidden_states is
+# replaced for a moment by one whose decode residual after layer i is [1, e_i] against
+# prefill's [1, 0], so relative_error is e_i to the bit. Powers of two make "10 times the
+# largest before" exact too. Profiles that go up and down, and keys in the engine's order.
+_W = 2.0 ** -19  # 1.9e-6, just under 2e-6
+_cases = [
+    ("error exactly 2e-6 (not above it), then a jump at 8", {5: 2e-6, 8: 3e-5}, 8),
+    ("error exactly 10x the largest before (not above it), then a jump at 7",
+     {2: _W, 6: 10 * _W, 7: 101 * _W}, 7),
+    ("a first error above 2e-6 that is not 10x the largest before, a jump at 3 after it",
+     {1: 1.5e-6, 2: 1e-5, 3: 2e-4}, 3),
+    ("3e-6 after 1e-7 everywhere before: a jump", {0: 1e-7, 1: 1e-7, 4: 3e-6}, 4),
+    ("1.5e-6 after 1e-8: below 2e-6, no jump anywhere", {0: 1e-8, 3: 1.5e-6}, None),
+    ("a large error that falls again (non-monotone): the jump is the first layer",
+     {10: 5e-4, 11: 1e-6, 12: 4e-4, 20: 3e-3}, 10),
+]
+_real_capture = capture_hidden_states
+_keys = list(_real_capture(llm, _ids[:4], "prefill"))
+
+
+def _profile_capture(profile):
+    def fake(llm_, ids_, mode):
+        out = {}
+        for key in _keys:
+            e = 0.0
+            if key.startswith("layers.") and key.count(".") == 1:
+                e = profile.get(int(key.split(".")[1]), 0.0)
+            out[key] = torch.tensor([[1.0, 0.0 if mode == "prefill" else e]], dtype=torch.float64)
+        return out
+    return fake
+
+
+try:
+    for _name, _prof, _want in _cases:
+        capture_hidden_states = _profile_capture(_prof)
+        _a, _b = capture_hidden_states(llm, _ids, "prefill"), capture_hidden_states(llm, _ids, "decode")
+        for _i, _e in _prof.items():  # the construction is exact, or the test is wrong
+            assert relative_error(_b[f"layers.{_i}"], _a[f"layers.{_i}"]) == _e, (_i, _e)
+        _found = locate_decode_fault(llm, _ids)
+        checks.equal(f"locate_decode_fault on a built error profile: {_name}", _found, _want)
+finally:
+    capture_hidden_states = _real_capture
 ### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "task3", "locked": true, "schema_version": 3, "solution": false, "task": false}
@@ -271,7 +314,7 @@ checks.at_most("max |result - float64 attention| on bfloat16 inputs (one bf16 ro
 ### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "restore", "locked": true, "schema_version": 3, "solution": false, "task": false}
-# ## Restore check (2 points)
+# ## Restore check (6 points)
 #
 # The grader plants the fault in a layer drawn at random, plugs your
 # `decode_attention_fp32` into the faulty engine at that layer
@@ -281,7 +324,7 @@ checks.at_most("max |result - float64 attention| on bfloat16 inputs (one bf16 ro
 # 3e-11 here; the bf16 fault ~2e-7 to a few 1e-6). The faulty engine is measured by the same
 # check and must fail it, which shows the check can tell them apart.
 
-# %% nbgrader={"grade": true, "grade_id": "test_restore", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "test_restore", "locked": true, "points": 6, "schema_version": 3, "solution": false, "task": false}
 import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()

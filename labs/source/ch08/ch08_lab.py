@@ -32,7 +32,7 @@
 # 2. `penalty_counts(prompt_ids, output_ids, vocab_size)`: what the penalties count,
 #    3 points;
 #
-# then the restore check, 3 points: your two functions are swapped into the engine, fresh
+# then the restore check, 6 points: your two functions are swapped into the engine, fresh
 # prompts with fresh seeds and penalties run on a pool that forces preemption, and every
 # request must give exactly the tokens of its unpreempted run, next to the broken engine
 # failing the same check.
@@ -269,7 +269,7 @@ checks.at_most("max |penalised logits - penalties_ref| (6 fresh rows, all three 
 ### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "restore", "locked": true, "schema_version": 3, "solution": false, "task": false}
-# ## Restore check (3 points)
+# ## Restore check (6 points)
 #
 # The grader swaps your `preempt` (`"scheduler.preempt"`) and `penalties` (built on your
 # `penalty_counts`, `"sampler.penalties"`) into the engine, runs three fresh prompts with
@@ -279,7 +279,7 @@ checks.at_most("max |penalised logits - penalties_ref| (6 fresh rows, all three 
 # recompute moves the logits at the noise floor, KL ~1e-11 nats in chapter 8). The
 # broken engine runs the same prompts and must fail the same check.
 
-# %% nbgrader={"grade": true, "grade_id": "test_restore", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "test_restore", "locked": true, "points": 6, "schema_version": 3, "solution": false, "task": false}
 import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
