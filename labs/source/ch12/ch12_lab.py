@@ -30,7 +30,7 @@
 # 1. `resolve_dtype(dtype, config_dtype, supported, model_type)`: vLLM's rule, 4 points;
 # 2. `residual_peaks(llm, token_ids)`: the peak |x| of the residual stream per layer, 3 points;
 # 3. `choose_dtype(config_dtype, peak, supported, model_type)`: the safe and precise choice,
-#    6 points, 3 of them checked by building engines with your choice on fresh prompts.
+#    10 points, 7 of them checked by building engines with your choice on fresh prompts.
 #
 # Run the cells in order. Do not edit the setup and test cells.
 
@@ -276,10 +276,27 @@ checks.equal("residual_peaks of the x4 model in float16 holds inf (the overflow)
              bool(torch.isinf(_got).any()), True)
 checks.equal("no hook left behind (float16 engine)",
              sum(len(l._forward_hooks) for l in engine(F16).llm_engine.model_runner.model.layers), 0)
+# a layer whose extreme is negative: a hook of the grader's, registered before yours,
+# negates layer 12's output (your hook sees what it returns), so |x|'s peak there is a
+# negative number (the model's own extremes from layer 11 on are positive)
+_neg = _layers[12].register_forward_hook(lambda m, a, o: -o)
+try:
+    _ids = [tok.encode(_text[7000:7600])[:24]]
+    _got = residual_peaks(_llm, _ids)
+    _want = _ref_peaks(_ids)
+finally:
+    _neg.remove()
+checks.close("residual_peaks at a layer whose largest |x| is a negative value (layer 12)",
+             float(_got[12]), float(_want[12]), rtol=1e-6)
+# scoring that raises (a token id past the vocabulary) must still remove every hook
+_model = _llm.llm_engine.model_runner.model
+_ = checks.call("residual_peaks(llm, [[1, 10**9]]) (scoring raises)",
+                lambda ids: residual_peaks(_llm, ids), [[1, 10 ** 9]], module=_model,
+                raises=Exception)
 ### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "task3", "locked": true, "schema_version": 3, "solution": false, "task": false}
-# ## Task 3: choose a safe and precise dtype (6 points)
+# ## Task 3: choose a safe and precise dtype (10 points: 3, and the restore check 7)
 #
 # Write `choose_dtype(config_dtype, peak, supported, model_type=None)`. `peak` is the largest
 # residual value measured in float32 on calibration text (a float). A dtype **holds** the
@@ -356,7 +373,7 @@ for _cfg, _p, _sup, _mt in _it.product([F32, F16, BF16], _peaks, _platforms,
 ### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "restore", "locked": true, "schema_version": 3, "solution": false, "task": false}
-# ## Restore check (3 points)
+# ## Restore check (7 points)
 #
 # For each of two scenarios the grader measures the peak with your `residual_peaks` on
 # calibration text (float32 engine), asks your `choose_dtype` for a dtype, builds (or
@@ -371,7 +388,7 @@ for _cfg, _p, _sup, _mt in _it.product([F32, F16, BF16], _peaks, _platforms,
 # - the unmodified model on `CPU` (`auto`: bfloat16): KL at most 2e-4 nats (float16
 #   measures 2e-5 to 3e-5, bfloat16 1e-3 to 2e-3).
 
-# %% nbgrader={"grade": true, "grade_id": "test_restore", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "test_restore", "locked": true, "points": 7, "schema_version": 3, "solution": false, "task": false}
 import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
