@@ -40,7 +40,7 @@
 #    with a running max and sum (FlashAttention's loop), 3 points;
 # 3. `attention_fp16_safe(q, k, v, mask, scale)`: one-pass attention that is safe for
 #    float16 inputs, 2 points;
-#    then the restore check, 2 points.
+#    then the restore check, 6 points.
 #
 # Run the cells in order. Do not edit the setup and test cells.
 
@@ -190,6 +190,10 @@ for _dtype, _amp in ((torch.float32, 3e4), (torch.float16, 3e4), (torch.bfloat16
                        (_got.double() - _want).abs().max(), 1e-6)
     checks.equal("a fully masked row is all 0", bool((safe_softmax(_s, _m)[0, 1] == 0).all()),
                  True)
+# float32 scores: .float() hands back the caller's own tensor, which must stay as it was
+_s32 = torch.randn(4, 9, generator=_g)
+_m32 = torch.rand(4, 9, generator=_g) < 0.5
+_ = checks.call("safe_softmax(float32 scores, mask)", safe_softmax, _s32, _m32)
 ### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "task2", "locked": true, "schema_version": 3, "solution": false, "task": false}
@@ -361,10 +365,22 @@ for _n, _L, _H, _Hkv, _D in ((4, 12, 6, 2, 64), (1, 30, 9, 3, 64), (7, 7, 4, 4, 
     checks.equal(f"non-finite outputs ({_what})", int((~torch.isfinite(_got)).sum()), 0)
     checks.at_most(f"max |attention_fp16_safe - float64 attention| ({_what})",
                    (_got.double() - _want).abs().max(), 4e-3)
+# a sharp head: scaled scores spread over +-150, where exp of a score minus anything but
+# the row's max overflows float32
+_q = (torch.randn(5, 4, 32, generator=_g) * 3).half()
+_k = (torch.randn(11, 2, 32, generator=_g) * 3).half()
+_v = torch.randn(11, 2, 32, generator=_g).half()
+_scale = 150.0 / float((_q.float() @ _k.float()[:, 0].T.unsqueeze(0)).abs().max())
+_mask = chunk_causal_mask(5, 11)
+_got = attention_fp16_safe(_q, _k, _v, _mask, _scale)
+checks.equal("non-finite outputs (float16, scaled scores up to +-150)",
+             int((~torch.isfinite(_got)).sum()), 0)
+checks.at_most("max |attention_fp16_safe - float64 attention| (scaled scores up to +-150)",
+               (_got.double() - attention64(_q, _k, _v, _mask, _scale)).abs().max(), 4e-3)
 ### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "restore", "locked": true, "schema_version": 3, "solution": false, "task": false}
-# ## Restore check (2 points)
+# ## Restore check (6 points)
 #
 # The grader builds a float16 and a float32 engine, plants the reparametrization
 # (c = 1024, every layer) in the float16 one, and swaps in your functions as its
@@ -379,7 +395,7 @@ for _n, _L, _H, _Hkv, _D in ((4, 12, 6, 2, 64), (1, 30, 9, 3, 64), (7, 7, 4, 4, 
 # attention under the same reparametrization) is measured by the same check and must
 # fail it.
 
-# %% nbgrader={"grade": true, "grade_id": "test_restore", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "test_restore", "locked": true, "points": 6, "schema_version": 3, "solution": false, "task": false}
 import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
