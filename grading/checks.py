@@ -291,3 +291,25 @@ def bits_equal(name: str, measured, expected) -> None:
     d = _diff(measured, expected)
     if d:
         raise CheckFailed(f"{name}: not bit-identical to the specified computation: {d}.")
+
+
+def op_dtypes(fn, *args, **kwargs):
+    """Run ``fn(*args, **kwargs)`` and count the floating-point tensors that torch
+    operations produced inside it, by dtype: ``(result, {dtype: count})``. A step the lab
+    asks to compute in float32 shows float32 here, and no float64 (nor only 16-bit)."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    seen: dict = {}
+
+    class _Watch(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(t, torch.Tensor) and t.is_floating_point():
+                    seen[t.dtype] = seen.get(t.dtype, 0) + 1
+            return out
+
+    with _Watch():
+        result = fn(*args, **kwargs)
+    return result, seen

@@ -177,6 +177,12 @@ checks.equal("rms_norm shape with leading dims [2, 3, 64]", tuple(_got.shape), (
 checks.at_most("max |rms_norm - reference| on [2, 3, 64] float16 (|x| ~ 500)",
                float((_got.float() - rms_norm_ref(_x, torch.ones(64, dtype=torch.float16), 1e-5).float()).abs().max()),
                2e-3)
+# the precision of the computation itself: the statistics in float32, as the engine's and
+# vLLM's kernels keep them (no float64 anywhere, and float32 tensors for the 16-bit input)
+_, _seen = checks.op_dtypes(rms_norm, _x, torch.ones(64, dtype=torch.float16), 1e-5)
+checks.equal(f"float64 tensors computed inside rms_norm (dtypes seen: {sorted(map(str, _seen))})",
+             torch.float64 in _seen, False)
+checks.equal("float32 statistics inside rms_norm on float16 input", torch.float32 in _seen, True)
 ### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "task2", "locked": true, "schema_version": 3, "solution": false, "task": false}
@@ -240,6 +246,10 @@ for _xdt, _dt in ((torch.float32, torch.float16), (torch.float32, torch.bfloat16
                      bool(_ok.all()), True)
         checks.equal(f"clamp_for_dtype(x {_xdt}, {_dt}) is finite in {_dt} wherever x is not NaN",
                      bool(torch.isfinite(_got.to(_dt)[~torch.isnan(_x)]).all()), True)
+# x is the caller's sum, still in use: returned as a new tensor, x left as it was
+_x = torch.tensor([7e4, -1.0, float("inf"), float("nan"), -7e4])
+_got = checks.call("clamp_for_dtype(x, float16)", clamp_for_dtype, _x, torch.float16)
+checks.new_object("clamp_for_dtype(x, float16)", _got, _x)
 ### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "task3", "locked": true, "schema_version": 3, "solution": false, "task": false}
@@ -327,6 +337,13 @@ checks.equal("normed is finite", bool(torch.isfinite(_n).all()), True)
 checks.at_most("max |normed - RMSNorm(new residual)| (float16)",
                float((_n.float() - rms_norm_ref(_res, torch.ones(_hidden, dtype=torch.float16), 1e-5).float()).abs().max()),
                2e-3)
+# the sum in float32 (not float64): watched on the operations' dtypes; inputs unchanged
+_x, _r = _x[:2].clone(), _r[:2].clone()
+_, _seen = checks.op_dtypes(fused_add_rms_norm, _x, _r, torch.ones(_hidden, dtype=torch.float16), 1e-5)
+checks.equal(f"float64 tensors computed inside fused_add_rms_norm (dtypes seen: "
+             f"{sorted(map(str, _seen))})", torch.float64 in _seen, False)
+_ = checks.call("fused_add_rms_norm(x, residual, weight, eps)", fused_add_rms_norm, _x, _r,
+                torch.ones(_hidden, dtype=torch.float16), 1e-5)
 ### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "restore", "locked": true, "schema_version": 3, "solution": false, "task": false}
