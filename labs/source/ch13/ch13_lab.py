@@ -28,8 +28,8 @@
 # 1. `round_tf32(x, mode)`: TF32 rounding by three rules, bit for bit, 4 points;
 # 2. `MODE_53635`: which rule reproduces pytorch #53635, 1 point;
 # 3. `split_tf32_matmul(a, b)`: a 3xTF32 matmul, 3 points;
-# 4. `tf32x3_steps()`: the step functions that restore the TF32 engine, 4 points, checked
-#    by running the engine.
+# 4. `tf32x3_steps()`: the step functions that restore the TF32 engine, 7 points, 6 of
+#    them checked by running the engine.
 #
 # Run the cells in order. Do not edit the setup and test cells.
 
@@ -354,7 +354,7 @@ for _name, (_a, _b) in _cases.items():
 ### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "task4", "locked": true, "schema_version": 3, "solution": false, "task": false}
-# ## Task 4: restore the TF32 engine (4 points)
+# ## Task 4: restore the TF32 engine (7 points)
 #
 # Return a dict `{step name: function}` of steps of the step registry
 # (`minivllm.steps`, chapter 13 section 6) that, swapped into the TF32 engine, bring its
@@ -414,7 +414,7 @@ _e32 = float(((torch.nn.functional.linear(_x, _wt, _bias).double() - _exact).abs
 checks.at_most("linear step error / float32 linear's", _e / _e32, 4.0)
 print("visible test passed; steps:", list(_steps))
 
-# %% nbgrader={"grade": true, "grade_id": "test_steps_engine", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "test_steps_engine", "locked": true, "points": 6, "schema_version": 3, "solution": false, "task": false}
 import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
@@ -423,6 +423,13 @@ import contextlib as _contextlib
 
 _watch, _steps = [], tf32x3_steps()  # the learner's function first: a stub fails at once
 _seqs = [evalsets.conversation_sequences(tok, max_conversations=12)[11][:96]]
+# the "linear" step's contract: x of any shape [..., in] (here [2, 3, 64]), y [..., out]
+_g = torch.Generator().manual_seed(13001)
+_x3, _w3 = torch.randn(2, 3, 64, generator=_g), torch.randn(16, 64, generator=_g) * 0.1
+_y3 = _steps["linear"](_x3, _w3, None)
+checks.equal("linear step on x of shape [2, 3, 64]: output shape", tuple(_y3.shape), (2, 3, 16))
+checks.at_most("linear step on x [2, 3, 64]: max |y - float64 x W^T|",
+               float((_y3.double() - _x3.double() @ _w3.double().T).abs().max()), 1e-4)
 
 
 def _kl(base, rows):
