@@ -30,7 +30,7 @@
 # 2. `dequantize_int8(q, scale)`: back to float32, 2 points;
 # 3. `outlier_channels(w, k)`: the k output channels that set a per-tensor scale,
 #    2 points;
-# 4. the engine with your method on fresh text, 4 points (no code to write: it runs your
+# 4. the engine with your method on fresh text, 6 points (no code to write: it runs your
 #    functions 1 and 2).
 #
 # Run the cells in order. Do not edit the setup and test cells.
@@ -157,7 +157,18 @@ def _fresh_cases():
     ties[:, 0] = 31.75                                    # row amax -> scale 0.25 exactly
     big = torch.randn(300, 700, generator=g) * torch.exp(torch.randn(300, 1, generator=g))
     half = (torch.randn(24, 48, generator=g) * 0.02).to(torch.bfloat16)
+    # exact ties at scales that are not powers of two: w / scale is exactly k + 0.5 in
+    # float32, and w * (1 / scale) (an ulp off now and then) rounds to the other code
+    amax = torch.rand(32, 1, generator=g) + 0.5
+    sc = amax / 127
+    k = torch.randint(-126, 126, (32, 200), generator=g).float() + 0.5
+    w = k * sc
+    exact = (w / sc == k) & (torch.round(w * (1.0 / sc)) != torch.round(w / sc))
+    w = torch.where(exact, w, torch.zeros_like(w))[:, :64]
+    ties2 = torch.cat([amax, w], dim=1)
+    assert int(((ties2[:, 1:] != 0)).sum()) >= 20, "too few tie cases for the check"
     return {"random with a zero row and an outlier row": a, "exact ties (x.5 codes)": ties,
+            "exact ties at scales that are not powers of two (per channel)": ties2,
             "rows of very different size [300, 700]": big, "bfloat16 input": half,
             "all zeros": torch.zeros(5, 6), "one element": torch.tensor([[-0.3]])}
 
@@ -259,7 +270,7 @@ _w[[17, 150, 3]] *= torch.tensor([[9.0], [7.0], [5.0]])
 _w[60] = _w[17].flip(0) * -1                          # the same amax as row 17: a tie
 _w[120] = 0
 for _k in (0, 1, 4, 200):
-    _got = outlier_channels(_w.clone(), _k)               # the learner's function first
+    _got = checks.call(f"outlier_channels(w, {_k})", outlier_channels, _w, _k)  # w unchanged
     _amax = _w.abs().amax(1)
     _ref = sorted(range(200), key=lambda i: (-float(_amax[i]), i))[:_k]
     checks.equal(f"outlier_channels(w, {_k}) dtype", _got.dtype, torch.long)
@@ -274,7 +285,7 @@ for _bad in (-1, 201, 2.0):
 ### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "task4", "locked": true, "schema_version": 3, "solution": false, "task": false}
-# ## Task 4: your quantizer in the engine (4 points)
+# ## Task 4: your quantizer in the engine (6 points)
 #
 # Nothing to write. The grader registers your functions as a quantization method,
 #
@@ -287,7 +298,7 @@ for _bad in (-1, 201, 2.0):
 # about 4e-3), and far below int8 per tensor (chapter 14: about 0.1 on prose), which must
 # fail the same check. `measure()` (setup cell) prints both numbers for you on a corpus window.
 
-# %% nbgrader={"grade": true, "grade_id": "test_engine", "locked": true, "points": 4, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "test_engine", "locked": true, "points": 6, "schema_version": 3, "solution": false, "task": false}
 import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
