@@ -30,7 +30,7 @@
 #    scale, 3 points;
 # 3. `dequantize_awq(q, scale, zero, s, group_size)`: the float weight the layer uses,
 #    2 points;
-# 4. the engine with your method on fresh text, 4 points (no code to write).
+# 4. the engine with your method on fresh text, 6 points (no code to write).
 #
 # Run the cells in order. Do not edit the setup and test cells.
 
@@ -181,7 +181,25 @@ def _fresh_cases():
     a[11, 300] = 0.9                                         # one outlier in a group
     b = (torch.randn(24, 96, generator=g) * 0.02).to(torch.bfloat16)
     c = torch.randn(7, 50, generator=g) * torch.exp(torch.randn(7, 1, generator=g))
+    a[13, 256:384] = -(a[13, 256:384].abs() + 0.01)         # an all-negative group (hi clamps to 0)
+    # exact ties at scales that are not powers of two, groups of 16: lo = -(2z + 1) t and
+    # hi = (29 - 2z) t put -lo / scale on z + 0.5, and the other entries sit on (m + 0.5)
+    # scale; kept where w / scale is exactly the midpoint and w * (1 / scale), an ulp off
+    # now and then, rounds to the other code (where not, the entry is 0)
+    n = 40 * 4
+    t = torch.rand(n, 1, generator=g) * 0.01 + 1e-3
+    z = torch.randint(0, 15, (n, 1), generator=g).float()
+    lo, hi = -(2 * z + 1) * t, (29 - 2 * z) * t
+    sc = (hi - lo) / 15
+    m = torch.randint(-7, 7, (n, 14), generator=g).float() + 0.5
+    w = m * sc
+    tie = (w / sc == m) & (torch.round(w * (1.0 / sc)) != torch.round(w / sc)) & (w >= lo) & (w <= hi)
+    ties = torch.cat([lo, hi, torch.where(tie, w, torch.zeros_like(w))], dim=1).reshape(40, 64)
+    zt = (-lo / sc == z + 0.5) & (torch.round(-lo * (1.0 / sc)) != torch.round(-lo / sc))
+    assert int(tie.sum()) >= 20 and int(zt.sum()) >= 5, "too few tie cases for the check"
     return {"[40, 576] with zero, one-sign and outlier groups": (a, 128),
+            "exact ties of codes and zero points at scales that are not powers of two, g16":
+                (ties, 16),
             "bfloat16 [24, 96], g32": (b, 32), "rows of very different size [7, 50], g64": (c, 64),
             "all zeros [3, 8], g4": (torch.zeros(3, 8), 4)}
 
@@ -222,8 +240,9 @@ for _name, (_w, _g) in _fresh_cases().items():
 #   plain RTN, so the search can only improve on RTN on `x`.
 #
 # The grader checks, on fresh layers with a few planted "salient" input channels (large
-# activations), that your `s` cuts the output error of RTN by at least 20 % and comes
-# within 5 % of the engine's `weight_quant.awq_search_scale`.
+# activations), that your `s` cuts the output error of RTN by at least 20 %, comes
+# within 5 % of the engine's `weight_quant.awq_search_scale`, and is the formula's `s`
+# (normalisation included) for a ratio whose loss is the smallest.
 
 # %% nbgrader={"grade": false, "grade_id": "awq_scale_search", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def awq_scale_search(w: torch.Tensor, x: torch.Tensor, group_size: int = 128,
@@ -276,6 +295,8 @@ def _layer(seed, out_f, in_f, n_salient):
     x = torch.randn(256, in_f, generator=g) * 0.5
     idx = torch.randperm(in_f, generator=g)[:n_salient]
     x[:, idx] *= torch.empty(n_salient).uniform_(20, 50, generator=g)
+    if seed == 152:
+        x[:, torch.randperm(in_f, generator=g)[:2]] = 0  # dead input channels: x_mean = 0
     return w, x
 
 
@@ -295,6 +316,19 @@ for _seed, (_o, _i, _k) in zip((151, 152, 153), ((96, 576, 6), (64, 384, 3), (12
           f"engine AWQ {_best:.4g}, yours {_mine:.4g}")
     checks.at_most(f"layer {_seed}: your AWQ's output error / RTN's", _mine / _rtn, 0.8)
     checks.at_most(f"layer {_seed}: your AWQ's output error / the engine's AWQ", _mine / _best, 1.05)
+    # the scale itself, not only its error: s must be the formula's s for a ratio whose
+    # loss is the smallest (up to 1e-6 relative, a float tie), normalisation included
+    _xm = _x.abs().mean(0)
+    _rel = []
+    for _r in range(10):
+        _c = (_xm ** (_r / 10)).clamp(min=1e-4)
+        _c = _c / (_c.max() * _c.min()).sqrt()
+        _rel.append(float(((_s - _c).abs() / _c).max()))
+    _r = min(range(10), key=lambda r: _rel[r])
+    checks.at_most(f"layer {_seed}: max relative |s - the formula's s| at the closest ratio "
+                   f"({_r}/10)", _rel[_r], 1e-5)
+    checks.at_most(f"layer {_seed}: loss of your ratio {_r}/10 / the smallest loss (ratio "
+                   f"{_info['best_ratio']:g})", _info["losses"][_r] / _best, 1 + 1e-6)
 ### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "task3", "locked": true, "schema_version": 3, "solution": false, "task": false}
@@ -344,7 +378,7 @@ for _o, _i, _gs in ((48, 576, 128), (8, 100, 32), (1, 7, 4)):
 ### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "task4", "locked": true, "schema_version": 3, "solution": false, "task": false}
-# ## Task 4: your AWQ in the engine (4 points)
+# ## Task 4: your AWQ in the engine (6 points)
 #
 # Nothing to write. The grader registers your functions as a calibrated method
 # (`register()` in the setup cell), builds
@@ -359,7 +393,7 @@ for _o, _i, _gs in ((48, 576, 128), (8, 100, 32), (1, 7, 4)):
 # gives about 0.05 there and must fail the same check; the reference AWQ (no clip search,
 # 10 grid points) about 0.03. `measure()` (setup cell) prints both on a prose window.
 
-# %% nbgrader={"grade": true, "grade_id": "test_engine", "locked": true, "points": 4, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "test_engine", "locked": true, "points": 6, "schema_version": 3, "solution": false, "task": false}
 import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
