@@ -326,6 +326,35 @@ def grade_lab(lab: str, course: Path, everything: bool = False,
             "load_1m_after": round(os.getloadavg()[0], 2), "fixtures": rows}
 
 
+def reproducibility(lab: str, result: dict) -> list[str]:
+    """Grades that do not depend on the run: every fixture of ``result`` built on the
+    solution (the generic ones aside: an infinite loop would cost its timeout twice) graded
+    twice more in-process (``grading.mutants.run_fixtures``), with the same outcome on
+    every test cell both times and the same per-cell scores as nbgrader gave. Returns the
+    problems ([] when reproducible)."""
+    from grading import mutants
+
+    fx = fixtures.load(lab).FIXTURES
+    names = [f["fixture"] for f in result["fixtures"]
+             if fx[f["fixture"]].base == "solution" and fx[f["fixture"]].kind != "generic"]
+    runs = mutants.run_fixtures(lab, names, repeat=2)
+    out = []
+    for f in result["fixtures"]:
+        name = f["fixture"]
+        if name not in runs:
+            continue
+        first, second = runs[name]
+        if first != second:
+            diff = {g: (first.get(g), second.get(g)) for g in first if first.get(g) != second.get(g)}
+            out.append(f"{lab} {name}: two in-process gradings differ on {diff}")
+        passed = {g: o == "passed" for g, o in first.items()}
+        full = {g: f["cells"].get(g) == f["cell_max"].get(g) for g in passed}
+        if passed != full:
+            out.append(f"{lab} {name}: nbgrader's per-cell scores {f['cells']} differ from the "
+                       f"in-process outcomes {first}")
+    return out
+
+
 def print_report(r: dict) -> None:
     fb = "skipped" if r["feedback_s"] is None else f"{r['feedback_s']} s"
     print(f"\n## {r['lab']}: {len(r['fixtures'])} fixtures in {r['total_s']} s "
@@ -353,7 +382,9 @@ def main(argv=None) -> int:
                     "each needs grading/fixtures/<lab>.py)")
     ap.add_argument("--all", action="store_true",
                     help="every fixture, the generic ones too, for every lab graded "
-                         "(`make grade-all`); default: CI's fixtures")
+                         "(`make grade-all`), and each fixture built on the solution graded "
+                         "twice more in-process: the same outcome on every cell (reproducible "
+                         "grades); default: CI's fixtures")
     ap.add_argument("--fixtures", default=None,
                     help="comma-separated fixture names to grade instead (one lab at a time "
                          "while writing one)")
@@ -429,6 +460,9 @@ def main(argv=None) -> int:
                 results.append({"lab": lab, "ok": False, "problems": [str(e)]})
                 continue
             r["extra_load_processes"] = args.load
+            if args.all and r["ok"]:  # one notebook, one grade: graded again, twice
+                r["problems"] += reproducibility(lab, r)
+                r["ok"] = not r["problems"]
             print_report(r)
             if (args.all or args.record) and args.timeout is None and r["ok"]:
                 print(f"every fixture graded got its score: recorded {records.write(r)}")
