@@ -150,9 +150,9 @@ def test_grading_twice_gives_the_same_score_on_every_cell(embedded_model_dir):
     identical per-cell outcomes, and the fixture's expected score."""
     from grading import fixtures
 
-    lab = "ch01"
+    lab = "ch03"  # its setup and solution run in seconds; `make grade-all` checks every lab
     fx = fixtures.load(lab).FIXTURES
-    names = ["solution", "no_zero_mass_guard", "bf16_before_fp16"]
+    names = ["solution", "ties_away", "multiply_by_reciprocal"]
     runs = mutants.run_fixtures(lab, names, repeat=2)
     for name in names:
         first, second = runs[name]
