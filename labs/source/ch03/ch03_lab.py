@@ -98,7 +98,8 @@ print(f"example: {len(example[0])} tokens. Truncating quantizer against the engi
 #   `100...0` is `-0.0`;
 # - `e` all ones: if `fmt.has_inf` (IEEE style: fp16, bf16, e5m2), `m == 0` is ±inf and
 #   every other `m` is NaN; otherwise (e4m3's "fn" style) only `m` all ones is NaN and the
-#   other patterns are ordinary normal numbers.
+#   other patterns are ordinary normal numbers. Formats may be any width (6-bit, 5-bit:
+#   every no-inf format here has that one NaN; OCP's fp4 e2m1, which has none, is not asked).
 #
 # Every value of a format that fits inside float32 is exactly a float32 number. Compute
 # exactly: build powers of two from bits or with integer arithmetic, not with `2.0 **` on
@@ -199,7 +200,10 @@ _unseen = [FloatFormat("e3m2", 3, 2, 3, 14.0, 2.0 ** -2, 2.0 ** -4, True, "IEEE 
            FloatFormat("e3m4fn", 3, 4, 3, 30.0, 2.0 ** -2, 2.0 ** -6, False, "S.111.1111 only"),
            FloatFormat("e4m3b11", 4, 3, 11, 28.0, 2.0 ** -10, 2.0 ** -13, False, "S.1111.111 only"),
            FloatFormat("e6m9", 6, 9, 31, (2 - 2.0 ** -9) * 2.0 ** 32, 2.0 ** -30, 2.0 ** -39,
-                       True, "IEEE style")]
+                       True, "IEEE style"),
+           # "fn" formats narrower than a byte (FP6- and FP5-sized): NaN is S.111.11 there
+           FloatFormat("e3m2fn", 3, 2, 3, 24.0, 2.0 ** -2, 2.0 ** -4, False, "S.111.11 only"),
+           FloatFormat("e2m2fn", 2, 2, 1, 6.0, 1.0, 0.25, False, "S.11.11 only")]
 for _f in [E4M3, E5M2] + _unseen:
     _n = 1 + _f.exponent_bits + _f.mantissa_bits
     _pats = torch.arange(2 ** _n)
@@ -233,7 +237,8 @@ checks.equal("decode_bits keeps the input's shape", tuple(decode_bits(_p2, E5M2)
 #    this engine;
 # 4. the result is `units * 2^q` (exact in float32; make $2^q$ from bits);
 # 5. a result above `fmt.max_normal` (and ±inf input) is ±`max_normal` when `saturate`,
-#    else ±inf if `fmt.has_inf`, else NaN; NaN stays NaN; the sign is kept, also on 0.
+#    else ±inf if `fmt.has_inf`, else NaN; NaN stays NaN (any NaN bit pattern will do);
+#    the sign is kept, also on 0.
 #
 # Use `int32` tensors (the float32 bits fit) and keep shifts in 0..30.
 
@@ -471,6 +476,25 @@ checks.equal(f"kv_quantize_e4m3 on {int(_sel.sum())} values whose x / scale land
              f"midpoint between e4m3 neighbours: stored bytes different from the reference",
              int((kv_quantize_e4m3(_xm[_sel], torch.float8_e4m3fn, _sc[_sel]).view(torch.uint8)
                   != _by_div[_sel]).sum()), 0)
+# a Python float scale: x / scale divides the float32 x by the scale as float32; dividing
+# in float64 (x.double() / scale) uses another divisor, and next to a tie that stores the
+# other byte. Inputs within 3 ulps of (midpoint x scale), one scale per call (a scale of 4
+# decimals, like 0.05, is not a float32 number).
+_hits = 0
+for _s in [round(float(v), 4) for v in torch.rand(40, generator=_g) * 0.2 + 0.01]:  # 4 decimals
+    _base = (_mids.double() * _s).float()
+    _xs = torch.cat([_base.view(torch.int32) + _d for _d in range(-3, 4)]).view(torch.float32)
+    _xs = _xs.reshape(-1, 1, 1)
+    _want = _ref_q(_xs, torch.float8_e4m3fn, _s).view(torch.uint8)
+    _hits += int((_ref_q((_xs.double() / _s).float(), torch.float8_e4m3fn, 1.0)
+                  .view(torch.uint8) != _want).sum())
+    checks.equal(f"kv_quantize_e4m3 at scale={_s!r} (a Python float) on {len(_xs)} values next "
+                 f"to (e4m3 midpoint x scale): stored bytes different from the reference",
+                 int((kv_quantize_e4m3(_xs, torch.float8_e4m3fn, _s).view(torch.uint8)
+                      != _want).sum()), 0)
+if _hits < 5:
+    raise checks.CheckFailed(f"only {_hits} inputs where float64 division stores another byte: "
+                             "the check cannot tell; tell the course staff")
 _vals = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
 _vals = _vals[torch.isfinite(_vals)].unique()
 _x = torch.cat([_vals, (_vals[:-1] + _vals[1:]) / 2, torch.tensor([449.0, 464.0, 500.0, -1e4])])

@@ -190,6 +190,14 @@ for _dtype, _amp in ((torch.float32, 3e4), (torch.float16, 3e4), (torch.bfloat16
                        (_got.double() - _want).abs().max(), 1e-6)
     checks.equal("a fully masked row is all 0", bool((safe_softmax(_s, _m)[0, 1] == 0).all()),
                  True)
+# masked entries get probability 0 whatever the allowed scores are: a row whose allowed
+# scores are all far below zero (a large finite fill such as -1e4 would win there)
+_got = safe_softmax(torch.tensor([[-20000.0, -20001.0, 5.0]]),
+                    torch.tensor([[True, True, False]]))
+_want = torch.softmax(torch.tensor([[-20000.0, -20001.0]], dtype=torch.float64), -1)
+checks.at_most("safe_softmax([-20000, -20001, 5 (masked)]): max |p - [0.731, 0.269, 0]|",
+               float((_got.double() - torch.cat([_want, torch.zeros(1, 1, dtype=torch.float64)],
+                                                 1)).abs().max()), 1e-6)
 # float32 scores: .float() hands back the caller's own tensor, which must stay as it was
 _s32 = torch.randn(4, 9, generator=_g)
 _m32 = torch.rand(4, 9, generator=_g) < 0.5
@@ -293,6 +301,17 @@ for _dtype, (_n, _L, _H, _Hkv, _D, _tile), _amp in (
     checks.equal("a query with no allowed key gives 0",
                  bool((online_softmax_attention(_q, _k, _v, _mask, _D ** -0.5, _tile)[0] == 0)
                       .all()), True)
+# every score far below zero (about -200): exp(score - m) with any m but the running max
+# (0, say) underflows to 0 everywhere, and the output is not the weighted average it is
+_k = torch.randn(20, 2, 8, generator=_g) * 0.3
+_k[..., 0] = 1.0
+_q = torch.randn(3, 4, 8, generator=_g) * 0.3
+_q[..., 0] = -200.0  # q.k = -200 +- ~1
+_v = torch.randn(20, 2, 8, generator=_g)
+_got = online_softmax_attention(_q, _k, _v, None, 1.0, 8)
+_want = attention64(_q, _k, _v, None, 1.0)
+checks.at_most("max |online - float64 attention| with every scaled score near -200",
+               (_got.double() - _want).abs().max(), 1e-3)
 ### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "task3", "locked": true, "schema_version": 3, "solution": false, "task": false}
@@ -365,6 +384,12 @@ for _n, _L, _H, _Hkv, _D in ((4, 12, 6, 2, 64), (1, 30, 9, 3, 64), (7, 7, 4, 4, 
     checks.equal(f"non-finite outputs ({_what})", int((~torch.isfinite(_got)).sum()), 0)
     checks.at_most(f"max |attention_fp16_safe - float64 attention| ({_what})",
                    (_got.double() - _want).abs().max(), 4e-3)
+# mask=None (every key allowed), which the contract allows
+_q = (torch.randn(3, 4, 16, generator=_g)).half()
+_k, _v = (torch.randn(6, 2, 16, generator=_g)).half(), (torch.randn(6, 2, 16, generator=_g)).half()
+checks.at_most("max |attention_fp16_safe - float64 attention| (mask=None)",
+               (attention_fp16_safe(_q, _k, _v, None, 0.25).double()
+                - attention64(_q, _k, _v, None, 0.25)).abs().max(), 4e-3)
 # a sharp head: scaled scores spread over +-150, where exp of a score minus anything but
 # the row's max overflows float32
 _q = (torch.randn(5, 4, 32, generator=_g) * 3).half()

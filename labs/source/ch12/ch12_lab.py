@@ -274,6 +274,17 @@ with amplified(engine(F16), 4.0):
     _got = residual_peaks(engine(F16), [tok.encode(_text[5000:5400])[:20]])
 checks.equal("residual_peaks of the x4 model in float16 holds inf (the overflow)",
              bool(torch.isinf(_got).any()), True)
+checks.equal("residual_peaks dtype on a float16 engine (a float32 tensor, whatever the engine)",
+             _got.dtype, torch.float32)
+# one call of llm.score that runs several forward passes (6 sequences of 200 tokens: more
+# than one batch of the engine's token budget): the peak is over the whole call
+_ids6 = [tok.encode(_text[_s:_s + 3000])[:200]
+         for _s in (int(len(_text) * _f) for _f in (0.05, 0.2, 0.35, 0.5, 0.65, 0.8))]
+_got = residual_peaks(_llm, _ids6)
+_want = _ref_peaks(_ids6)
+for _i in range(30):
+    checks.close(f"residual_peaks over one call of several forward passes, layer {_i}",
+                 float(_got[_i]), float(_want[_i]), rtol=1e-6)
 checks.equal("no hook left behind (float16 engine)",
              sum(len(l._forward_hooks) for l in engine(F16).llm_engine.model_runner.model.layers), 0)
 # a layer whose extreme is negative: a hook of the grader's, registered before yours,
@@ -364,7 +375,8 @@ def _ref_choose(cfg, peak, sup, mt):
 
 _h = torch.finfo(F16).max / MARGIN
 _peaks = [0.0, 1.0, _h, _rng.uniform(0.5, 0.999) * _h, _rng.uniform(1.001, 3) * _h,
-          float(torch.finfo(BF16).max), _rng.uniform(1e3, 6e4), 1e39]
+          float(torch.finfo(BF16).max), _rng.uniform(1e3, 6e4), 1e39,
+          float("nan"), float("inf")]  # a NaN or inf peak holds in no dtype
 _platforms = [CPU, PRE_AMPERE, [F32], [F16], [BF16, F32], [F16, BF16, F32]]
 for _cfg, _p, _sup, _mt in _it.product([F32, F16, BF16], _peaks, _platforms,
                                        [None, "llama", "gemma3", "glm4"]):
