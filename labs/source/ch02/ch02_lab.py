@@ -220,6 +220,11 @@ for _room, _s in ((_needs[0], 1), (sum(_needs[:4]), 4), (sum(_needs), len(_lens)
     checks.equal(f"size_engine(..., budget of exactly {_room} blocks)",
                  size_engine(_lens, _mt, _bs, _room * _per),
                  {"num_gpu_blocks_override": sum(_needs[:_s]), "max_num_seqs": _s})
+# another block size: 32-token blocks cost twice the bytes of 16-token ones
+_per32 = 2 * CFG.num_layers * 32 * CFG.num_kv_heads * CFG.head_dim * 4
+checks.equal("size_engine([10, 24, 1], 16, 32, budget of exactly 2 blocks of 32 tokens)",
+             size_engine([10, 24, 1], 16, 32, 2 * _per32),
+             {"num_gpu_blocks_override": 2, "max_num_seqs": 1})
 # a workload whose requests fill whole blocks (32, 48, 16, 64 tokens: 2, 3, 1, 4 blocks)
 checks.equal("size_engine([20, 36, 4, 52], 12, 16, budget of exactly 7 blocks)",
              size_engine([20, 36, 4, 52], 12, 16, 7 * _per),

@@ -179,10 +179,11 @@ checks.at_most("max |rms_norm - reference| on [2, 3, 64] float16 (|x| ~ 500)",
                2e-3)
 # the precision of the computation itself: the statistics in float32, as the engine's and
 # vLLM's kernels keep them (no float64 anywhere, and float32 tensors for the 16-bit input)
-_, _seen = checks.op_dtypes(rms_norm, _x, torch.ones(64, dtype=torch.float16), 1e-5)
-checks.equal(f"float64 tensors computed inside rms_norm (dtypes seen: {sorted(map(str, _seen))})",
-             torch.float64 in _seen, False)
-checks.equal("float32 statistics inside rms_norm on float16 input", torch.float32 in _seen, True)
+for _dt in (torch.float16, torch.bfloat16):
+    _, _seen = checks.op_dtypes(rms_norm, _x.to(_dt), torch.ones(64, dtype=_dt), 1e-5)
+    checks.equal(f"float64 tensors computed inside rms_norm ({_dt} input; dtypes seen: "
+                 f"{sorted(map(str, _seen))})", torch.float64 in _seen, False)
+    checks.equal(f"float32 statistics inside rms_norm on {_dt} input", torch.float32 in _seen, True)
 ### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "task2", "locked": true, "schema_version": 3, "solution": false, "task": false}
@@ -195,6 +196,7 @@ checks.equal("float32 statistics inside rms_norm on float16 input", torch.float3
 # `-torch.finfo(dtype).max` (including -inf) is `-torch.finfo(dtype).max`, every other
 # number is unchanged, and **NaN stays NaN**: a NaN means something already went wrong
 # (0 * inf, inf - inf), and turning it into a number would hide a corrupted request.
+# Return a new tensor and leave `x` as it is (the caller still uses it).
 # (transformers clamps the same way in T5, PR #9487, and in the Gemma 3 fixes,
 # PR #36832 and issue #39972.)
 
@@ -265,7 +267,9 @@ checks.new_object("clamp_for_dtype(x, float16)", _got, _x)
 # 2. `normed`: RMSNorm (float32 statistics, your `rms_norm`) of that stored residual,
 #    with `weight` and `eps`.
 #
-# Return the tuple `(normed, new_residual)`, both in `x`'s dtype and shape. Where nothing
+# Return the tuple `(normed, new_residual)`, both in `x`'s dtype and shape, as new tensors:
+# leave `x` and `residual` as they are (vLLM's kernel overwrites `residual` in place; the
+# engine's step returns the new residual instead). Where nothing
 # passes the range this must equal the engine's reference `fused_add_rms_norm_ref`
 # (which adds in the activation dtype and lets an fp16 sum past 65504 become inf).
 
@@ -337,6 +341,14 @@ checks.equal("normed is finite", bool(torch.isfinite(_n).all()), True)
 checks.at_most("max |normed - RMSNorm(new residual)| (float16)",
                float((_n.float() - rms_norm_ref(_res, torch.ones(_hidden, dtype=torch.float16), 1e-5).float()).abs().max()),
                2e-3)
+# the range is the residual's own dtype: a bfloat16 sum of 80000 and a float32 one of 2e5
+# are in range there and stay (only float16's range ends at 65504)
+for _dt, _a, _b in ((torch.bfloat16, 70000.0, 10000.0), (torch.float32, 1e5, 1e5)):
+    _xx = torch.tensor([[_a, 1.0, -2.0, 3.0]], dtype=_dt)
+    _rr = torch.tensor([[_b, 2.0, 5.0, -1.0]], dtype=_dt)
+    _n2, _res2 = fused_add_rms_norm(_xx, _rr, torch.ones(4, dtype=_dt), 1e-5)
+    checks.equal(f"new residual of [{_a:g} + {_b:g}, ...] in {_dt} (in that dtype's range)",
+                 _res2.tolist(), (_rr.float() + _xx.float()).to(_dt).tolist())
 # the sum in float32 (not float64): watched on the operations' dtypes; inputs unchanged
 _x, _r = _x[:2].clone(), _r[:2].clone()
 _, _seen = checks.op_dtypes(fused_add_rms_norm, _x, _r, torch.ones(_hidden, dtype=torch.float16), 1e-5)

@@ -235,7 +235,8 @@ for _name, (_w, _g) in _fresh_cases().items():
 # - for each `k = 0 .. n_grid - 1`, `α = k / n_grid`: `s = clamp(x_mean ** α, min=1e-4)`,
 #   then `s = s / sqrt(max(s) · min(s))`;
 # - its loss: `mean((x @ w.T - (x / s) @ Q(w · s).T) ** 2)`, where `Q` quantizes with
-#   your `quantize_int4_group` (asymmetric) and dequantizes, `(q - zero) · scale` per group;
+#   your `quantize_int4_group` (asymmetric) and dequantizes, `(q - zero) · scale` per group
+#   (write that here: your `dequantize_awq` of task 3 is defined after this task's tests);
 # - return the `s` of the smallest loss (the first one on ties). `α = 0` gives `s = 1`,
 #   plain RTN, so the search can only improve on RTN on `x`.
 #
@@ -329,6 +330,22 @@ for _seed, (_o, _i, _k) in zip((151, 152, 153), ((96, 576, 6), (64, 384, 3), (12
                    f"({_r}/10)", _rel[_r], 1e-5)
     checks.at_most(f"layer {_seed}: loss of your ratio {_r}/10 / the smallest loss (ratio "
                    f"{_info['best_ratio']:g})", _info["losses"][_r] / _best, 1 + 1e-6)
+# exact ties: a zero weight has loss 0 at every ratio, and "the first one on ties" is ratio
+# 0, s = 1 everywhere
+_xt = torch.tensor([[1.0, 4.0, 0.25, 2.0]]).repeat(3, 1)
+checks.close("awq_scale_search(zero weight, ...): the first ratio wins an exact tie, so max |s - 1|",
+             float((torch.as_tensor(awq_scale_search(torch.zeros(2, 4), _xt, 4, 4)) - 1).abs().max()),
+             0.0, atol=1e-7)
+# a grid of n_grid = 2 (ratios 0 and 1/2 only): the ratio 1 is not on it, even where it
+# would have the smallest loss
+_g2 = torch.Generator().manual_seed(46)
+_w2 = torch.randn(8, 16, generator=_g2) * 0.05
+_x2 = torch.randn(32, 16, generator=_g2)
+_x2[:, :2] *= 30
+_want2, _ = _wq.awq_search_scale([_w2], _x2, 8, False, n_grid=2)
+checks.at_most("awq_scale_search(w, x, 8, n_grid=2): max relative |s - the engine's s|",
+               float(((torch.as_tensor(awq_scale_search(_w2, _x2, 8, 2)) - _want2).abs()
+                      / _want2).max()), 1e-5)
 ### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "task3", "locked": true, "schema_version": 3, "solution": false, "task": false}
