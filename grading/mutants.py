@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import copy
 import difflib
 import fnmatch
@@ -237,22 +238,17 @@ def _variants(node: ast.AST, parent_of: dict) -> list[tuple[str, object]]:
                     return n
                 at = f"[{i}]" if len(node.ops) > 1 else ""  # a chained comparison's i-th
                 out.append((f"{type(op).__name__}{at}->{new.__name__}", f))
-    elif isinstance(node, ast.BinOp):
+    elif isinstance(node, (ast.BinOp, ast.AugAssign)):
+        aug = "Aug" if isinstance(node, ast.AugAssign) else ""
         for new in _BIN_SWAPS.get(type(node.op), []):
             def f(n, new=new):
                 n.op = new()
                 return n
-            out.append((f"{type(node.op).__name__}->{new.__name__}", f))
-        if isinstance(node.op, ast.Div):
+            out.append((f"{aug}{type(node.op).__name__}->{new.__name__}", f))
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
             # a / b -> a * (1 / b): what the lab means by "divide" rounds differently
             out.append(("Div->MulReciprocal", lambda n: ast.BinOp(
                 n.left, ast.Mult(), ast.BinOp(ast.Constant(1.0), ast.Div(), n.right))))
-    elif isinstance(node, ast.AugAssign):
-        for new in _BIN_SWAPS.get(type(node.op), []):
-            def f(n, new=new):
-                n.op = new()
-                return n
-            out.append((f"Aug{type(node.op).__name__}->{new.__name__}", f))
     elif isinstance(node, ast.BoolOp):
         new = ast.Or if isinstance(node.op, ast.And) else ast.And
         out.append((f"{type(node.op).__name__}->{new.__name__}",
@@ -506,6 +502,27 @@ def _run_many(jobs: list, limit_s: float, workers: int) -> list:
     return out
 
 
+@contextlib.contextmanager
+def _lab_session(lab: str, cells: list[Cell]):
+    """The lab's setup cells run once, in this process, in a scratch directory (left
+    again on exit), with the grading kernels' environment: yields (namespace, index of the
+    first solution cell, setup seconds). Forked children start from that namespace."""
+    sys.path.insert(0, str(ROOT))
+    old_cwd = os.getcwd()
+    os.chdir(tempfile.mkdtemp(prefix=f"mutants-{lab}-"))
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("MPLBACKEND", "Agg")
+    try:
+        ns: dict = {"__name__": "__main__"}
+        first_sol = next(i for i, c in enumerate(cells) if c.kind == "solution")
+        t = time.perf_counter()
+        for c in cells[:first_sol]:
+            _exec(c, c.source, ns)
+        yield ns, first_sol, time.perf_counter() - t
+    finally:
+        os.chdir(old_cwd)
+
+
 def run_fixtures(lab: str, names: list[str], repeat: int = 1) -> dict:
     """Grade fixtures of ``grading/fixtures/<lab>.py`` in-process (the setup once, each
     fixture ``repeat`` times in a forked child): {name: [per-test-cell outcomes, ...]},
@@ -517,15 +534,7 @@ def run_fixtures(lab: str, names: list[str], repeat: int = 1) -> dict:
     fx = fixtures.load(lab)
     cells = lab_cells(lab)
     sols = {c.grade_id: c.source for c in cells if c.kind == "solution"}
-    sys.path.insert(0, str(ROOT))
-    workdir = tempfile.mkdtemp(prefix=f"fixtures-{lab}-")
-    old_cwd = os.getcwd()
-    os.chdir(workdir)
-    try:
-        ns: dict = {"__name__": "__main__"}
-        first_sol = next(i for i, c in enumerate(cells) if c.kind == "solution")
-        for c in cells[:first_sol]:
-            _exec(c, c.source, ns)
+    with _lab_session(lab, cells) as (ns, first_sol, _):
         jobs, keys = [], []
         for name in names:
             f = fx.FIXTURES[name]
@@ -537,8 +546,6 @@ def run_fixtures(lab: str, names: list[str], repeat: int = 1) -> dict:
                                                           edits))
                 keys.append(name)
         runs = _run_many(jobs, 3600, min(2, os.cpu_count() or 1))
-    finally:
-        os.chdir(old_cwd)
     out: dict = {n: [] for n in names}
     for name, (res, timed_out, _) in zip(keys, runs):
         if timed_out or res is None or "crash" in res:
@@ -583,19 +590,7 @@ def run_lab(lab: str, only: str | None = None, progress: bool = True,
     workers = workers or min(4, os.cpu_count() or 1)
     cells = lab_cells(lab)
     claims = equivalent_claims(lab)
-    sys.path.insert(0, str(ROOT))
-    workdir = tempfile.mkdtemp(prefix=f"mutants-{lab}-")
-    old_cwd = os.getcwd()
-    os.chdir(workdir)
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    os.environ.setdefault("MPLBACKEND", "Agg")
-    try:
-        ns: dict = {"__name__": "__main__"}
-        first_sol = next(i for i, c in enumerate(cells) if c.kind == "solution")
-        t = time.perf_counter()
-        for c in cells[:first_sol]:
-            _exec(c, c.source, ns)
-        setup_s = time.perf_counter() - t
+    with _lab_session(lab, cells) as (ns, first_sol, setup_s):
         # the baseline: the unmutated rest must pass every test
         ((base, to, _),) = _run_many(
             [lambda: _run_from(cells, first_sol, ns, None, False)], 3600, 1)
@@ -641,8 +636,6 @@ def run_lab(lab: str, only: str | None = None, progress: bool = True,
                 pass
         if progress:
             print()
-    finally:
-        os.chdir(old_cwd)
     ids = {m.id for m in all_mutants}
     stale = sorted(set(claims) - ids)
     for r in results:
