@@ -30,19 +30,24 @@
 #   (transformers #36822) and T5 did in float16.
 #
 # This lab starts from those **broken engines**. You write three functions, the fixes
-# the chapter measured:
+# the chapter measured, and make one decision:
 #
 # 1. `rms_norm(x, weight, eps)`: RMSNorm with its statistics in float32, 2 points;
 # 2. `clamp_for_dtype(x, dtype)`: the clamp of transformers' T5/Gemma fixes, 2 points;
 # 3. `fused_add_rms_norm(x, residual, weight, eps)`: vLLM's residual add + RMSNorm, with
 #    the new residual clamped into the activation dtype's range, 2 points;
 #
-# then two restore checks (2 points each) plug them into the engine through the step
+# then two restore checks (3 points each) plug them into the engine through the step
 # registry (`llm.swap_step("rms_norm", ...)`, `llm.swap_step("fused_add_rms_norm", ...)`),
 # score token sequences you have not seen, and compare with a float32 engine, next to
-# the broken engine failing the same check. The grader also calls your functions on new
-# tensors (other shapes, dtypes, magnitudes), so code that only fits the examples here
-# will not pass.
+# the broken engine failing the same check;
+#
+# 4. `DEPLOY_DTYPE`: float16 or bfloat16 for each model, 2 points. Your fixes make
+#    float16 finite; whether float16 is then the better 16-bit type is a measurement,
+#    not a given.
+#
+# The grader also calls your functions on new tensors (other shapes, dtypes, magnitudes),
+# so code that only fits the examples here will not pass.
 #
 # Run the cells in order. Do not edit the setup and test cells.
 
@@ -64,8 +69,8 @@ _ENGINES = {}
 
 
 def engine(dtype):
-    """The embedded model in ``dtype`` ("float32" or "float16"), built on first use and
-    kept (the restore checks build them; nothing here does)."""
+    """The embedded model in ``dtype`` ("float32", "float16" or "bfloat16"), built on
+    first use and kept (the restore checks build them; nothing here does)."""
     if dtype not in _ENGINES:
         _ENGINES[dtype] = LLM(MODEL, dtype=dtype, max_model_len=256)
     return _ENGINES[dtype]
@@ -359,7 +364,7 @@ _ = checks.call("fused_add_rms_norm(x, residual, weight, eps)", fused_add_rms_no
 ### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "restore", "locked": true, "schema_version": 3, "solution": false, "task": false}
-# ## Restore checks (2 points each)
+# ## Restore checks (3 points each)
 #
 # The checks score two fresh token sequences (`<|im_start|>` followed by 23 and 31
 # tokens of the corpus, from random places) with a float32 engine (the reference) and with a float16 engine, and
@@ -377,7 +382,7 @@ _ = checks.call("fused_add_rms_norm(x, residual, weight, eps)", fused_add_rms_no
 #    (the clamp is not free: chapter 10 measured its cost). The amplified engine with the
 #    engine's own add must fail the same check.
 
-# %% nbgrader={"grade": true, "grade_id": "test_restore_norm", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "test_restore_norm", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
 import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
@@ -411,7 +416,7 @@ if _bad == _bad and _bad <= _bound:
 checks.at_most("mean KL vs float32 with your rms_norm in every layer (float16)", _mine, _bound)
 ### END HIDDEN TESTS
 
-# %% nbgrader={"grade": true, "grade_id": "test_restore_overflow", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "test_restore_overflow", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
 import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
@@ -440,4 +445,96 @@ if _bad[0] == 0 and _bad[1] <= 1e-2:
 checks.equal("non-finite rows with your fused_add_rms_norm", _mine[0], 0)
 checks.at_most("mean KL vs float32 with your fused_add_rms_norm (amplified, float16)",
                _mine[1], 1e-2)
+### END HIDDEN TESTS
+
+
+# %% [markdown] nbgrader={"grade": false, "grade_id": "task4", "locked": true, "schema_version": 3, "solution": false, "task": false}
+# ## Task 4: float16 or bfloat16? (2 points)
+#
+# Two teams serve this model in 16 bits, one the unmodified model, one the amplified one
+# (residual stream scaled by 2.75, as `amplified` above). Both run float16 with your
+# fixes, because "float16 has 3 more significand bits". Decide, for each model, which
+# 16-bit dtype to serve it in: `"float16"` (with the engine's upcasting RMSNorm and the
+# clamped residual add of task 3) or `"bfloat16"` (the engine as it is: bfloat16 has
+# float32's range, so it needs no clamp). The right one is the one whose log-probs are
+# closer to float32's. Measure before you decide: `deploy_kl(dtype, amplified)` below
+# scores the example sequences of chapter 10's kind and prints the mean KL against
+# float32 (it runs your `rms_norm` and `fused_add_rms_norm` in float16).
+#
+# The grader scores sequences you have not seen with both dtypes for each model (its own
+# float16 fixes, so only your decision counts) and requires your choice to be the dtype
+# with the lower mean KL against float32. Serving float16 for both, where this task
+# starts, must fail that check.
+
+# %% nbgrader={"grade": false, "grade_id": "deploy_helper", "locked": true, "schema_version": 3, "solution": false, "task": false}
+def deploy_kl(dtype: str, amplified_model: bool) -> float:
+    """Mean KL (nats per position) against float32 of the model served in ``dtype``
+    ("float16": your rms_norm and fused_add_rms_norm swapped in; "bfloat16": the engine
+    as it is) on two example sequences that start with <|im_start|>; the amplified model
+    when ``amplified_model``. Builds the bfloat16 engine on first use (~1 s)."""
+    import contextlib
+    if dtype not in ("float16", "bfloat16"):
+        raise ValueError(f"dtype must be 'float16' or 'bfloat16', got {dtype!r}")
+    tok = engine("float32").get_tokenizer()
+    seqs = [[1] + tok.encode(_text[i:i + 1500])[:n - 1] for i, n in ((2000, 24), (9000, 32))]
+    ref = engine("float32").score(seqs)
+    llm = engine(dtype)
+    with contextlib.ExitStack() as stack:
+        if amplified_model:
+            stack.enter_context(amplified(llm))
+        if dtype == "float16":
+            stack.enter_context(llm.swap_step("rms_norm", rms_norm))
+            stack.enter_context(llm.swap_step("fused_add_rms_norm", fused_add_rms_norm))
+        rows = llm.score(seqs)
+    if not all(bool(torch.isfinite(r).all()) for r in rows):
+        return float("nan")
+    return sum(metrics.mean_kl(a, b) for a, b in zip(ref, rows)) / len(rows)
+
+
+# %% nbgrader={"grade": false, "grade_id": "deploy", "locked": false, "schema_version": 3, "solution": true, "task": false}
+DEPLOY_DTYPE = {"plain": "float16", "amplified": "float16"}  # where the task starts
+### BEGIN SOLUTION
+DEPLOY_DTYPE = {"plain": "float16", "amplified": "bfloat16"}
+### END SOLUTION
+
+# %% nbgrader={"grade": true, "grade_id": "test_deploy", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
+checks = importlib.reload(checks)
+checks.guard()
+### BEGIN HIDDEN TESTS
+import contextlib as _contextlib
+
+checks.equal("DEPLOY_DTYPE's keys", sorted(DEPLOY_DTYPE) if isinstance(DEPLOY_DTYPE, dict) else
+             DEPLOY_DTYPE, ["amplified", "plain"])
+for _m, _d in DEPLOY_DTYPE.items():
+    checks.one_of(f"DEPLOY_DTYPE[{_m!r}]", _d, ["float16", "bfloat16"])
+
+
+def _clamped_add(x, residual, weight, eps):  # the grader's own float16 fix (task 3's contract)
+    _lim = torch.finfo(residual.dtype).max
+    _res = (residual.float() + x.float()).clamp(-_lim, _lim).to(residual.dtype)
+    return rms_norm_ref(_res, weight, eps), _res
+
+
+_seqs, _ref = _fresh_reference()
+_kls = {}
+for _m in ("plain", "amplified"):
+    for _d in ("float16", "bfloat16"):
+        _llm = engine(_d)
+        with _contextlib.ExitStack() as _stack:
+            if _m == "amplified":
+                _stack.enter_context(amplified(_llm))
+            if _d == "float16":
+                _stack.enter_context(_llm.swap_step("fused_add_rms_norm", _clamped_add))
+            _rows = _llm.score(_seqs)
+        _kls[_m, _d] = sum(metrics.mean_kl(a, b) for a, b in zip(_ref, _rows)) / len(_rows)
+_best = {_m: min(("float16", "bfloat16"), key=lambda d: _kls[_m, d]) for _m in ("plain", "amplified")}
+print("mean KL vs float32 on fresh sequences (nats): " + "; ".join(
+    f"{_m}: float16 {_kls[_m, 'float16']:.3g}, bfloat16 {_kls[_m, 'bfloat16']:.3g}"
+    for _m in ("plain", "amplified")))
+if all(_best[_m] == "float16" for _m in _best):
+    raise checks.CheckFailed("the check does not discriminate: float16 for both passes it")
+for _m in ("plain", "amplified"):
+    checks.equal(f"DEPLOY_DTYPE[{_m!r}] (float16 {_kls[_m, 'float16']:.3g} nats, bfloat16 "
+                 f"{_kls[_m, 'bfloat16']:.3g} nats on fresh sequences)", DEPLOY_DTYPE[_m], _best[_m])
 ### END HIDDEN TESTS

@@ -30,8 +30,10 @@
 # 2. `dequantize_int8(q, scale)`: back to float32, 2 points;
 # 3. `outlier_channels(w, k)`: the k output channels that set a per-tensor scale,
 #    2 points;
-# 4. the engine with your method on fresh text, 6 points (no code to write: it runs your
-#    functions 1 and 2).
+# 4. the engine with your method on fresh text, 7 points (no code to write: it runs your
+#    functions 1 and 2);
+# 5. `KEEP_FLOAT`: which one layer to keep in float when only per-tensor scales are
+#    available, 2 points: a decision, measured by the engine on text you have not seen.
 #
 # Run the cells in order. Do not edit the setup and test cells.
 
@@ -285,7 +287,7 @@ for _bad in (-1, 201, 2.0):
 ### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "task4", "locked": true, "schema_version": 3, "solution": false, "task": false}
-# ## Task 4: your quantizer in the engine (6 points)
+# ## Task 4: your quantizer in the engine (7 points)
 #
 # Nothing to write. The grader registers your functions as a quantization method,
 #
@@ -298,7 +300,7 @@ for _bad in (-1, 201, 2.0):
 # about 4e-3), and far below int8 per tensor (chapter 14: about 0.1 on prose), which must
 # fail the same check. `measure()` (setup cell) prints both numbers for you on a corpus window.
 
-# %% nbgrader={"grade": true, "grade_id": "test_engine", "locked": true, "points": 6, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "test_engine", "locked": true, "points": 7, "schema_version": 3, "solution": false, "task": false}
 import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
@@ -337,4 +339,86 @@ print(f"{sum(map(len, _seqs))} fresh positions; mean KL against float32 (nats): 
 assert _broken > _LIMIT, f"int8 per tensor ({_broken:.3g}) should fail the limit {_LIMIT}"
 checks.at_most(f"KL of the engine with your per-channel int8 (per tensor: {_broken:.3g})",
                _restored, _LIMIT)
+### END HIDDEN TESTS
+
+
+# %% [markdown] nbgrader={"grade": false, "grade_id": "task5", "locked": true, "schema_version": 3, "solution": false, "task": false}
+# ## Task 5: one layer in float, per-tensor scales (2 points)
+#
+# Some int8 GEMM kernels take **one weight scale per tensor** only, so per-channel scales
+# are not on the menu. Every quantization method of the engine accepts `ignore`: decoder
+# linear layers left in float (compressed-tensors' convention; chapter 14). Your memory
+# budget leaves room for **one** float layer, and it must be an `o_proj` or a `down_proj`
+# (their checkpoint names are the engine's module names, `"layers.N.self_attn.o_proj"`
+# and `"layers.N.mlp.down_proj"`, N from 0 to 29). Set `KEEP_FLOAT` to the one whose
+# float weights lower the per-tensor engine's KL against float32 the most.
+#
+# The layer whose weights look worst (`outlier_channels`, the largest amax ratio) is a
+# candidate, not the answer: an output error is a weight error **times the activation
+# it multiplies**. Measure: `kl_keeping(name)` below builds the engine's int8 per tensor
+# with `ignore=[name]` and prints its KL on one corpus window (~1.5 s per layer).
+#
+# The grader builds `LLM(MODEL, quantization="int8", quantization_config={"granularity":
+# "tensor", "ignore": [KEEP_FLOAT]})` (the engine's int8, so only your decision counts),
+# scores the fresh text of task 4 and requires the mean KL against float32 to be at most
+# **0.8x** that of int8 per tensor with nothing kept in float (the broken configuration,
+# which fails the same check at 1.0x). Chapter 14 and chapter 10 say where to look first.
+
+# %% nbgrader={"grade": false, "grade_id": "keep_helper", "locked": true, "schema_version": 3, "solution": false, "task": false}
+_KEEP_SEQ = None
+_KEEP_REF = None
+
+
+def kl_keeping(name=None, n_tokens: int = 64) -> float:
+    """Mean KL (nats per position) against the float32 engine of the engine's int8 per
+    tensor with ``ignore=[name]`` (nothing kept in float when ``name`` is None), on one
+    corpus window of ``n_tokens`` tokens."""
+    global _KEEP_SEQ, _KEEP_REF
+    if _KEEP_SEQ is None or len(_KEEP_SEQ[0]) != n_tokens:
+        _KEEP_SEQ = evalsets.corpus_sequences(tokenizer, seq_len=n_tokens, max_sequences=1)
+        _KEEP_REF = LLM(MODEL, **COMMON).score(_KEEP_SEQ, output="logits")
+    cfg = {"granularity": "tensor", "ignore": [name] if name is not None else []}
+    rows = LLM(MODEL, **COMMON, quantization="int8", quantization_config=cfg).score(
+        _KEEP_SEQ, output="logits")
+    return float(torch.cat([metrics.kl_divergence(a, b) for a, b in zip(_KEEP_REF, rows)]).mean())
+
+
+# %% nbgrader={"grade": false, "grade_id": "keep_float", "locked": false, "schema_version": 3, "solution": true, "task": false}
+KEEP_FLOAT = "layers.0.self_attn.o_proj"  # replace with your choice
+### BEGIN SOLUTION
+KEEP_FLOAT = "layers.11.mlp.down_proj"
+### END SOLUTION
+
+# %% nbgrader={"grade": true, "grade_id": "test_keep_float", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
+checks = importlib.reload(checks)
+checks.guard()
+### BEGIN HIDDEN TESTS
+import gc as _gc
+import re as _re
+
+checks.equal(f"KEEP_FLOAT ({KEEP_FLOAT!r}) names one o_proj or down_proj of layers 0-29",
+             isinstance(KEEP_FLOAT, str) and bool(_re.fullmatch(
+                 r"layers\.([0-9]|[12][0-9])\.(self_attn\.o_proj|mlp\.down_proj)", KEEP_FLOAT)),
+             True)
+_FACTOR = 0.8
+_seqs = [s[:80] for s in evalsets.conversation_sequences(tokenizer, max_conversations=12)[9:12]]
+
+
+def _kl_of(ref, **cfg):
+    _llm = LLM(MODEL, **COMMON, quantization="int8", quantization_config=cfg)
+    rows = _llm.score(_seqs, output="logits")
+    del _llm
+    _gc.collect()
+    return float(torch.cat([metrics.kl_divergence(a, b) for a, b in zip(ref, rows)]).mean())
+
+
+_ref = LLM(MODEL, **COMMON).score(_seqs, output="logits")
+_kept = _kl_of(_ref, granularity="tensor", ignore=[KEEP_FLOAT])
+_none = _kl_of(_ref, granularity="tensor")
+print(f"{sum(map(len, _seqs))} fresh positions; mean KL against float32 (nats): int8 per tensor "
+      f"{_none:.3g}; with {KEEP_FLOAT} in float {_kept:.3g} ({_kept / _none:.2f}x); limit "
+      f"{_FACTOR}x")
+checks.at_most(f"KL with {KEEP_FLOAT} kept in float, as a fraction of int8 per tensor's",
+               _kept / _none, _FACTOR)
 ### END HIDDEN TESTS
