@@ -24,8 +24,10 @@
 # 2. `is_anomaly(base_rows, cand_rows, noise_rows, groups)`: the chapter's decision rule
 #    with a cluster bootstrap, 3 points;
 # 3. `fp32_logits(hidden, weight)`: the fp32 LM head, 3 points;
-#    then the restore check, 6 points: your LM head goes into the bf16 engine through
-#    `swap_step("lm_head", ...)` on text you have not seen.
+#    then the restore check, 7 points: your LM head goes into the bf16 engine through
+#    `swap_step("lm_head", ...)` on text you have not seen;
+# 4. `VERDICTS`: four changes a team proposes to ship, each judged noise or anomaly by
+#    measuring it, 2 points.
 #
 # The grader calls your functions on **new** inputs and compares with the engine's own
 # references, so a function that only works on the examples here will not pass.
@@ -317,7 +319,7 @@ checks.close("fp32_logits on the model's tied weight vs the engine's fp32 head",
 ### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "restore", "locked": true, "schema_version": 3, "solution": false, "task": false}
-# ## Restore check (6 points)
+# ## Restore check (7 points)
 #
 # The grader plugs your `fp32_logits` into the broken bf16 engine with
 # `broken.swap_step("lm_head", fp32_logits)` and scores corpus windows you have not seen.
@@ -329,7 +331,7 @@ checks.close("fp32_logits on the model's tied weight vs the engine's fp32 head",
 # For information, the cell also prints both against the float32 engine: there the fix
 # removes the head's share only, as the chapter showed (errors add in quadrature).
 
-# %% nbgrader={"grade": true, "grade_id": "test_restore", "locked": true, "points": 6, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "test_restore", "locked": true, "points": 7, "schema_version": 3, "solution": false, "task": false}
 import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
@@ -368,4 +370,94 @@ if _rms_broken <= _limit:
     raise checks.CheckFailed(f"the check does not discriminate: the broken bf16 head passes it "
                              f"({_rms_broken:.3g} <= {_limit:g})")
 checks.at_most("RMS |Δ log p| of your fp32 LM head in the bf16 engine", _rms_restored, _limit)
+### END HIDDEN TESTS
+
+
+# %% [markdown] nbgrader={"grade": false, "grade_id": "task4", "locked": true, "schema_version": 3, "solution": false, "task": false}
+# ## Task 4: what may ship? (2 points)
+#
+# A team proposes four changes to the **float32** engine, each to save memory or time,
+# and asks whether any of them changes what the model says. Decide each one with the
+# chapter's rule (your `is_anomaly`, the float32 engine as the reference, a benign
+# reorder as the noise floor), not with a rule of thumb: set `VERDICTS[name]` to
+# `"noise"` or `"anomaly"`. `score_candidate(name, seqs)` below scores token sequences
+# with the float32 engine and that one change swapped in.
+#
+# The grader measures all four on windows you have not seen with the rule of task 2 and
+# requires your four verdicts to be its four.
+
+# %% nbgrader={"grade": false, "grade_id": "candidates_helper", "locked": true, "schema_version": 3, "solution": false, "task": false}
+from minivllm.numerics import tf32_linear
+from minivllm.quantization.kv_cache import quantize_kv
+
+
+def _kv_bf16(x, cache_dtype, scale):
+    return quantize_kv(x.bfloat16().to(x.dtype), cache_dtype, scale)
+
+
+def _kv_fp8(x, cache_dtype, scale):
+    s = x.detach().abs().amax().clamp(min=1e-12) / 448.0  # one scale per write: amax / 448
+    return quantize_kv((x / s).to(torch.float8_e4m3fn).to(x.dtype) * s, cache_dtype, scale)
+
+
+def _head_bf16(hidden, weight):
+    return F.linear(hidden.bfloat16(), weight.bfloat16()).float()
+
+
+CANDIDATES = {
+    "K/V stored in bfloat16": ("kv.quantize", _kv_bf16),
+    "K/V stored in fp8 e4m3, one scale per write": ("kv.quantize", _kv_fp8),
+    "TF32 inputs to every linear layer": ("linear", tf32_linear),
+    "the LM head in bfloat16": ("lm_head", _head_bf16),
+}
+
+
+def score_candidate(name: str, seqs) -> torch.Tensor:
+    """Log-probs [sum of lengths, vocab] of the float32 engine with the change ``name``
+    (a key of CANDIDATES) swapped in, the rows of all ``seqs`` concatenated."""
+    step, fn = CANDIDATES[name]
+    with fp32.swap_step(step, fn):
+        return torch.cat(fp32.score(seqs))
+
+
+# %% nbgrader={"grade": false, "grade_id": "verdicts", "locked": false, "schema_version": 3, "solution": true, "task": false}
+VERDICTS = {name: None for name in CANDIDATES}  # "noise" or "anomaly" for each
+### BEGIN SOLUTION
+VERDICTS = {
+    "K/V stored in bfloat16": "noise",
+    "K/V stored in fp8 e4m3, one scale per write": "anomaly",
+    "TF32 inputs to every linear layer": "noise",
+    "the LM head in bfloat16": "anomaly",
+}
+### END SOLUTION
+
+# %% nbgrader={"grade": true, "grade_id": "test_verdicts", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
+checks = importlib.reload(checks)
+checks.guard()
+### BEGIN HIDDEN TESTS
+from minivllm.precision.noise import permuted_mlp_reduction
+
+checks.equal("VERDICTS' keys", sorted(VERDICTS) if isinstance(VERDICTS, dict) else VERDICTS,
+             sorted(CANDIDATES))
+for _name in CANDIDATES:
+    checks.one_of(f"VERDICTS[{_name!r}]", VERDICTS[_name], ["noise", "anomaly"])
+_seqs = windows[44:48]
+_g = np.asarray([i for i, s in enumerate(_seqs) for _ in s])
+_base = torch.cat(fp32.score(_seqs))
+with permuted_mlp_reduction(fp32, seed=21):
+    _noise = torch.cat(fp32.score(_seqs))
+_kl_n = metrics.kl_divergence(_base, _noise).numpy()
+_hi_n = metrics.bootstrap_ci([_kl_n[_g == i] for i in np.unique(_g)])[1]
+_measured = {}
+for _name in CANDIDATES:
+    _kl_c = metrics.kl_divergence(_base, score_candidate(_name, _seqs)).numpy()
+    _lo_c = metrics.bootstrap_ci([_kl_c[_g == i] for i in np.unique(_g)])[0]
+    _measured[_name] = ("anomaly" if _lo_c > _hi_n and _kl_c.mean() > PRACTICAL_KL else "noise",
+                        float(_kl_c.mean()))
+for _name, (_v, _kl) in _measured.items():
+    print(f"{_name}: mean KL {_kl:.2e} nats -> {_v}")
+for _name, (_v, _kl) in _measured.items():
+    checks.equal(f"VERDICTS[{_name!r}] (measured on fresh windows: mean KL {_kl:.2e} nats, "
+                 f"noise floor up to {_hi_n:.1e}, threshold {PRACTICAL_KL:g})", VERDICTS[_name], _v)
 ### END HIDDEN TESTS
