@@ -35,7 +35,10 @@
 # then the restore check, 6 points: your two functions are swapped into the engine, fresh
 # prompts with fresh seeds and penalties run on a pool that forces preemption, and every
 # request must give exactly the tokens of its unpreempted run, next to the broken engine
-# failing the same check.
+# failing the same check;
+#
+# 3. `MAX_NUM_SEQS`: a decision for a bfloat16 deployment, where even a correct resume
+#    is not exact, 2 points, measured by the engine.
 #
 # The grader calls your functions on **new** inputs and compares with the engine's
 # reference. Run the cells in order. Do not edit the setup and test cells.
@@ -307,4 +310,71 @@ if _bad == _want:
 for _i, (_a, _b) in enumerate(zip(_want, _mine)):
     checks.equal(f"tokens of fresh request {_i} (seed {_seeds[_i]}) under preemption, vs its "
                  f"unpreempted run", _b, _a)
+### END HIDDEN TESTS
+
+
+# %% [markdown] nbgrader={"grade": false, "grade_id": "task3", "locked": true, "schema_version": 3, "solution": false, "task": false}
+# ## Task 3: no preemption in bfloat16 (2 points)
+#
+# Your two steps make a preempted request come back whole **in float32**. In bfloat16
+# they cannot: the resumed request's K/V and logits come from a prefill over prompt +
+# output, its unpreempted twin's from decodes, and in 8 significand bits the two round
+# differently (chapter 8, section 3: the first resumed token can change). A bfloat16
+# deployment that must give a request the same tokens whether or not the server was busy
+# therefore avoids preemption altogether. vLLM's documentation gives the knobs: more KV
+# memory, or fewer requests at once (`max_num_seqs`, `max_num_batched_tokens`).
+#
+# The pool is fixed at `DEPLOY_BLOCKS` blocks of 8 tokens and the traffic is
+# `DEPLOY_PROMPTS` (six chat prompts, 16 greedy tokens each, all arriving together).
+# Choose `MAX_NUM_SEQS`, the **largest** number of requests running at once for which
+# this traffic is served with no preemption: fewer would leave throughput on the table.
+# `preemptions_at(n)` below serves the traffic with `max_num_seqs=n` and returns the
+# number of preemptions. (It runs in float32, because which request runs when does not
+# depend on the dtype here: every request generates exactly 16 tokens, `ignore_eos`.)
+#
+# The grader serves the same traffic at `MAX_NUM_SEQS` (no preemption allowed) and at
+# `MAX_NUM_SEQS + 1` (which must preempt, or a larger value would have done).
+
+# %% nbgrader={"grade": false, "grade_id": "deploy_helper", "locked": true, "schema_version": 3, "solution": false, "task": false}
+DEPLOY_BLOCKS = 24
+DEPLOY_PROMPTS = [chat(f"Tell me about {t}.") for t in (
+    "a lighthouse keeper who counts ships", "rain",
+    "the first snow of a long winter in the mountains", "a cat",
+    "two rivers that meet at a mill", "an old map")]
+
+
+def preemptions_at(max_num_seqs: int) -> int:
+    """Serve DEPLOY_PROMPTS (greedy, 16 tokens each, ignore_eos) on a fresh engine with
+    DEPLOY_BLOCKS blocks of BS tokens and ``max_num_seqs``; return how many times the
+    scheduler preempted a request (~2 s)."""
+    eng = LLM(MODEL, dtype="float32", block_size=BS, max_model_len=72,
+              num_gpu_blocks_override=DEPLOY_BLOCKS, max_num_seqs=max_num_seqs)
+    eng.generate(DEPLOY_PROMPTS, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    return eng.stats.num_preemptions
+
+
+print("prompt lengths:", [len(p) for p in DEPLOY_PROMPTS], "tokens; pool:", DEPLOY_BLOCKS,
+      "blocks of", BS)
+
+# %% nbgrader={"grade": false, "grade_id": "max_num_seqs", "locked": false, "schema_version": 3, "solution": true, "task": false}
+MAX_NUM_SEQS = 6  # every request at once: where this task starts
+### BEGIN SOLUTION
+MAX_NUM_SEQS = 3
+### END SOLUTION
+
+# %% nbgrader={"grade": true, "grade_id": "test_max_num_seqs", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
+checks = importlib.reload(checks)
+checks.guard()
+### BEGIN HIDDEN TESTS
+checks.equal(f"MAX_NUM_SEQS ({MAX_NUM_SEQS!r}) is an int from 1 to {len(DEPLOY_PROMPTS)}",
+             isinstance(MAX_NUM_SEQS, int) and not isinstance(MAX_NUM_SEQS, bool)
+             and 1 <= MAX_NUM_SEQS <= len(DEPLOY_PROMPTS), True)
+_at = preemptions_at(MAX_NUM_SEQS)
+_above = preemptions_at(MAX_NUM_SEQS + 1) if MAX_NUM_SEQS < len(DEPLOY_PROMPTS) else None
+print(f"preemptions serving the traffic: max_num_seqs={MAX_NUM_SEQS}: {_at}; "
+      f"max_num_seqs={MAX_NUM_SEQS + 1}: {_above}")
+checks.equal(f"preemptions at max_num_seqs={MAX_NUM_SEQS}", _at, 0)
+checks.equal(f"max_num_seqs={MAX_NUM_SEQS + 1} preempts (else a larger value would do)",
+             _above is not None and _above > 0, True)
 ### END HIDDEN TESTS
