@@ -32,7 +32,9 @@
 # 1. `blocks_for(num_tokens, block_size)`: how many blocks a sequence needs, 2 points;
 # 2. `slot_mapping(block_table, positions, block_size)`: the step itself, 4 points;
 # 3. `read_slots(block_table, seq_len, block_size)`: what a reader gathers, 2 points;
-#    then the restore check, 6 points.
+#    then the restore check, 7 points;
+# 4. `KV_CACHE_DTYPE`: the most precise K/V cache that holds a batch in a memory budget,
+#    a decision, 2 points.
 #
 # Run the cells in order. Do not edit the setup and test cells.
 
@@ -242,7 +244,7 @@ checks.equal("read_slots(table, 512, 512): exactly the first block's slots",
 ### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "restore", "locked": true, "schema_version": 3, "solution": false, "task": false}
-# ## Restore check (6 points)
+# ## Restore check (7 points)
 #
 # The grader fragments the pool, plugs your `slot_mapping` into the engine
 # (`llm.swap_step("slot_mapping", slot_mapping)`: writer and reader), scores three fresh
@@ -252,7 +254,7 @@ checks.equal("read_slots(table, 512, 512): exactly the first block's slots",
 # right one reads exactly the same K/V) and the greedy tokens too. The broken engine (the off-by-one) is measured
 # by the same check and must fail it, which shows the check can tell them apart.
 
-# %% nbgrader={"grade": true, "grade_id": "test_restore", "locked": true, "points": 6, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "test_restore", "locked": true, "points": 7, "schema_version": 3, "solution": false, "task": false}
 import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
@@ -301,4 +303,92 @@ for _i, (_x, _y) in enumerate(zip(_mine[0], _ref[0])):
                  f"({len(_seqs[_i])} tokens)", torch.equal(_x, _y), True)
 checks.equal("greedy tokens (2 fresh prompts x 12) equal to the correct engine's", _mine[1],
              _ref[1])
+### END HIDDEN TESTS
+
+
+# %% [markdown] nbgrader={"grade": false, "grade_id": "task4", "locked": true, "schema_version": 3, "solution": false, "task": false}
+# ## Task 4: the most precise cache that fits (2 points)
+#
+# The pool is memory, and its size in blocks depends on the bytes of one K/V element.
+# A server has `KV_BUDGET_BYTES` for the K/V cache of this model (30 layers, 3 K/V heads
+# of 64 dimensions, blocks of 16 tokens) and must hold the K/V of the three requests of
+# `BATCH` **at once** (each its prompt plus the 8 tokens it generates, in whole blocks:
+# your `blocks_for`), so that none waits or is preempted. Choose `KV_CACHE_DTYPE` from
+# `KV_OPTIONS`: the most precise cache (the lowest KL against the float32 cache) whose
+# pool holds the batch. ("auto" is the model dtype, float32 here.)
+#
+# `pool_blocks(kv_cache_dtype)` builds the engine with that budget and returns its
+# number of blocks; `cache_kl(kv_cache_dtype)` returns the mean KL (nats per position)
+# of that cache against the float32 cache on one example window. Work out what you
+# expect first, then measure.
+#
+# The grader builds each option with the budget, reads its pool size, checks your choice
+# holds the batch, scores a fresh window with every option that holds it, and requires
+# yours to have the lowest KL among them.
+
+# %% nbgrader={"grade": false, "grade_id": "kv_helper", "locked": true, "schema_version": 3, "solution": false, "task": false}
+import gc
+
+KV_BUDGET_BYTES = 7_741_440
+KV_OPTIONS = ("auto", "float16", "bfloat16", "fp8_e4m3")
+_corpus100 = evalsets.corpus_sequences(tok, seq_len=100)
+BATCH = [_corpus100[k][:n] for k, n in ((5, 100), (9, 90), (13, 80))]  # prompts; 8 tokens each
+
+
+def kv_engine(kv_cache_dtype: str):
+    """The model with a K/V cache of ``kv_cache_dtype`` in KV_BUDGET_BYTES (block size 16)."""
+    if kv_cache_dtype not in KV_OPTIONS:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_OPTIONS}, got {kv_cache_dtype!r}")
+    return LLM(MODEL, dtype="float32", max_model_len=128, block_size=BS,
+               kv_cache_memory_bytes=KV_BUDGET_BYTES, kv_cache_dtype=kv_cache_dtype,
+               enable_prefix_caching=False)
+
+
+def pool_blocks(kv_cache_dtype: str) -> int:
+    """Blocks of BS tokens in the pool of :func:`kv_engine` (``kv_cache_dtype``)."""
+    return kv_engine(kv_cache_dtype).llm_engine.cache_config.num_gpu_blocks
+
+
+def cache_kl(kv_cache_dtype: str, seqs=None) -> float:
+    """Mean KL (nats per position) of the cache ``kv_cache_dtype`` against the float32
+    cache, on ``seqs`` (default: one 32-token example window)."""
+    seqs = seqs or evalsets.corpus_sequences(tok, seq_len=32)[3:4]
+    ref = llm.score(seqs)
+    eng = kv_engine(kv_cache_dtype)
+    rows = eng.score(seqs)
+    del eng
+    gc.collect()
+    return sum(metrics.mean_kl(a, b) for a, b in zip(ref, rows)) / len(seqs)
+
+
+print("the batch's prompts:", [len(p) for p in BATCH], "tokens, 8 more each; budget",
+      KV_BUDGET_BYTES, "bytes")
+
+# %% nbgrader={"grade": false, "grade_id": "kv_cache_dtype", "locked": false, "schema_version": 3, "solution": true, "task": false}
+KV_CACHE_DTYPE = "auto"  # the model dtype: where this task starts
+### BEGIN SOLUTION
+KV_CACHE_DTYPE = "float16"
+### END SOLUTION
+
+# %% nbgrader={"grade": true, "grade_id": "test_kv_cache_dtype", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
+checks = importlib.reload(checks)
+checks.guard()
+### BEGIN HIDDEN TESTS
+checks.one_of("KV_CACHE_DTYPE", KV_CACHE_DTYPE, list(KV_OPTIONS))
+_mgr = KVCacheManager(num_blocks=1, block_size=BS)
+_need = sum(_mgr.num_blocks_needed(len(p) + 8) for p in BATCH)  # the engine's own count
+_blocks = {d: pool_blocks(d) for d in KV_OPTIONS}
+gc.collect()
+_fits = [d for d in KV_OPTIONS if _blocks[d] >= _need]
+_win = evalsets.corpus_sequences(tok, seq_len=32)[21:23]  # fresh windows
+_kl = {d: cache_kl(d, _win) for d in _fits}
+print(f"the batch needs {_need} blocks; pool blocks in {KV_BUDGET_BYTES} bytes: {_blocks}; "
+      f"mean KL vs the float32 cache of those that hold it: "
+      + ", ".join(f"{d} {k:.2e}" for d, k in _kl.items()))
+checks.equal(f"the pool of KV_CACHE_DTYPE={KV_CACHE_DTYPE!r} ({_blocks[KV_CACHE_DTYPE]} blocks) "
+             f"holds the batch ({_need} blocks)", KV_CACHE_DTYPE in _fits, True)
+_best = min(_fits, key=_kl.get)
+checks.equal(f"KV_CACHE_DTYPE: the lowest KL among the caches that hold the batch ({_best}, "
+             f"{_kl[_best]:.2e} nats; yours {_kl[KV_CACHE_DTYPE]:.2e})", KV_CACHE_DTYPE, _best)
 ### END HIDDEN TESTS
