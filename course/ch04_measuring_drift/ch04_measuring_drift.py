@@ -450,7 +450,10 @@ fig
 # with a bf16 LM head). You write `topk_overlap`, the decision rule `is_anomaly` with a
 # cluster bootstrap, and `fp32_logits`, the fp32 LM head; the last test plugs your head into
 # the bf16 engine with `swap_step("lm_head", ...)` on text you have not seen and checks the
-# restored number next to the broken configuration failing the same check.
+# restored number next to the broken configuration failing the same check. Last, you
+# judge four changes a team proposes for the float32 engine (K/V in bfloat16 or fp8, TF32
+# linear inputs, a bfloat16 LM head) as noise or anomaly by measuring them; the grader
+# measures them again on fresh windows and compares.
 
 # %%
 print(f"chapter 4 ran in {time.perf_counter() - T0:.0f} s")

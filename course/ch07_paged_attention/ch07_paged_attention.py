@@ -431,7 +431,9 @@ print(f"| the correct mapping is bitwise equal to the reference on a fragmented 
 # reference on fresh random non-contiguous tables, then plugs your `slot_mapping` into
 # the engine on a fragmented pool with fresh prompts: the logits must equal the correct
 # engine's (`torch.equal`) and the greedy tokens too, next to the broken engine failing
-# the same check.
+# the same check. Last, you choose the most precise `kv_cache_dtype` whose pool, in a
+# fixed byte budget, holds a batch at once; the grader reads each option's pool size
+# from the engine and measures the KL of those that fit.
 
 # %%
 print(f"chapter 7 ran in {time.perf_counter() - T0:.0f} s")

@@ -338,7 +338,10 @@ print(f"| syllabus: fp32 + penalties + forced preemption gives identical tokens 
 # penalty counts (repetition over prompt and output, frequency and presence over the
 # output only); the grader swaps both into an engine whose pool forces preemption and
 # checks that fresh requests with fresh seeds and penalties give exactly the tokens of
-# their unpreempted runs, next to the broken engine failing the same check.
+# their unpreempted runs, next to the broken engine failing the same check. Last, since
+# section 3 shows a resume is not exact in bfloat16, you choose the largest `max_num_seqs`
+# that serves a given traffic on a given pool without any preemption; the grader serves
+# it at your value and one above.
 
 # %%
 print(f"chapter 8 ran in {time.perf_counter() - T0:.0f} s")

@@ -420,6 +420,8 @@ print("| INCIDENTS #13 lab idea: scale one down_proj or norm weight by 1000 | no
 # faulty engine's KL from several nats back under 1e-4 (or under twice the correct float16
 # engine's, on the rare draw where float16 flips a near tie), and your fused add brings the
 # amplified engine (c = 2.75) from NaN to finite logits within 1e-2 nats of float32.
+# Last, you decide for the unmodified and the amplified model whether to serve float16
+# (with your fixes) or bfloat16; the grader measures both on fresh sequences.
 
 # %%
 print(f"chapter 10 ran in {time.perf_counter() - T0:.0f} s")
