@@ -241,3 +241,29 @@ def test_no_test_cell_ends_in_a_value(lab):
             if name not in _SILENT and not (name or "").startswith("_"):  # _helpers: the cell's own
                 bad.append(f"{c.grade_id}: {ast.unparse(last)[:80]}")
     assert not bad, f"{lab}: test cells ending in a displayed value: {bad}"
+
+
+# The engine restore checks of labs 1-15: the test cells that plug the learner's code (or
+# decision) into the engine on fresh prompts and show the broken configuration failing
+# the same check. Together they carry at least 40 % of each lab's points (DESIGN.md's lab
+# template), so a learner cannot reach a pass on unit tests alone.
+RESTORE_CELLS = {
+    "ch01": ["test_restore"], "ch02": ["test_size_accuracy"], "ch03": ["test_restore"],
+    "ch04": ["test_restore"], "ch05": ["test_restore"], "ch06": ["test_restore"],
+    "ch07": ["test_restore"], "ch08": ["test_restore"], "ch09": ["test_restore"],
+    "ch10": ["test_restore_norm", "test_restore_overflow"], "ch11": ["test_restore_long",
+                                                                     "test_restore_scaling"],
+    "ch12": ["test_restore"], "ch13": ["test_steps_engine"], "ch14": ["test_engine"],
+    "ch15": ["test_engine"],
+}
+
+
+@pytest.mark.parametrize("lab", sorted(RESTORE_CELLS))
+def test_restore_check_carries_at_least_40_percent(lab):
+    points = {c.grade_id: c.points for c in mutants.lab_cells(lab) if c.kind == "test"}
+    missing = [g for g in RESTORE_CELLS[lab] if g not in points]
+    assert not missing, f"{lab}: no test cell {missing} (renamed? update RESTORE_CELLS)"
+    share = sum(points[g] for g in RESTORE_CELLS[lab]) / sum(points.values())
+    print(f"{lab}: restore check {sum(points[g] for g in RESTORE_CELLS[lab]):g} of "
+          f"{sum(points.values()):g} points ({share:.0%})")
+    assert share >= 0.4, f"{lab}: the restore check carries {share:.0%} of the points (< 40 %)"
