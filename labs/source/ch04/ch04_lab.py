@@ -378,16 +378,19 @@ checks.at_most("RMS |Δ log p| of your fp32 LM head in the bf16 engine", _rms_re
 #
 # A team proposes four changes to the **float32** engine, each to save memory or time,
 # and asks whether any of them changes what the model says. Decide each one with the
-# chapter's rule (your `is_anomaly`, the float32 engine as the reference, a benign
-# reorder as the noise floor), not with a rule of thumb: set `VERDICTS[name]` to
-# `"noise"` or `"anomaly"`. `score_candidate(name, seqs)` below scores token sequences
-# with the float32 engine and that one change swapped in.
+# chapter's rule, not with a rule of thumb: your `is_anomaly`, the float32 engine as the
+# reference, and as the noise floor the same float32 engine with a benign reorder
+# (`permuted_mlp_reduction(fp32, seed=...)`, imported below; each candidate changes the
+# float32 engine, so its noise floor is float32's). Set `VERDICTS[name]` to `"noise"` or
+# `"anomaly"`. `score_candidate(name, seqs)` below scores token sequences with the
+# float32 engine and that one change swapped in.
 #
 # The grader measures all four on windows you have not seen with the rule of task 2 and
 # requires your four verdicts to be its four.
 
 # %% nbgrader={"grade": false, "grade_id": "candidates_helper", "locked": true, "schema_version": 3, "solution": false, "task": false}
 from minivllm.numerics import tf32_linear
+from minivllm.precision.noise import permuted_mlp_reduction
 from minivllm.quantization.kv_cache import quantize_kv
 
 

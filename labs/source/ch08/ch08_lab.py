@@ -328,8 +328,10 @@ for _i, (_a, _b) in enumerate(zip(_want, _mine)):
 # `DEPLOY_PROMPTS` (six chat prompts, 16 greedy tokens each, all arriving together).
 # Choose `MAX_NUM_SEQS`, the **largest** number of requests running at once for which
 # this traffic is served with no preemption: fewer would leave throughput on the table.
-# `preemptions_at(n)` below serves the traffic with `max_num_seqs=n` and returns the
-# number of preemptions. (It runs in float32, because which request runs when does not
+# Count blocks if you like (the setup's remark about two requests sharing the chat
+# prefix is about its 9-block pool, and sharing depends on when requests are admitted),
+# then measure: `preemptions_at(n)` below serves the traffic with `max_num_seqs=n` and
+# returns the number of preemptions. (It runs in float32, because which request runs when does not
 # depend on the dtype here: every request generates exactly 16 tokens, `ignore_eos`.)
 #
 # The grader serves the same traffic at `MAX_NUM_SEQS` (no preemption allowed) and at
@@ -346,7 +348,7 @@ DEPLOY_PROMPTS = [chat(f"Tell me about {t}.") for t in (
 def preemptions_at(max_num_seqs: int) -> int:
     """Serve DEPLOY_PROMPTS (greedy, 16 tokens each, ignore_eos) on a fresh engine with
     DEPLOY_BLOCKS blocks of BS tokens and ``max_num_seqs``; return how many times the
-    scheduler preempted a request (~2 s)."""
+    scheduler preempted a request (a few seconds)."""
     eng = LLM(MODEL, dtype="float32", block_size=BS, max_model_len=72,
               num_gpu_blocks_override=DEPLOY_BLOCKS, max_num_seqs=max_num_seqs)
     eng.generate(DEPLOY_PROMPTS, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))

@@ -457,9 +457,10 @@ checks.at_most("mean KL vs float32 with your fused_add_rms_norm (amplified, floa
 # 16-bit dtype to serve it in: `"float16"` (with the engine's upcasting RMSNorm and the
 # clamped residual add of task 3) or `"bfloat16"` (the engine as it is: bfloat16 has
 # float32's range, so it needs no clamp). The right one is the one whose log-probs are
-# closer to float32's. Measure before you decide: `deploy_kl(dtype, amplified)` below
-# scores the example sequences of chapter 10's kind and prints the mean KL against
-# float32 (it runs your `rms_norm` and `fused_add_rms_norm` in float16).
+# closer to float32's. Measure before you decide: `deploy_kl(dtype, amplified_model)`
+# below (`amplified_model` True or False) scores two example sequences of chapter 10's
+# kind and returns the mean KL against float32 (it runs your `rms_norm` and
+# `fused_add_rms_norm` in float16, so fix those first: a NaN means they are not right).
 #
 # The grader scores sequences you have not seen with both dtypes for each model (its own
 # float16 fixes, so only your decision counts) and requires your choice to be the dtype
@@ -475,6 +476,8 @@ def deploy_kl(dtype: str, amplified_model: bool) -> float:
     import contextlib
     if dtype not in ("float16", "bfloat16"):
         raise ValueError(f"dtype must be 'float16' or 'bfloat16', got {dtype!r}")
+    if not isinstance(amplified_model, bool):
+        raise TypeError(f"amplified_model must be True or False, got {amplified_model!r}")
     tok = engine("float32").get_tokenizer()
     seqs = [[1] + tok.encode(_text[i:i + 1500])[:n - 1] for i, n in ((2000, 24), (9000, 32))]
     ref = engine("float32").score(seqs)
