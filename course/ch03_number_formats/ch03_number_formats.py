@@ -139,8 +139,8 @@ for v in (1024.5, 1e5, 1e-6, 3e-8):
 # fp16's 5-bit exponent runs out: 1e5 overflows fp16 to inf, and 1e-6 is an fp16
 # subnormal (spacing 2^-24 = 6e-8 there, so a few percent of error) while TF32 keeps it
 # normal. 1024.5 is a tie between 1024 and 1025 in both; round-to-nearest-even gives
-# 1024. The famous "1024.5 times the identity gives 1025 on a 3090" (pytorch/pytorch
-# #53635) is the *same* 10-bit grid with a different tie rule (NVIDIA's `cvt.rna.tf32`
+# 1024. The famous "1024.5 times the identity gives 1025 on a 3090"
+# (pytorch/pytorch #53635) is the *same* 10-bit grid with a different tie rule (NVIDIA's `cvt.rna.tf32`
 # rounds ties away from zero), not a coarser one.
 #
 # ### 2.2 "FP8 keeps about 3 decimal digits"

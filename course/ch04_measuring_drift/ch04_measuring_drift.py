@@ -353,10 +353,10 @@ for r in configs:
 # ## 6. Why, and the fix measured: an fp32 LM head
 #
 # Where does the bf16 engine's difference come from? Every matmul rounds its output to
-# bf16 (8 significant bits: relative error up to 2^-9 ≈ 0.2 %). The LM head is the last
+# bf16 (8 significant bits: relative error up to 2^-8 ≈ 0.39 %). The LM head is the last
 # one, and its outputs are the logits themselves: a logit of 20 is rounded to a multiple of
-# 0.125, a log-prob error of up to ~0.06 nats from the rounding of one number. That is why
-# #18352's mitigation targets the head. `EngineArgs.lm_head_dtype="float32"` (not a vLLM
+# 0.125, a log-prob error of up to ~0.06 nats from the rounding of one number. That is
+# why #18352's mitigation targets the head. `EngineArgs.lm_head_dtype="float32"` (not a vLLM
 # flag; it mirrors open-instruct #1387 and prime-rl #2438) casts the final hidden states
 # and a kept fp32 copy of the tied weight to float32 before the matmul; the embedding
 # lookup and the 30 layers stay bf16.

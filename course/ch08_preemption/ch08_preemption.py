@@ -39,8 +39,8 @@
 # in float32 only, where recompute is exact up to rounding by construction.
 #
 # Everything below is measured when the notebook runs, on the embedded
-# SmolLM2-135M-Instruct with minivllm on this machine's CPU, except the 16-request rates
-# of section 5, which are loaded from `recompute_rates.json` (the command that made them
+# SmolLM2-135M-Instruct with minivllm on this machine's CPU, except the 40-request rates
+# of section 4, which are loaded from `recompute_rates.json` (the command that made them
 # is printed with them). Preemption is forced with a small KV pool
 # (`num_gpu_blocks_override`); the bugs are planted through the step registry
 # (`"scheduler.preempt"`, `"sampler.penalties"`; `minivllm.precision.faults`).

@@ -27,8 +27,8 @@
 #
 # **The incidents.**
 #
-# - **vllm #14126** "Qwen 2.5 produces all !!!!" (2025-03) and **ggml-org/llama.cpp
-#   #7805** (2024-06; Qwen2 printed "GGGG" without flash attention), fixed by **PR #8412**
+# - **vllm #14126** "Qwen 2.5 produces all !!!!" (2025-03) and
+#   **ggml-org/llama.cpp #7805** (2024-06; Qwen2 printed "GGGG" without flash attention), fixed by **PR #8412**
 #   (2024-07-10), which forces the KQ matmul to F32 as was already done for Phi-2, Phi-3
 #   and GPT-NeoX (INCIDENTS.md #15): `q @ k^T` rounded to fp16 passed 65504, became inf,
 #   and the softmax turned inf into NaN.
@@ -37,8 +37,7 @@
 # - **vllm #23813** (2025): FP8 attention on Hopper accumulates in a register that does not
 #   keep full fp32 precision, so the error grows with context length; fixed by two-level
 #   accumulation that flushes each tile into a true fp32 accumulator
-#   (vllm-project/flash-attention PR #104, Dao-AILab/flash-attention PR #2250; INCIDENTS.md
-#   #12).
+#   (vllm-project/flash-attention PR #104, Dao-AILab/flash-attention PR #2250).
 #
 # Everything below is measured when the notebook runs, on the embedded
 # SmolLM2-135M-Instruct with minivllm on this machine's CPU. **The model does not overflow

@@ -28,8 +28,8 @@
 # - **huggingface/transformers #36822** "Gemma 3 is broken with fp16" (2025-03-19):
 #   gemma-3-4b-it on an RTX 4090 gave empty output in float16 and correct output in
 #   bfloat16 (INCIDENTS.md #13). Large RMSNorm weights and post-norms pushed the
-#   activations past float16's maximum of 65504. The fix, **PR #36832**, clamps the
-#   activations (and the residual adds, issue #39972); on gemma-3-12b-it the lm-eval
+#   activations past float16's maximum of 65504. The proposed fix, **PR #36832** (closed
+#   without being merged), clamps the activations (and the residual adds, issue #39972); on gemma-3-12b-it the lm-eval
 #   average was 0.752 in bfloat16 and 0.657 in float16 with the clamp. Later vLLM
 #   builds refuse `--dtype float16` for Gemma 3 (seen in intel/llm-scaler #270).
 # - The older precedent, **T5** (transformers #4287 in 2020, #9295 in 2021): the FFN's
@@ -374,7 +374,7 @@ print(f"| bf16 is the safe choice where fp16 overflows | yes: at c = 4 bfloat16 
       f"bit-identical to the unscaled model ({table['bfloat16'][2]}), KL {klbf:.1e} |")
 print(f"| fp16 is more precise than bf16 while nothing overflows (syllabus: KL 1.8e-5 vs "
       f"1.0e-3) | yes: {kl16:.1e} vs {klbf:.1e} here ({klbf / kl16:.0f}x) |")
-print(f"| the clamp fixes fp16 (PR #36832) but costs accuracy (0.752 -> 0.657 lm-eval) | "
+print(f"| the clamp proposed in PR #36832 fixes fp16 but costs accuracy (0.752 -> 0.657 lm-eval) | "
       f"both: no NaN at any c; KL {cost[2.75][2]:.1e} at c = 2.75, {cost[4.0][2]:.2f} at c = 4, "
       f"{cost[8.0][2]:.2f} at c = 8 |")
 print(f"| syllabus: amplify with c = 3 (peak 67.7k) | the peak depends on the first token "

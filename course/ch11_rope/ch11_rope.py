@@ -33,8 +33,8 @@
 #   (<https://github.com/huggingface/transformers/pull/29285>, 2024-02-26): under bf16
 #   autocast the rotary forward computed cos/sin in bf16; positional encodings became
 #   inaccurate at long context and training loss diverged from an fp32-RoPE run. The fix
-#   disables autocast and computes the angles in fp32. Related: **EleutherAI/gpt-neox
-#   #1003** (<https://github.com/EleutherAI/gpt-neox/issues/1003>: in fp16 "the angle
+#   disables autocast and computes the angles in fp32. Related:
+#   **EleutherAI/gpt-neox #1003** (<https://github.com/EleutherAI/gpt-neox/issues/1003>: in fp16 "the angle
 #   1044.27 rounds to 1045, cos off by up to 0.78"), **huggingface/candle PR #3520**
 #   (<https://github.com/huggingface/candle/pull/3520>: bf16 positions, "15962 becomes
 #   15936 or 15968"), **vllm #863** (<https://github.com/vllm-project/vllm/issues/863>:

@@ -181,8 +181,8 @@ except ValueError as e:
     print(f"dtype='half' for a gemma3 checkpoint -> ValueError: {e}")
 
 # %% [markdown]
-# The OLMo incident's path is in the table: a float32 checkpoint on any GPU before PR
-# #18751, or on a pre-Ampere GPU today, is served in **float16**. (vLLM's CPU backend of that
+# The OLMo incident's path is in the table: a float32 checkpoint on any GPU before
+# PR #18751, or on a pre-Ampere GPU today, is served in **float16**. (vLLM's CPU backend of that
 # era then turned float16 into bfloat16 with a warning, vllm #12794, so on a CPU the old rule
 # ended in bfloat16 too.)
 #
@@ -462,8 +462,9 @@ print(f"float16 model, float32 KV vs float16 KV: logits bit for bit equal: {same
       f"K/V element {kv_bytes['float16 KV']} vs {kv_bytes['float32 KV']}")
 
 # %% [markdown]
-# Bit for bit the same, at twice the KV memory (the seed's "32 → 24 concurrency"): the fp32
-# cache buys nothing when the values written into it are float16 already. (The attention
+# Bit for bit the same, at twice the KV memory (twice the bytes per token: 32 → 16
+# concurrent requests, not the seed's "32 → 24"): the fp32 cache buys nothing when the
+# values written into it are float16 already. (The attention
 # here computes in the model dtype after reading; an engine that read K/V into a float32
 # softmax would gain from a float32 *computation*, not from float32 storage.) vLLM does not
 # offer the option: its `kv_cache_dtype` choices (`CacheDType` in `vllm/config/cache.py`) are

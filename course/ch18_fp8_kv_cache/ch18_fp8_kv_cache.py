@@ -466,8 +466,8 @@ for c, m in claims:
 #   (`benchmarks/RESULTS.md`, KV-cache dtype sweep). TensorRT-LLM's decay with
 #   generation length came from the fault living on the generation path: the longer the
 #   generation, the more of the context was written wrong.
-# - *"If the scales load without an error, they are used."* sglang #18818 and flashinfer
-#   #1023 loaded them and then never passed them on. Test delivery directly: run with a
+# - *"If the scales load without an error, they are used."* sglang #18818 and
+#   flashinfer #1023 loaded them and then never passed them on. Test delivery directly: run with a
 #   deliberately wrong scale (say 100) and check that the output changes.
 #
 # ## Lab

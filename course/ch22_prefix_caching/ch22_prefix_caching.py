@@ -30,8 +30,8 @@
 #
 # **The incidents.**
 #
-# - **vllm #5543** "prefix-caching: inconsistent completions" (2024-06-14; INCIDENTS.md
-#   #4; also InternLM/lmdeploy #1719): a server with `--enable-prefix-caching` disagreed
+# - **vllm #5543** "prefix-caching: inconsistent completions" (2024-06-14;
+#   also InternLM/lmdeploy #1719): a server with `--enable-prefix-caching` disagreed
 #   with one without it. The cause (vllm PR #7018) was a block table, not the cache key:
 #   chapter 7 reproduces it (`faults.zeroed_block_tables`).
 # - **GeeeekExplorer/nano-vllm PR #209** "prevent in-flight prefix cache hits within same

@@ -196,8 +196,8 @@ print(f"bfloat16 tp=3 run twice: bit-identical {torch.equal(tp16, tp16_again)}")
 # benchmark could see); in bfloat16 tp = 3 moves the distribution by about as much as
 # bfloat16 itself does against float32 (compare the two KLs printed above), and the top-1
 # token changes at a few percent of positions, where a greedy continuation can fork (the
-# first divergences are printed here and, for another order, in section 4). That is vllm
-# #2891's "TP = 1 and TP = 4 differ": nothing is wrong, the sums are different sums. Run
+# first divergences are printed here and, for another order, in section 4). That is
+# vllm #2891's "TP = 1 and TP = 4 differ": nothing is wrong, the sums are different sums. Run
 # twice with the same order, the bits are the same.
 #
 # ## 4. The all-reduce's order

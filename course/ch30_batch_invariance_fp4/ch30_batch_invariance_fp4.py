@@ -46,8 +46,8 @@
 #   **1.6x** slower in one summary). vLLM exposes it as `VLLM_BATCH_INVARIANT=1`.
 #   Follow-up: **thinking-machines-lab/batch_invariant_ops #6**, two samples still
 #   diverged in fp16 after a block size was changed. INCIDENTS.md #3.
-# - **vllm PR #33972** "fix output Nan/Inf in marlin if dtype=float16" (2026-02-06, fixes
-#   #33560 and #33461): NVFP4 checkpoints of dense Qwen3 models (8B, 32B) served with
+# - **vllm PR #33972** "fix output Nan/Inf in marlin if dtype=float16" (2026-02-06,
+#   fixes #33560 and #33461): NVFP4 checkpoints of dense Qwen3 models (8B, 32B) served with
 #   `dtype=float16` produced NaN activations from an overflow in the GEMM; MoE models were
 #   fine. The fix scales the GEMM's input dynamically. INCIDENTS.md #20.
 # - The formats: **OCP Microscaling Formats (MX) v1.0** (2023: MXFP4 = E2M1 elements,
