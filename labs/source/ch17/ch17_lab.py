@@ -118,7 +118,7 @@ checks.guard()
 ### BEGIN HIDDEN TESTS
 from minivllm.quantization import weight_quant as _wq
 
-_g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31 - 1, ())))
+_g = torch.Generator().manual_seed(17001)
 for _in in (torch.float32, torch.bfloat16, torch.float16):
     for _shape in ((5, 24), (2, 3, 16)):
         _x = torch.randn(*_shape, generator=_g) * torch.logspace(-3, 2, _shape[-1])
@@ -183,7 +183,7 @@ checks.guard()
 ### BEGIN HIDDEN TESTS
 from minivllm.quantization.w8a8 import fp8_static_input_scale as _rule
 
-_g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31 - 1, ())))
+_g = torch.Generator().manual_seed(17002)
 for _shape in ((1,), (7,), (3, 4)):
     for _h in (1.0, 1.5, 4.0):
         _amax = torch.rand(*_shape, generator=_g) * 3000
@@ -247,7 +247,7 @@ checks.guard()
 ### BEGIN HIDDEN TESTS
 from minivllm.quantization import weight_quant as _wq
 
-_g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31 - 1, ())))
+_g = torch.Generator().manual_seed(17003)
 for _gran in ("tensor", "channel"):
     _w = torch.randn(12, 40, generator=_g) * torch.logspace(-2, 0, 12)[:, None]
     _qw, _ws = _wq.quantize_fp8_weight(_w, _gran)
@@ -298,9 +298,9 @@ import random as _random
 from minivllm.quantization.checkpoint import cached_quantized as _cached
 from minivllm.quantization.w8a8 import fp8_linear_ref as _fp8_ref
 
-_probe_w = torch.randn(4, 16).to(torch.float8_e4m3fn)      # the learner's functions first: a
-fp8_linear(torch.randn(3, 16), _probe_w, torch.tensor(0.1), None)   # stub fails at once
-_rng = _random.Random()
+_probe_w = torch.randn(4, 16, generator=torch.Generator().manual_seed(17099)).to(torch.float8_e4m3fn)      # the learner's functions first: a
+fp8_linear(torch.randn(3, 16, generator=torch.Generator().manual_seed(17004)), _probe_w, torch.tensor(0.1), None)   # stub fails at once
+_rng = _random.Random(17005)
 _text = evalsets.load_corpus()
 _f32 = LLM(MODEL, **COMMON)
 _tok = _f32.get_tokenizer()

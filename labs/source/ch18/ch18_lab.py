@@ -124,7 +124,7 @@ checks.guard()
 ### BEGIN HIDDEN TESTS
 from minivllm.quantization.kv_cache import qmax as _qmax, quantize_kv as _quantize_ref
 
-_g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31 - 1, ())))
+_g = torch.Generator().manual_seed(18001)
 
 
 def _bits(t):
@@ -191,7 +191,7 @@ checks.guard()
 from minivllm.quantization.kv_cache import dequantize_kv as _dequantize_ref
 from minivllm.quantization.kv_cache import quantize_kv as _quantize_ref
 
-_g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31 - 1, ())))
+_g = torch.Generator().manual_seed(18002)
 for _dt in (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8):
     _T = int(torch.randint(2, 7, (), generator=_g))
     _stored = _quantize_ref(torch.randn(_T, 3, 8, generator=_g) * 200, _dt, 1.0)
@@ -253,7 +253,7 @@ checks.guard()
 ### BEGIN HIDDEN TESTS
 from minivllm.quantization.kv_cache import kv_scales_from_amax as _from_amax, qmax as _qmax
 
-_g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31 - 1, ())))
+_g = torch.Generator().manual_seed(18003)
 for _dt in (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8):
     for _H in (1, 3, 8):
         _amax = torch.rand(_H, generator=_g) * 30
@@ -306,10 +306,10 @@ import random as _random
 from minivllm.quantization.kv_calibration import calibrate_kv_amax as _calibrate_amax
 from minivllm.quantization.kv_cache import kv_scales_from_amax as _from_amax
 
-_probe = torch.randn(4, 3, 8) * 5                          # the learner's functions first: a
+_probe = torch.randn(4, 3, 8, generator=torch.Generator().manual_seed(18004)) * 5                          # the learner's functions first: a
 dequantize_kv(quantize_kv(_probe, torch.float8_e4m3fn, 0.05), torch.float32, 0.05)  # stub fails
-calibrate_kv_scales(torch.rand(3), torch.float8_e4m3fn, "tensor")                     # at once
-_rng = _random.Random()
+calibrate_kv_scales(torch.rand(3, generator=torch.Generator().manual_seed(18099)), torch.float8_e4m3fn, "tensor")                     # at once
+_rng = _random.Random(18005)
 
 
 def _fresh(n):

@@ -121,7 +121,7 @@ checks.guard()
 ### BEGIN HIDDEN TESTS
 import random as _random
 
-_rng = _random.Random()
+_rng = _random.Random(19001)
 _g = torch.Generator().manual_seed(_rng.randrange(2 ** 31))
 # 1. synthetic: layers at different magnitudes, outliers far above or far below the line
 for _trial in range(3):
@@ -193,7 +193,7 @@ checks.guard()
 ### BEGIN HIDDEN TESTS
 from minivllm.quantization.kv_cache import kv_scales_from_amax as _from_amax
 
-_g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31 - 1, ())))
+_g = torch.Generator().manual_seed(19002)
 for _shape in ((3, 64), (1, 8), (5,), ()):
     for _qm in (127.0, 448.0, 57344.0):
         _a = torch.rand(_shape, generator=_g) * 900
@@ -250,7 +250,7 @@ checks.guard()
 ### BEGIN HIDDEN TESTS
 from minivllm.quantization.kv_cache import quantize_kv as _quantize_ref
 
-_g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31 - 1, ())))
+_g = torch.Generator().manual_seed(19003)
 for _in in (torch.float32, torch.bfloat16, torch.float16):
     _T, _H, _D = int(torch.randint(2, 7, (), generator=_g)), 3, 16
     _x = (torch.randn(_T, _H, _D, generator=_g) * 4)
@@ -317,7 +317,7 @@ checks.guard()
 ### BEGIN HIDDEN TESTS
 import random as _random
 
-_rng = _random.Random()
+_rng = _random.Random(19004)
 for _trial in range(200):
     _m = {}
     for _i in range(_rng.randint(1, 7)):
@@ -367,9 +367,9 @@ import random as _random
 from minivllm.quantization.kv_calibration import calibrate_kv_amax as _calibrate_amax
 from minivllm.quantization.kv_cache import kv_scales_from_amax as _from_amax
 
-_probe = torch.rand(3, 64) * 20                                 # the learner's functions first:
-quantize_int8(torch.randn(4, 3, 64), per_channel_k_scales(_probe, 127.0))  # a stub fails at once
-_rng = _random.Random()
+_probe = torch.rand(3, 64, generator=torch.Generator().manual_seed(19005)) * 20                                 # the learner's functions first:
+quantize_int8(torch.randn(4, 3, 64, generator=torch.Generator().manual_seed(19099)), per_channel_k_scales(_probe, 127.0))  # a stub fails at once
+_rng = _random.Random(19006)
 _llm = get_llm()
 _tok = _llm.get_tokenizer()
 

@@ -138,7 +138,7 @@ import importlib, grading.checks as checks  # fresh names: a rebinding in the la
 checks = importlib.reload(checks)
 checks.guard()
 ### BEGIN HIDDEN TESTS
-_g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31 - 1, ())))
+_g = torch.Generator().manual_seed(20001)
 _B, _V = 8, 60
 _L = (torch.randn(_B, _V, generator=_g) * 2).round(decimals=1)  # rounded: many ties
 _L[:, 7] = _L[:, 3]
@@ -221,7 +221,7 @@ import importlib, grading.checks as checks  # fresh names: a rebinding in the la
 checks = importlib.reload(checks)
 checks.guard()
 ### BEGIN HIDDEN TESTS
-_g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31 - 1, ())))
+_g = torch.Generator().manual_seed(20002)
 _B, _V = 6, 50
 _P = [torch.randint(0, _V, (int(torch.randint(0, 15, (), generator=_g)),), generator=_g).tolist() for _ in range(_B)]
 _O = [torch.randint(0, _V, (int(torch.randint(0, 15, (), generator=_g)),), generator=_g).tolist() for _ in range(_B)]
@@ -253,7 +253,7 @@ checks = importlib.reload(checks)
 checks.guard()
 ### BEGIN HIDDEN TESTS
 import random as _random
-_rng = _random.Random()
+_rng = _random.Random(20003)
 _things = ["a glass bridge", "a tired owl", "the salt mine", "a copper kettle", "a snow fox",
            "the night train", "a paper boat", "a coral reef", "the wind mill", "a lost map"]
 _fresh = [chat(f"Write a short story about {t}.") for t in _rng.sample(_things, 4)]

@@ -122,7 +122,7 @@ import importlib, grading.checks as checks  # fresh names: a rebinding in the la
 checks = importlib.reload(checks)
 checks.guard()
 ### BEGIN HIDDEN TESTS
-_g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31 - 1, ())))
+_g = torch.Generator().manual_seed(21001)
 for _case in range(300):
     _L = int(torch.randint(1, 30, (), generator=_g))
     _voc = int(torch.randint(2, 6, (), generator=_g))
@@ -169,7 +169,7 @@ import importlib, grading.checks as checks  # fresh names: a rebinding in the la
 checks = importlib.reload(checks)
 checks.guard()
 ### BEGIN HIDDEN TESTS
-_g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31 - 1, ())))
+_g = torch.Generator().manual_seed(21002)
 for _case in range(300):
     _k = int(torch.randint(0, 6, (), generator=_g))
     _d = torch.randint(0, 3, (_k,), generator=_g).tolist()
@@ -242,7 +242,7 @@ import importlib, grading.checks as checks  # fresh names: a rebinding in the la
 checks = importlib.reload(checks)
 checks.guard()
 ### BEGIN HIDDEN TESTS
-_seed = int(torch.randint(0, 2 ** 31 - 1, ()))
+_seed = 21003
 _g = torch.Generator().manual_seed(_seed)
 _V, _K, _N = 8, 2, 20_000
 _P = torch.distributions.Dirichlet(torch.ones(_V)).sample((_K + 1,))
@@ -299,7 +299,7 @@ checks.guard()
 import random as _random
 # your functions first (a released copy stops here, before any engine is built)
 propose_ngram([1, 2, 1, 2], 1, 2, 2), verify_greedy([1], [1, 2])
-_rng = _random.Random()
+_rng = _random.Random(21004)
 _plain, _spec = engines()
 for _attempt in range(3):  # fresh prompts until the broken engine fails on one of them
     _fresh = [chat(" ".join([str(d)] * _rng.randint(6, 10)))

@@ -124,7 +124,7 @@ from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.scheduler import Scheduler
 from minivllm.engine.request import Request
 
-_rng = _random.Random()
+_rng = _random.Random(23001)
 _cases = [(1, 1), (1, 7), (5, 1), (17, 16), (64, 64), (65, 64)] + \
     [(_rng.randrange(1, 3000), _rng.randrange(1, 700)) for _ in range(12)]
 _got = {c: chunk_schedule(*c) for c in _cases}  # yours first
@@ -219,7 +219,7 @@ import importlib, grading.checks as checks  # fresh names: a rebinding in the la
 checks = importlib.reload(checks)
 checks.guard()
 ### BEGIN HIDDEN TESTS
-_g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31 - 1, ())))
+_g = torch.Generator().manual_seed(23002)
 for _bs in (1, 4, 16, 32):
     for _ in range(3):
         _start = int(torch.randint(0, 200, (), generator=_g))
@@ -268,7 +268,7 @@ checks.guard()
 ### BEGIN HIDDEN TESTS
 import random as _random
 
-_rng = _random.Random()
+_rng = _random.Random(23003)
 _probe = chunk_mask_and_slots(torch.arange(4), 16, 16, 16, 64)  # fails fast if unfinished
 checks.equal("chunk_mask_and_slots returns a pair", isinstance(_probe, tuple) and
              len(_probe) == 2, True)

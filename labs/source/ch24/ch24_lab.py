@@ -126,7 +126,7 @@ checks.guard()
 ### BEGIN HIDDEN TESTS
 import random as _random
 
-_rng = _random.Random()
+_rng = _random.Random(24001)
 for _sizes in (capture_sizes(256), capture_sizes(20), [3, 7, 12], [1]):
     for _b in sorted({1, _sizes[-1], _rng.randint(1, _sizes[-1]), _rng.randint(1, _sizes[-1])}):
         _in = {n: [_rng.randint(1, 9999) for _ in range(_b)] for n in NAMES}
@@ -198,7 +198,7 @@ import importlib, grading.checks as checks  # fresh names: a rebinding in the la
 checks = importlib.reload(checks)
 checks.guard()
 ### BEGIN HIDDEN TESTS
-_g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31 - 1, ())))
+_g = torch.Generator().manual_seed(24002)
 for _max, _blocks in ((16, 5), (24, 2), (4, 9)):
     _size = int(torch.randint(1, _max + 1, (), generator=_g))
     _real = int(torch.randint(1, _size + 1, (), generator=_g))
@@ -332,7 +332,7 @@ checks.guard()
 import random as _random
 from types import SimpleNamespace as _NS
 
-_rng = _random.Random()
+_rng = _random.Random(24003)
 _probe = {n: [1, 2, 3] for n in NAMES}
 pad_batch(_probe, [1, 2, 4])  # the learner's functions first: a missing one fails here
 write_static({n: torch.zeros(4, dtype=torch.int64) for n in NAMES} | {
@@ -430,7 +430,7 @@ checks.guard()
 ### BEGIN HIDDEN TESTS
 import random as _random
 
-_rng = _random.Random()
+_rng = _random.Random(24004)
 graph_safe(torch.nn.Linear(1, 1), 0)  # the learner's function first
 _graph_llm, _eager_llm = engines()
 _runner = _graph_llm.llm_engine.model_runner.cuda_graphs

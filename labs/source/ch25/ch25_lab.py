@@ -122,7 +122,7 @@ import importlib, grading.checks as checks  # fresh names: a rebinding in the la
 checks = importlib.reload(checks)
 checks.guard()
 ### BEGIN HIDDEN TESTS
-_g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31 - 1, ())))
+_g = torch.Generator().manual_seed(25001)
 # (heads, kv_heads, head_dim, tp): even KV split, one KV head per rank, replicated KV heads
 for _H, _Hkv, _D, _tp in ((9, 3, 4, 3), (8, 4, 3, 2), (12, 4, 5, 4), (8, 2, 4, 8), (6, 1, 3, 3),
                           (16, 4, 2, 8), (15, 5, 3, 5)):
@@ -173,7 +173,7 @@ import importlib, grading.checks as checks  # fresh names: a rebinding in the la
 checks = importlib.reload(checks)
 checks.guard()
 ### BEGIN HIDDEN TESTS
-_g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31 - 1, ())))
+_g = torch.Generator().manual_seed(25002)
 for _sizes, _tp in (([12, 12], 3), ([8, 8], 4), ([6, 12, 18], 3), ([20, 10], 5), ([7, 7], 1),
                     ([16, 16], 8)):
     _w = torch.randn(sum(_sizes), 5, generator=_g)
@@ -225,7 +225,7 @@ import importlib, grading.checks as checks  # fresh names: a rebinding in the la
 checks = importlib.reload(checks)
 checks.guard()
 ### BEGIN HIDDEN TESTS
-_g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31 - 1, ())))
+_g = torch.Generator().manual_seed(25003)
 for _dtype, _tp in ((torch.bfloat16, 3), (torch.bfloat16, 4), (torch.float16, 2),
                     (torch.float32, 5), (torch.bfloat16, 8)):
     _parts = [(torch.randn(6, 33, generator=_g) * 4.0 ** _i).to(_dtype) for _i in range(_tp)]
@@ -260,7 +260,7 @@ checks.guard()
 ### BEGIN HIDDEN TESTS
 import random as _random
 
-_rng = _random.Random()
+_rng = _random.Random(25004)
 
 
 def _arriving(fn, seed):

@@ -245,7 +245,7 @@ _rp = torch.randint(0, 256, (5, 48), generator=_g).to(torch.uint8)   # every cod
 _rs = torch.randint(100, 150, (5, 3), generator=_g).to(torch.uint8)
 checks.equal("dequantize_mxfp4 of random bytes and scales, bit-equal to the engine's",
              bool(torch.equal(dequantize_mxfp4(_rp, _rs), fp4.dequantize_mxfp4(_rp, _rs))), True)
-for _bad_w in (torch.randn(4, 48), torch.full((2, 32), float("inf"))):
+for _bad_w in (torch.randn(4, 48, generator=torch.Generator().manual_seed(30001)), torch.full((2, 32), float("inf"))):
     try:
         quantize_mxfp4(_bad_w)
     except ValueError:
@@ -340,7 +340,7 @@ for _name, _w in _fp4_cases(16).items():
                         f"{int(_gc[i, j])}" for i, j in _bad[:3].tolist())
         raise checks.CheckFailed(f"{_name}: {len(_bad)} of {_w.numel()} codes differ from the "
                                  f"engine's quantize_nvfp4. {_ex}")
-for _bad_w in (torch.randn(4, 40), torch.full((2, 16), float("nan"))):
+for _bad_w in (torch.randn(4, 40, generator=torch.Generator().manual_seed(30002)), torch.full((2, 16), float("nan"))):
     try:
         quantize_nvfp4(_bad_w)
     except ValueError:
@@ -407,7 +407,7 @@ import importlib, grading.checks as checks  # fresh names: a rebinding in the la
 checks = importlib.reload(checks)
 checks.guard()
 ### BEGIN HIDDEN TESTS
-_g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31 - 1, ())))
+_g = torch.Generator().manual_seed(30003)
 for _K, _N in ((576, 960), (1536, 576), (70, 9), (300, 37)):
     _w = torch.randn(_N, _K, generator=_g) * 0.05
     _x = torch.randn(24, _K, generator=_g)
@@ -497,7 +497,7 @@ import torch.nn.functional as _F
 
 _probe = torch.randn(3, 40, generator=torch.Generator().manual_seed(5))
 batch_invariant_matmul(_probe, _probe.t())                # a stub fails here, before the engine
-_rng = _random.Random()
+_rng = _random.Random(30004)
 _text = evalsets.load_corpus()
 
 
