@@ -19,8 +19,8 @@
 # v1 does). In float32 the correct engine gave every preempted request exactly the tokens
 # of its unpreempted run, with seeded sampling and penalties too. Two planted bugs of the
 # kind vLLM and vllm-gaudi shipped broke that: a resume that appends the generated tokens
-# to a sequence that already holds them (vllm-gaudi PR #524; outputs cut short as in vllm
-# #16832), and penalties that count the re-prefilled output as prompt (the review of
+# to a sequence that already holds them (vllm-gaudi PR #524; outputs cut short as in
+# vllm #16832), and penalties that count the re-prefilled output as prompt (the review of
 # vllm PR #5349), so frequency and presence penalties forget what was generated before
 # the preemption.
 #

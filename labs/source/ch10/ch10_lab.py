@@ -202,8 +202,8 @@ for _dt in (torch.float16, torch.bfloat16):
 # number is unchanged, and **NaN stays NaN**: a NaN means something already went wrong
 # (0 * inf, inf - inf), and turning it into a number would hide a corrupted request.
 # Return a new tensor and leave `x` as it is (the caller still uses it).
-# (transformers clamps the same way in T5, PR #9487, and in the Gemma 3 fixes,
-# PR #36832 and issue #39972.)
+# (transformers clamps the same way in T5, PR #9487; the same clamp was proposed for
+# Gemma 3 in PR #36832, closed without being merged, and in issue #39972.)
 
 # %% nbgrader={"grade": false, "grade_id": "clamp_for_dtype", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def clamp_for_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
