@@ -18,7 +18,7 @@ from grading import checks, mutants
 
 LABS = sorted(p.name for p in (mutants.ROOT / "labs" / "source").glob("ch*") if p.is_dir())
 # Labs whose mutation record CI requires (labs 1-15 here; 16-30 join with their issue).
-RECORDED = [f"ch{i:02d}" for i in range(1, 16)]
+RECORDED = [f"ch{i:02d}" for i in range(1, 31)]  # current records; mutants.GATED: >= 90 %
 
 
 # ------------------------------------------------------------------ the mutator
