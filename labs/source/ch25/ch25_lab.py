@@ -239,6 +239,11 @@ for _dtype, _tp in ((torch.bfloat16, 3), (torch.bfloat16, 4), (torch.float16, 2)
                      f"bit the rank-order sum", torch.equal(_got, _want), True)
     checks.equal(f"the inputs are unchanged ({_dtype}, tp={_tp})",
                  all(torch.equal(a, b) for a, b in zip(_parts, _copies)), True)
+# tp = 1: the sum is the one partial, still as a new tensor (a caller may change either)
+_one = torch.randn(4, 5, generator=_g).to(torch.bfloat16)
+_got1 = all_reduce_fixed_order([(0, _one)])
+checks.equal("all_reduce_fixed_order([(0, p)]) (tp = 1) equals p", torch.equal(_got1, _one), True)
+checks.new_object("all_reduce_fixed_order([(0, p)]) (tp = 1)", _got1, _one)
 ### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "restore", "locked": true, "schema_version": 3, "solution": false, "task": false}
