@@ -152,6 +152,15 @@ _ties = (torch.arange(-20, 20) + 0.5).reshape(2, 2, 10) * 0.25
 checks.equal("quantize_kv(half-integer multiples of 0.25, int8, 0.25): ties to even",
              torch.equal(quantize_kv(_ties, torch.int8, 0.25),
                          _quantize_ref(_ties, torch.int8, 0.25)), True)
+# ties at a scale that is not a power of two: x / 0.37 lands on a half-integer where
+# x * (1 / 0.37) lands an ulp away, so only the division the task states gives these codes
+_s37 = torch.tensor(0.37)
+_near = (torch.arange(-300, 300, dtype=torch.float32) + 0.5) * _s37
+_mid = _near[torch.round(_near / _s37) != torch.round(_near * (1.0 / _s37))]
+checks.equal(f"quantize_kv(x, int8, 0.37) at {_mid.numel()} values where x / 0.37 is a tie: "
+             f"equal to the engine's (x divided by the scale, then rounded half to even)",
+             torch.equal(quantize_kv(_mid.clone(), torch.int8, _s37),
+                         _quantize_ref(_mid, torch.int8, _s37)), True)
 ### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "task2", "locked": true, "schema_version": 3, "solution": false, "task": false}
@@ -269,6 +278,12 @@ for _dt in (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8):
                          f"the engine's {_want.tolist()}", torch.equal(_got, _want), True)
 _zero = calibrate_kv_scales(torch.zeros(3), torch.float8_e5m2, "tensor")
 checks.equal("calibrate_kv_scales(all zeros, e5m2, 'tensor')", float(_zero), 1.0)
+# amax below 1 is an amax like any other (only 0 gets scale 1.0)
+_small = torch.tensor([0.0, 0.25, 0.9, 1.0, 7.0])
+for _dt in (torch.int8, torch.float8_e4m3fn):
+    checks.equal(f"calibrate_kv_scales({_small.tolist()}, {_dt}, 'head') equal to the engine's",
+                 torch.equal(calibrate_kv_scales(_small.clone(), _dt, "head"),
+                             _from_amax(_small, _qmax(_dt))), True)
 for _bad in ("block", "token", None):
     try:
         calibrate_kv_scales(torch.ones(3), torch.int8, _bad)
