@@ -123,6 +123,10 @@ for _ in range(6):
                   head_dim=_cfg.get("head_dim") or _cfg["hidden_size"] // _h, eos_token_ids=())
         checks.equal(f"kv_bytes_per_token({_cfg}, {_name!r}) (the engine's count)",
                      _got, int(_per_block(_mc, 1, _dt)))
+# no head_dim and a hidden size that the heads do not divide: hidden_size // heads
+_odd = {"num_hidden_layers": 2, "num_attention_heads": 3, "hidden_size": 100}
+checks.equal(f"kv_bytes_per_token({_odd}, 'float16') (head_dim 100 // 3 = 33)",
+             kv_bytes_per_token(dict(_odd), "float16"), 2 * 2 * 3 * 33 * 2)
 for _bad in ("fp8", "float64", "auto", None):
     try:
         kv_bytes_per_token(CFG, _bad)
@@ -188,6 +192,12 @@ for _ in range(12):
     checks.equal(f"capacity({_mem}, {_bpt}, {_len}, {_bs})", _got, (_blocks, _blocks // _need))
 checks.equal("capacity(exactly one sequence: 4 blocks, 64 tokens)",
              capacity(4 * 16 * 100, 100, 64, 16), (4, 1))
+# 1 is a positive integer too (one-token blocks, one byte per token, one-token sequences)
+checks.equal("capacity(1000, 1, 1, 1)", capacity(1000, 1, 1, 1), (1000, 1000))
+# whole numbers exactly, at any size: one byte short of 2^50 blocks is 2^50 - 1 blocks
+# (a float division rounds it up to 2^50)
+checks.equal("capacity(48 * 2**50 - 1, 3, 16, 16)", capacity(48 * 2 ** 50 - 1, 3, 16, 16),
+             (2 ** 50 - 1, 2 ** 50 - 1))
 for _args in ((4 * 16 * 100 - 1, 100, 64, 16), (0, 100, 10, 16), (10 ** 6, 0, 10, 16),
               (10 ** 6, 100, -5, 16), (10 ** 6, 100, 10, 0), (10 ** 6, 100.0, 10, 16)):
     try:
