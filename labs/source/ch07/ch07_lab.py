@@ -378,11 +378,17 @@ checks.guard()
 checks.one_of("KV_CACHE_DTYPE", KV_CACHE_DTYPE, list(KV_OPTIONS))
 _mgr = KVCacheManager(num_blocks=1, block_size=BS)
 _need = sum(_mgr.num_blocks_needed(len(p) + 8) for p in BATCH)  # the engine's own count
-_blocks = {d: pool_blocks(d) for d in KV_OPTIONS}
-gc.collect()
-_fits = [d for d in KV_OPTIONS if _blocks[d] >= _need]
 _win = evalsets.corpus_sequences(tok, seq_len=32)[21:23]  # fresh windows
-_kl = {d: cache_kl(d, _win) for d in _fits}
+_ref = llm.score(_win)
+_blocks, _kl = {}, {}
+for _d in KV_OPTIONS:  # one engine per option: its pool size, and its KL where it holds the batch
+    _eng = kv_engine(_d)
+    _blocks[_d] = _eng.llm_engine.cache_config.num_gpu_blocks
+    if _blocks[_d] >= _need:
+        _kl[_d] = sum(metrics.mean_kl(a, b) for a, b in zip(_ref, _eng.score(_win))) / len(_win)
+    del _eng
+    gc.collect()
+_fits = list(_kl)
 print(f"the batch needs {_need} blocks; pool blocks in {KV_BUDGET_BYTES} bytes: {_blocks}; "
       f"mean KL vs the float32 cache of those that hold it: "
       + ", ".join(f"{d} {k:.2e}" for d, k in _kl.items()))
