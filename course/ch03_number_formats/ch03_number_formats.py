@@ -35,7 +35,7 @@
 # decimal digits"). Both are wrong, and the second one matters: it makes an fp8 KV cache
 # sound as safe as fp16. A related, real failure: bf16 cannot hold integer positions above
 # 256, so rotary angles computed from bf16 positions go wrong at long context (huggingface/
-# candle PR #3520, EleutherAI/gpt-neox #1003, transformers PR #29285; INCIDENTS.md #17).
+# candle PR #3520, EleutherAI/gpt-neox #1003, transformers PR #29285).
 #
 # Everything below is measured when the notebook runs: the format facts on tensors built
 # here, the model facts on the embedded SmolLM2-135M-Instruct with minivllm on this
@@ -422,7 +422,7 @@ for c in CLASSES:
 # columns show why an integer format needs a good scale: one outlier sets the spacing for
 # the whole tensor.
 #
-# The planning notes for this chapter listed three expectations. Check each against the
+# The course plan for this chapter listed three expectations. Check each against the
 # numbers just measured:
 
 # %%

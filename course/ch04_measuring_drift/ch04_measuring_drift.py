@@ -187,9 +187,9 @@ print_table([noise, bf16_row, fault])
 
 # %% [markdown]
 # This is #18352 on a 135M model: identical inputs, log-prob differences of a few tenths
-# of a nat at worst and a few hundredths RMS, KL around 1e-3 nats (the [RESULTS] anchor
-# for bf16 weights is 1.07e-3), a few percent of top-1 flips. Fast-LLM's "0.03 nats in
-# bf16" is the same order as the RMS here.
+# of a nat at worst and a few hundredths RMS, KL around 1e-3 nats (the anchor in
+# `benchmarks/RESULTS.md` for bf16 weights is 1.07e-3), a few percent of top-1 flips.
+# Fast-LLM's "0.03 nats in bf16" is the same order as the RMS here.
 
 # %% [markdown]
 # ## 4. The metrics rank configurations differently

@@ -30,18 +30,18 @@
 #   greedy, gives different text depending on what else is in the batch. The maintainer's
 #   answer in #7779: fp16/bf16 matmuls are not associative, a different batch shape gives
 #   a different reduction order (one real contributor, Marlin's fp16 global reduce, was
-#   moved to fp32). INCIDENTS.md #1.
+#   moved to fp32).
 # - **Thinking Machines, "Defeating Nondeterminism in LLM Inference"** (Horace He and
 #   Thinking Machines Lab, 2025-09-10, https://thinkingmachines.ai/blog/defeating-nondeterminism-in-llm-inference/),
 #   with **vllm PR #24583** and the tracker **vllm #27433**: one prompt sent 1000 times at
 #   temperature 0 to Qwen3 gave **80 distinct completions**; with batch-invariant RMSNorm,
 #   matmul and attention kernels (fixed split *size*, not a fixed number of splits) it gave
 #   **1**, at a speed cost (about 1.6x in one summary). vLLM exposes it as
-#   `VLLM_BATCH_INVARIANT=1`. INCIDENTS.md #3.
+#   `VLLM_BATCH_INVARIANT=1`.
 # - **vllm #21310** / docs PR **#18741**: a per-request `seed` did not reproduce output;
 #   PR #2514 (per-request seeds) already noted that batch composition can still change
-#   sampled tokens. INCIDENTS.md #25. **unslothai/unsloth #9708** (2026): batched greedy
-#   generation disagrees with one-at-a-time in bf16 but not in fp32. INCIDENTS.md #28.
+#   sampled tokens. **unslothai/unsloth #9708** (2026): batched greedy generation
+#   disagrees with one-at-a-time in bf16 but not in fp32.
 #
 # Everything below is measured when the notebook runs, on the embedded
 # SmolLM2-135M-Instruct with minivllm on this machine's CPU. Nothing is planted: the
@@ -348,8 +348,8 @@ fig2
 # %% [markdown]
 # ## 6. Claims against measurements
 #
-# The "seed claim" rows come from the course plan (SYLLABUS ch05, measured on an earlier
-# state of this engine) and from the incidents; the right column is this run.
+# The claims come from the course plan (those marked "plan", measured on an earlier state
+# of this engine) and from the incidents; the right column is this run.
 
 # %%
 rows = [

@@ -33,7 +33,7 @@
 # 关注存储精度": prefill is about compute precision, decode about storage precision.
 #
 # A public report of the same question: **vllm #18352** "Difference in Logprobs between vllm
-# and transformers" (2025-05-19; INCIDENTS.md #27): per-token log-probs of Qwen3-1.7B
+# and transformers" (2025-05-19): per-token log-probs of Qwen3-1.7B
 # differed by up to ~0.32 between vLLM and HF on identical inputs. The explanation was bf16
 # numerics and different kernels (including a bf16 lm_head); mitigations run the lm_head in
 # float32 (allenai/open-instruct PR #1387, PrimeIntellect-ai/prime-rl PR #2438), and

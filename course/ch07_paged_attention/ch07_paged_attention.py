@@ -26,7 +26,7 @@
 #    reference, because a fresh pool hides some of these bugs.
 #
 # **The incident.** **vllm #5543** "prefix-caching: inconsistent completions" (2024-06-14;
-# INCIDENTS.md #4; also InternLM/lmdeploy #1719). TinyLlama-1.1B-Chat on vLLM
+# also InternLM/lmdeploy #1719). TinyLlama-1.1B-Chat on vLLM
 # 0.5.0.post1: a server with `--enable-prefix-caching` gave different completions from one
 # without it, and from its own previous run, on 16 random prompts; the reporter's internal
 # eval scores dropped. The fix, **vllm PR #7018** (2024-08-01) "Fix block table for seqs
@@ -375,7 +375,7 @@ print(f"greedy, 3 prompts x 20 tokens: equal to the correct engine: {gen_fix == 
 #
 # ## 7. Claim vs measurement
 #
-# The syllabus expected (a) and (c) to be catastrophic (KL >> 1) and (b) to be subtle and
+# The course plan expected (a) and (c) to be catastrophic (KL >> 1) and (b) to be subtle and
 # length-dependent. The numbers below are from this run.
 
 # %%

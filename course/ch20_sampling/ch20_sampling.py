@@ -28,11 +28,11 @@
 #
 # **The incidents.**
 #
-# - **vllm #718 / vllm PR #1885** (2023-08-09 / 2023-12-01; INCIDENTS.md #25,
+# - **vllm #718 / vllm PR #1885** (2023-08-09 / 2023-12-01,
 #   <https://github.com/vllm-project/vllm/pull/1885>): vLLM applied top-p before top-k;
 #   HF does top-k first. The PR's example: logits [0.1, 0.2, 0.3, 0.4], k = 2, p = 0.5
 #   give [0, 0, 0, 1] one way and [0, 0, .475, .525] the other.
-# - **vllm-project/vllm-metal PR #69** (2026-01-10; INCIDENTS.md #24,
+# - **vllm-project/vllm-metal PR #69** (2026-01-10,
 #   <https://github.com/vllm-project/vllm-metal/pull/69>), reproduced there with
 #   SmolLM2-135M and the prompt "Paris Paris ...": the repetition penalty did not see the
 #   prompt on the first decode step, and on later steps prompt and output were merged,

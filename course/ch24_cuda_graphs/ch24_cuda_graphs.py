@@ -28,7 +28,7 @@
 #
 # **The incidents.**
 #
-# - **vllm #2147** "GPTQ models don't support CUDA graph" (2023-12-17; INCIDENTS.md #21):
+# - **vllm #2147** "GPTQ models don't support CUDA graph" (2023-12-17):
 #   Mixtral-8x7B-GPTQ in float16 failed in the sampler with "probability tensor contains
 #   inf/nan" under CUDA graphs, and was fine with `--enforce-eager`. The exllama kernels
 #   launched on the default stream instead of the capturing stream. PR #2154 forced eager

@@ -45,11 +45,11 @@
 #   batch-invariant RMSNorm, matmul and attention it gave **1**, at a speed cost (about
 #   **1.6x** slower in one summary). vLLM exposes it as `VLLM_BATCH_INVARIANT=1`.
 #   Follow-up: **thinking-machines-lab/batch_invariant_ops #6**, two samples still
-#   diverged in fp16 after a block size was changed. INCIDENTS.md #3.
+#   diverged in fp16 after a block size was changed.
 # - **vllm PR #33972** "fix output Nan/Inf in marlin if dtype=float16" (2026-02-06,
 #   fixes #33560 and #33461): NVFP4 checkpoints of dense Qwen3 models (8B, 32B) served with
 #   `dtype=float16` produced NaN activations from an overflow in the GEMM; MoE models were
-#   fine. The fix scales the GEMM's input dynamically. INCIDENTS.md #20.
+#   fine. The fix scales the GEMM's input dynamically.
 # - The formats: **OCP Microscaling Formats (MX) v1.0** (2023: MXFP4 = E2M1 elements,
 #   32-element blocks, E8M0 scale; the gpt-oss checkpoints, vLLM `quantization="mxfp4"`),
 #   and **NVFP4** (NVIDIA, TensorRT Model Optimizer checkpoints: 16-element blocks, E4M3
@@ -534,8 +534,8 @@ fig
 # %% [markdown]
 # ## 7. Claims against measurements
 #
-# The "claim" column is the incidents' and the course plan's (SYLLABUS ch30); the right
-# column is this run, or RESULTS.md where marked.
+# The "claim" column is the incidents' and the course plan's; the right column is this
+# run, or `benchmarks/RESULTS.md` where marked.
 
 # %%
 n_over = len(over)
