@@ -25,7 +25,7 @@
 # 2. `apply_penalties(logits, prompt_ids, output_ids, rep, freq, pres)`: the
 #    `"sampler.penalties"` step, 3 points;
 #
-# then the restore check, 3 points: your two functions are swapped into the engine,
+# then the restore check, 5 points: your two functions are swapped into the engine,
 # four fresh prompts with fresh seeds run with top-k, top-p and all three penalties, and every
 # request must give exactly the tokens of the reference sampler, next to the broken engine
 # failing the same check.
@@ -143,16 +143,30 @@ _B, _V = 8, 60
 _L = (torch.randn(_B, _V, generator=_g) * 2).round(decimals=1)  # rounded: many ties
 _L[:, 7] = _L[:, 3]
 _k = torch.randint(-1, _V + 3, (_B,), generator=_g)
-_k[0], _k[1] = 0, _V
+_k[0], _k[1], _k[3] = 0, _V, _V + 2
 _p = torch.rand(_B, generator=_g) * 0.9 + 0.05
 _p[2] = 1.0
-for _kk, _pp, _what in [(_k, _p, "k and p"), (_k, None, "k only"), (None, _p, "p only")]:
-    _got = apply_top_k_top_p(_L.clone(), None if _kk is None else _kk.clone(),
-                             None if _pp is None else _pp.clone())
+for _kk, _pp, _what in [(_k, _p, "k and p"), (_k, None, "k only"), (None, _p, "p only"),
+                        (None, None, "neither")]:
+    _args = (_L.clone(), None if _kk is None else _kk.clone(), None if _pp is None else _pp.clone())
+    _got = apply_top_k_top_p(*_args)
+    checks.equal(f"apply_top_k_top_p ({_what}): logits, k and p left unchanged",
+                 [a is None or bool(torch.equal(a, b)) for a, b in zip(_args, (_L, _kk, _pp))],
+                 [True, True, True])
+    checks.equal(f"apply_top_k_top_p ({_what}): a new tensor, not the input logits",
+                 _got.data_ptr() != _args[0].data_ptr(), True)
     _want = ref_sampler.apply_top_k_top_p(_L, _kk, _pp)
     checks.equal(f"apply_top_k_top_p shape ({_what})", tuple(_got.shape), (_B, _V))
     checks.equal(f"apply_top_k_top_p on 8 fresh rows with ties ({_what}): equal to the "
                  f"reference, bit for bit", torch.equal(_got, _want), True)
+# the edges: 4 equal logits (0.25 each) and p = 0.5, so exactly p of the mass comes before
+# the third token; k = 1; p = 1.0 where the tail's probabilities are so small that the mass
+# before them rounds to exactly 1.0 (p = 1.0 is no limit, so all four stay)
+_E = torch.tensor([[0.0, 0.0, 0.0, 0.0], [3.0, 1.0, 2.0, 0.5], [100.0, 0.0, -1.0, 0.0]])
+_got = apply_top_k_top_p(_E.clone(), torch.tensor([0, 1, 0]), torch.tensor([0.5, 1.0, 1.0]))
+checks.equal("kept tokens: [0]*4 with p = 0.5; k = 1; [100, 0, -1, 0] with p = 1.0",
+             torch.isfinite(_got).tolist(),
+             [[True, True, False, False], [True, False, False, False], [True, True, True, True]])
 ### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "task2", "locked": true, "schema_version": 3, "solution": false, "task": false}
@@ -230,7 +244,10 @@ _L = torch.randn(_B, _V, generator=_g) * 3
 _pp, _fp, _rp = torch.rand(_B, generator=_g), torch.rand(_B, generator=_g) * 2, 1 + torch.rand(_B, generator=_g)
 for _args, _what in [((_rp, _fp, _pp), "all three"), ((_rp, None, None), "repetition only"),
                      ((None, _fp, _pp), "frequency and presence")]:
-    _got = apply_penalties(_L.clone(), [list(x) for x in _P], [list(x) for x in _O], *_args)
+    _Lin = _L.clone()
+    _got = apply_penalties(_Lin, [list(x) for x in _P], [list(x) for x in _O], *_args)
+    checks.equal(f"apply_penalties ({_what}): the input logits left unchanged",
+                 bool(torch.equal(_Lin, _L)), True)
     _want = ref_sampler.penalties_ref(_L, _P, _O, _args[2], _args[1], _args[0])
     checks.equal(f"apply_penalties shape ({_what})", tuple(_got.shape), (_B, _V))
     checks.at_most(f"max |apply_penalties - penalties_ref| (6 fresh rows, {_what})",
@@ -238,7 +255,7 @@ for _args, _what in [((_rp, _fp, _pp), "all three"), ((_rp, None, None), "repeti
 ### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "restore", "locked": true, "schema_version": 3, "solution": false, "task": false}
-# ## Restore check (3 points)
+# ## Restore check (5 points)
 #
 # The grader swaps your `apply_top_k_top_p` (`"sampler.top_k_top_p"`) and `apply_penalties`
 # (through `penalties_step`, `"sampler.penalties"`) into the engine, runs four fresh
@@ -247,7 +264,7 @@ for _args, _what in [((_rp, _fp, _pp), "all three"), ((_rp, None, None), "repeti
 # every token must be equal (the same float32 arithmetic gives the same race). The broken
 # engine runs the same prompts and must fail the same check.
 
-# %% nbgrader={"grade": true, "grade_id": "test_restore", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "test_restore", "locked": true, "points": 5, "schema_version": 3, "solution": false, "task": false}
 import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
