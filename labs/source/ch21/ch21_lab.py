@@ -26,7 +26,7 @@
 # 3. `rejection_sample(draft, draft_probs, target_probs, generator)`: the random path,
 #    3 points;
 #
-# then the restore check, 2 points: your drafter and verifier are swapped into a
+# then the restore check, 6 points: your drafter and verifier are swapped into a
 # float32 engine with `speculative_config={"method": "ngram", ...}`, fresh prompts run
 # greedily, and every output must equal plain decoding's, next to the broken engine
 # failing the same check.
@@ -182,16 +182,23 @@ for _case in range(300):
 # ## Task 3: the random path (3 points)
 #
 # `draft`: k ints; `draft_probs`: float32 `[k, V]`, the draft distribution q each draft
-# was sampled from, or None for n-gram drafts (a point mass: q = one-hot(draft)); 
+# was sampled from, or None for n-gram drafts (a point mass: q = one-hot(draft));
 # `target_probs`: float32 `[k + 1, V]`, the target p at each verified position;
-# `generator`: a `torch.Generator`. Return 1 to k + 1 tokens, drawing in exactly this
-# order (so equal generators give equal tokens):
+# `generator`: a `torch.Generator`. Return 1 to k + 1 tokens: the accepted drafts, then
+# one token from the target. The contract is speculative sampling's (Leviathan et al.
+# 2023, arXiv:2211.17192, Algorithm 1; chapter 21, section 3):
 #
-# for j = 0..k-1, with d = draft[j]: `u = float(torch.rand(1, generator=generator))`;
-# accept d iff `q[j, d] > 0` and `p[j, d] / q[j, d] >= u`. At the first rejection draw
-# one token with `torch.multinomial(r / r.sum(), 1, generator=generator)` from the
-# residual `r = max(0, p[j] - q[j])` (use `p[j]` if r is all zero) and stop. If all k
-# are accepted, draw the bonus token from `p[k]` the same way.
+# - **Distribution**: whatever q is, each emitted token is distributed as the target p
+#   at its position: a draft `d` is accepted with probability `min(1, p(d) / q(d))`
+#   (a draft that q gives probability 0 is never accepted), and the first rejected
+#   draft is replaced by a draw from what is left of p once q's share is taken out;
+#   if all k are accepted, the bonus token is a draw from `p[k]`. If nothing is left
+#   (p equal to q), draw from p.
+# - **The random stream**, so that equal generators give the reference's tokens: each
+#   accept-or-reject test uses one `u = float(torch.rand(1, generator=generator))` and
+#   accepts when the ratio is at least `u`; each token drawn from a distribution is one
+#   `torch.multinomial(weights, 1, generator=generator)` call; the draws come in the order
+#   the tokens are emitted.
 #
 # Do not call anything in `minivllm.spec_decode.rejection_sampler`.
 
@@ -255,6 +262,24 @@ for _i in range(200):
     checks.equal(f"rejection_sample call {_i} (seed {_s}) vs the reference",
                  [int(t) for t in rejection_sample(list(_d), _qq, _P.clone(), torch.Generator().manual_seed(_s))],
                  ref_rs.rejection_sample_random(_d, _qq, _P, torch.Generator().manual_seed(_s)))
+# (a') the edges: a draft that q gives probability 0 is rejected (and replaced from the
+# residual); a ratio exactly equal to u is accepted (u is a multiple of 2**-24, so a
+# target p(d) = u against an n-gram draft, q(d) = 1, makes the ratio exactly u)
+_q0 = torch.tensor([[0.0, 0.5, 0.5, 0.0]])
+_p0 = torch.tensor([[0.7, 0.1, 0.1, 0.1], [0.25, 0.25, 0.25, 0.25]])
+for _s in (211, 212, 213):
+    checks.equal(f"draft 0 with q(0) = 0 (seed {_s}): rejected, as the reference",
+                 [int(t) for t in rejection_sample([0], _q0.clone(), _p0.clone(), torch.Generator().manual_seed(_s))],
+                 ref_rs.rejection_sample_random([0], _q0, _p0, torch.Generator().manual_seed(_s)))
+for _s in (214, 215, 216):
+    _u = float(torch.rand(1, generator=torch.Generator().manual_seed(_s)))
+    _pt = torch.zeros(2, 4)
+    _pt[0, 1], _pt[0, 2] = _u, 1.0 - _u
+    _pt[1, 3] = 1.0
+    checks.equal(f"n-gram draft 1 with p(1) = u = {_u!r} exactly (seed {_s}): accepted, then "
+                 f"the bonus token 3", [int(t) for t in rejection_sample([1], None, _pt.clone(),
+                                                                          torch.Generator().manual_seed(_s))],
+                 [1, 3])
 # (b) the first emitted token follows p_0: chi-square over V = 8 cells, 20k trials
 _counts = torch.zeros(_V)
 _gg = torch.Generator().manual_seed(_seed + 1)
@@ -272,7 +297,7 @@ checks.equal("first token distributed as the target (chi-square p > 1e-6)", _pv 
 ### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "restore", "locked": true, "schema_version": 3, "solution": false, "task": false}
-# ## Restore check (2 points)
+# ## Restore check (6 points)
 #
 # `verifier` (below, do not edit) puts your two verifiers behind the `"rejection_sampler"`
 # step's signature. The grader swaps it and your `propose_ngram` (`"spec_decode.ngram"`)
@@ -291,7 +316,7 @@ def verifier(draft_token_ids, draft_probs, target_probs, target_argmax, generato
                                              generator)]
 
 
-# %% nbgrader={"grade": true, "grade_id": "test_restore", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "test_restore", "locked": true, "points": 6, "schema_version": 3, "solution": false, "task": false}
 import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
