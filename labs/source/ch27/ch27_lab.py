@@ -28,7 +28,7 @@
 # 1. `minimize_prompt(bad, good, ids)`: the shortest prefix that flips top-1, 3 points;
 # 2. `bisect_config(good, bad, measure, threshold)`: the culprit keys, 4 points;
 # 3. `locate(bad_states, good_states)`: the layer and block of the first jump, 3 points;
-#    then the restore check on a fresh mystery, 2 points.
+#    then the restore check on a fresh mystery, 7 points.
 #
 # Engines are built only when you call `engine()` or `example_measure()` (each build
 # takes one to two seconds). Run the cells in order. Do not edit the setup and test cells.
@@ -336,6 +336,11 @@ _names, _gd, _bd, _meas, _calls = _synthetic(10, lambda on: _a in on or _z in on
 _a, _z = _rng.sample(_names, 2)
 checks.equal("two keys that each break it alone", bisect_config(_gd, _bd, _meas, 1e-8),
              sorted([_a, _z]))
+# a measure exactly at the threshold is bad (">= threshold")
+_names, _gd, _bd, _meas, _calls = _synthetic(6, lambda on: _c in on)
+_c = _rng.choice(_names)
+checks.equal("one culprit among 6 keys whose measure is exactly the threshold",
+             bisect_config(_gd, _bd, lambda c: 2.5e-4 if _meas(c) > 1e-8 else 0.0, 2.5e-4), [_c])
 for _what, _gd2, _bd2, _val in (("equal configurations", {"a": 1}, {"a": 1}, 0.0),
                                 ("good measures bad", {"a": 1}, {"a": 2}, 1.0),
                                 ("bad measures good", {"a": 1}, {"a": 2}, 0.0)):
@@ -461,6 +466,47 @@ for _case in range(8):
                  f"{None if _jump is None else (_jump, _block)}{', NaN' if _case == 7 else ''})",
                  tuple(_got) if isinstance(_got, list) else _got, _want)
 
+
+
+def _crafted(errs, L):
+    """States whose errors are exactly `errs` (missing points: 0): good is a unit vector,
+    bad adds the error along another axis, so ||bad - good|| / ||good|| is the error itself."""
+    names = ["embed_tokens"] + [f"layers.{i}{s}" for i in range(L)
+                                for s in (".self_attn", ".mlp", "")] + ["norm"]
+    good = {p: torch.tensor([[1.0, 0.0]], dtype=torch.float64) for p in names}
+    bad = {p: torch.tensor([[1.0, errs.get(p, 0.0)]], dtype=torch.float64) for p in names}
+    return bad, good
+
+
+# the edges of "jumps": exactly 1e-5 is not above it; 1.5e-5 is (from 0); 7e-6 is not;
+# exactly 10x the largest error before is not above it, 10.5x is, 9.5x is not; a layer
+# whose blocks do not jump gives (layer, None), even if a later layer's block would; in
+# layer 1 a block compares with layer 0's; a non-finite block before counts as 0; a
+# non-finite embedding error gives (0, None)
+_edges = [
+    ("exactly 1e-5 in layer 0", {"layers.0": 1e-5, "layers.0.mlp": 1e-5}, 3),
+    ("1.5e-5 in layer 1", {"layers.1": 1.5e-5, "layers.1.mlp": 1.5e-5}, 3),
+    ("7e-6 in layer 1", {"layers.1": 7e-6, "layers.1.mlp": 7e-6}, 3),
+    ("embeddings 1e-4, then exactly 10x, then 10.5x",
+     {"embed_tokens": 1e-4, "layers.0": 10 * 1e-4, "layers.1": 10.5 * (10 * 1e-4),
+      "layers.1.self_attn": 0.5}, 3),
+    ("embeddings 1e-4, then 9.5x", {"embed_tokens": 1e-4, "layers.0": 9.5e-4,
+                                    "layers.0.mlp": 9.5e-4}, 3),
+    ("layer 1 jumps with no block; layer 3 jumps in its MLP",
+     {"layers.1": 1e-3, "layers.2": 1e-3, "layers.3": 0.5, "layers.3.mlp": 0.5}, 5),
+    ("layer 1's attention 2x layer 0's, its MLP 50x",
+     {"layers.0.self_attn": 1e-3, "layers.0.mlp": 1e-3, "layers.1": 0.1,
+      "layers.1.self_attn": 2e-3, "layers.1.mlp": 5e-2}, 3),
+    ("layer 0's attention NaN, layer 1's attention 0.5",
+     {"layers.0.self_attn": math.nan, "layers.1": 1.0, "layers.1.self_attn": 0.5}, 3),
+    ("embeddings NaN, the layers finite", {"embed_tokens": math.nan}, 3),
+]
+for _what, _errs, _L in _edges:
+    _bad_s, _good_s = _crafted(_errs, _L)
+    _want = find_first_jump({p: relative_error(_bad_s[p], _good_s[p]) for p in _good_s}, _L)
+    _got = locate(_bad_s, _good_s)
+    checks.equal(f"locate, {_what}", tuple(_got) if isinstance(_got, list) else _got, _want)
+
 # two fresh mystery faults in a real engine (one in an MLP), each against the clean engine
 _llm = engine()
 _ids = windows(1, 24, skip=_rng.randrange(2, 12))[0]
@@ -477,7 +523,7 @@ for _kinds in (["fp16_post_attention_rmsnorm"],
 ### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "restore", "locked": true, "schema_version": 3, "solution": false, "task": false}
-# ## Restore check (2 points)
+# ## Restore check (7 points)
 #
 # The grader draws a fresh mystery, measures each configuration your `bisect_config`
 # asks for (engines built from the mystery, mean KL against the good engine on two
@@ -488,7 +534,7 @@ for _kinds in (["fp16_post_attention_rmsnorm"],
 # engine on a fresh window and checks that your `locate` names the planted layer and
 # block, exactly.
 
-# %% nbgrader={"grade": true, "grade_id": "test_restore", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "test_restore", "locked": true, "points": 7, "schema_version": 3, "solution": false, "task": false}
 import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
