@@ -27,7 +27,7 @@
 # 2. `write_static(buffers, step_inputs)`: write a step's inputs into the static buffers,
 #    in place, 2 points;
 # 3. `graph_safe(model, suspended)`: may this step replay a graph?, 2 points;
-#    then two restore checks, 3 points.
+#    then two restore checks, 5 points.
 #
 # The grader calls your functions on **new** inputs (other batch sizes, other capture
 # sizes, other buffers and modules). Run the cells in order. Do not edit the setup and
@@ -307,9 +307,9 @@ finally:
 ### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "restore", "locked": true, "schema_version": 3, "solution": false, "task": false}
-# ## Restore checks (3 points)
+# ## Restore checks (5 points)
 #
-# **Replay (2 points).** The grader swaps your `pad_batch` and `write_static` into the
+# **Replay (3 points).** The grader swaps your `pad_batch` and `write_static` into the
 # graph engine's runner (they fill its static buffers before each replay) and
 # teacher-forces fresh token sequences through its emulated graphs one decode step at a
 # time, in fresh batch sizes with padding rows, one sequence in block 0. At every step the
@@ -318,13 +318,13 @@ finally:
 # NaN or inf. The broken runner (`broken_write_static`) is measured by the same check and
 # must fail it.
 #
-# **Replay only when safe (1 point).** The grader makes the runner ask your `graph_safe`
+# **Replay only when safe (2 points).** The grader makes the runner ask your `graph_safe`
 # before every replay, registers a forward hook on one decoder layer and generates a few
 # greedy tokens: the hook must run on every step. Then it plants a fault that enters
 # `suspended()` (`faults.wrong_rope_theta`) in the graph engine and in the eager twin:
 # their log-probs must be equal. A runner that always replays fails both.
 
-# %% nbgrader={"grade": true, "grade_id": "test_restore_replay", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "test_restore_replay", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
 import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
@@ -423,7 +423,7 @@ for _p, (_m, _r) in enumerate(zip(_mine, _ref)):
 checks.equal("decode steps run", len(_mine), _L)
 ### END HIDDEN TESTS
 
-# %% nbgrader={"grade": true, "grade_id": "test_restore_safe", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "test_restore_safe", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
 import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()

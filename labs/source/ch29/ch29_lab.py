@@ -26,7 +26,7 @@
 # 3. `DriftMonitor.update(logprobs, entropies=None)`: a two-sided CUSUM over each
 #    request's mean sampled-token log-prob, 3 points;
 #
-# then the restore check (3 points): the grader plugs your monitor into the engine
+# then the restore check (8 points): the grader plugs your monitor into the engine
 # (`LLM.set_precision_monitor`) on fresh prompts. It must stay quiet over benign traffic
 # and alarm within a few requests of each planted regression, where the too-tight
 # configuration fails the same check. The grader also calls your functions on inputs it
@@ -239,6 +239,14 @@ for _what, _args in (("a dtype without a tolerance",
         pass
     else:
         raise AssertionError(f"golden_check with {_what} should raise ValueError")
+# an error of exactly the tolerance passes ("at most"): the tolerance set to the error
+# your own function reports
+_rows = [x.clone() for x in _logits]
+_rows[2][1, _ids[2][2]] += 0.2
+_snap = {"dtype": "float16", "token_ids": _ids, "logprobs": _gold}
+_worst = golden_check(_snap, _rows, {"float16": 10.0})[1]
+checks.equal(f"golden_check with the float16 tolerance equal to the error ({_worst!r}) passed",
+             bool(golden_check(_snap, _rows, {"float16": _worst})[0]), True)
 ### END HIDDEN TESTS
 print("hidden test passed")
 
@@ -386,11 +394,25 @@ for _kind in ("calm", "up", "down", "flat", "nan"):
     checks.equal(f"{_kind} stream: number of requests counted", _m.requests, _r.n)
     checks.equal(f"{_kind} stream: alarm_at", _m.alarm_at, _r.at)
     checks.equal(f"{_kind} stream: alarm after each request", _got, _want)
+# the edges, on streams whose baseline is exact: warmup -11, -10, -9 gives mean -10, sample
+# std 1; a request of exactly min_tokens tokens counts; after a z of 0 (s_hi stays 0), a z
+# of 8.5 brings s_hi to exactly the threshold 8.0, which is not above it
+_m = DriftMonitor(warmup=3, threshold=8.0, allowance=0.5, min_tokens=4)
+_got = [_m.update([v] * 4) for v in (-11.0, -10.0, -9.0, -10.0, -1.5)]
+_m.update([-1.0] * 3)                                       # 3 tokens: skipped
+checks.equal("edge stream: baseline, requests counted, alarms",
+             (_m.baseline, _m.requests, _got), ((-10.0, 1.0), 5, [False] * 5))
+# a NaN request in the warmup raises the alarm and is not kept: the baseline comes from
+# the finite requests
+_m = DriftMonitor(warmup=3, threshold=8.0, allowance=0.5, min_tokens=4)
+_got = [_m.update([v] * 4) for v in (-11.0, math.nan, -10.0, -9.0)]
+checks.equal("a NaN in the warmup: alarms, alarm_at, baseline",
+             (_got, _m.alarm_at, _m.baseline), ([False, True, True, True], 2, (-10.0, 1.0)))
 ### END HIDDEN TESTS
 print("hidden test passed")
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "task4", "locked": true, "schema_version": 3, "solution": false, "task": false}
-# ## The restore check (3 points)
+# ## The restore check (8 points)
 #
 # The grader builds the embedded model's engine (float32, served temperature 0.7) and
 # sends it fresh prompts (the user turns of the conversations eval set, as "Q: ... A:"),
@@ -404,7 +426,7 @@ print("hidden test passed")
 # raise no alarm over the benign traffic and alarm within 30 requests of each regression; the
 # too-tight configuration (`TOO_TIGHT`), fed the same requests, must fail that check.
 
-# %% nbgrader={"grade": true, "grade_id": "test_restore", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "test_restore", "locked": true, "points": 8, "schema_version": 3, "solution": false, "task": false}
 import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
