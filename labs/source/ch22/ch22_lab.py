@@ -27,7 +27,7 @@
 # 1. `hash_block(parent_hash, token_ids, extra_keys)`: the chained block key, 3 points;
 # 2. `extra_keys(cache_salt, block_index)`: what else goes into a block's key, 2 points;
 # 3. `num_cached_blocks(block_hashes, cached, num_tokens, block_size)`: the lookup,
-#    3 points; then the restore check, 2 points.
+#    3 points; then the restore check, 6 points.
 #
 # The grader calls your functions on **new** inputs, so a function that only works on
 # the examples here will not pass. Run the cells in order. Do not edit the setup and test
@@ -266,7 +266,7 @@ for _trial in range(60):
 ### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "restore", "locked": true, "schema_version": 3, "solution": false, "task": false}
-# ## Restore check (2 points)
+# ## Restore check (6 points)
 #
 # The grader builds fresh prompts from random places of the corpus: a head, three
 # 16-token passages, a question; request A has them in one order, request B in another.
@@ -277,7 +277,7 @@ for _trial in range(60):
 # the engine reference's. The broken engine (the unchained key) is measured by the same
 # check and must fail it.
 
-# %% nbgrader={"grade": true, "grade_id": "test_restore", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "test_restore", "locked": true, "points": 6, "schema_version": 3, "solution": false, "task": false}
 import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()

@@ -28,7 +28,7 @@
 # 1. `chunk_schedule(num_tokens, budget)`: the chunks the scheduler makes, 3 points;
 # 2. `chunk_mask_and_slots(block_table, start, n, block_size, num_tokens)`: what one
 #    chunk reads and its mask (the step itself), 4 points;
-#    then the restore check, 3 points.
+#    then the restore check, 5 points.
 #
 # Run the cells in order. Do not edit the setup and test cells.
 
@@ -246,7 +246,7 @@ for _start, _n, _total in ((0, 16, 100), (0, 37, 37)):
 ### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "restore", "locked": true, "schema_version": 3, "solution": false, "task": false}
-# ## Restore check (3 points)
+# ## Restore check (5 points)
 #
 # The grader plugs your `chunk_mask_and_slots` into the engine
 # (`llm.swap_step("prefill_chunk", chunk_mask_and_slots)`) and runs, in 16-token chunks:
@@ -261,7 +261,7 @@ for _start, _n, _total in ((0, 16, 100), (0, 37, 37)):
 # Both planted bugs (`faults.chunk_seqlen_k_full`, `faults.chunk_no_past_kv`) are measured
 # by the same check and must fail it, which shows the check can tell them apart.
 
-# %% nbgrader={"grade": true, "grade_id": "test_restore", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "test_restore", "locked": true, "points": 5, "schema_version": 3, "solution": false, "task": false}
 import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()

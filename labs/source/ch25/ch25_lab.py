@@ -30,7 +30,7 @@
 # 1. `shard_qkv(w, rank, tp, num_heads, num_kv_heads, head_dim)`: 3 points;
 # 2. `shard_merged_column(w, sizes, rank, tp)`: 2 points;
 # 3. `all_reduce_fixed_order(partials)`: 2 points;
-#    then the restore check, 3 points.
+#    then the restore check, 5 points.
 #
 # Run the cells in order. Do not edit the setup and test cells.
 
@@ -247,7 +247,7 @@ checks.new_object("all_reduce_fixed_order([(0, p)]) (tp = 1)", _got1, _one)
 ### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "restore", "locked": true, "schema_version": 3, "solution": false, "task": false}
-# ## Restore check (3 points)
+# ## Restore check (5 points)
 #
 # The grader builds the float32 embedded model, scores two fresh pieces of text (about 40
 # tokens each) at tp = 1, then emulates tp = 3 with **your** `shard_qkv`,
@@ -258,7 +258,7 @@ checks.new_object("all_reduce_fixed_order([(0, p)]) (tp = 1)", _got1, _one)
 # the same logits bit for bit. The broken configuration (`shard_contiguous` with the
 # arrival-order sum) is measured by the same check and must fail it.
 
-# %% nbgrader={"grade": true, "grade_id": "test_restore", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": true, "grade_id": "test_restore", "locked": true, "points": 5, "schema_version": 3, "solution": false, "task": false}
 import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
