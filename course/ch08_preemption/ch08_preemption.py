@@ -25,7 +25,7 @@
 #    a prefill where the original was a decode, and a preemption changes the batch) and
 #    state bugs (lost, duplicated or miscounted tokens), and size each.
 #
-# **The incidents.** INCIDENTS.md #8:
+# **The incidents.**
 # [vllm PR #5349](https://github.com/vllm-project/vllm/pull/5349) "fix broken state for
 # recompute" (2024-06, fixes #3032): after a recompute preemption the sequence state was
 # left inconsistent, and a reviewer warned that re-prefilling the outputs as "prompt"
@@ -308,7 +308,7 @@ for name, recs in fault_rec.items():
           f"{sum(r['first_divergence'] is not None for r in p)}/{len(p)} preempted diverged, "
           f"{sum(r['first_divergence'] is not None for r in recs if not r['preemptions'])} "
           f"never-preempted |")
-print(f"| syllabus: fp32 + penalties + forced preemption gives identical tokens [est] | "
+print(f"| fp32 + penalties + forced preemption gives identical tokens (course plan estimate) | "
       f"confirmed: {sum(r['first_divergence'] is None for r in rec32)}/{N} identical |")
 
 # %% [markdown]

@@ -30,10 +30,10 @@
 # - **vllm #14126** "Qwen 2.5 produces all !!!!" (2025-03) and
 #   **ggml-org/llama.cpp #7805** (2024-06; Qwen2 printed "GGGG" without flash attention), fixed by **PR #8412**
 #   (2024-07-10), which forces the KQ matmul to F32 as was already done for Phi-2, Phi-3
-#   and GPT-NeoX (INCIDENTS.md #15): `q @ k^T` rounded to fp16 passed 65504, became inf,
-#   and the softmax turned inf into NaN.
+#   and GPT-NeoX: `q @ k^T` rounded to fp16 passed 65504, became inf, and the softmax
+#   turned inf into NaN.
 # - **unslothai/unsloth #9708 / #9848** (2026-09): a left-padded row with nothing to attend
-#   to gave NaN logits in fp16 and decoded to an empty string (INCIDENTS.md #28).
+#   to gave NaN logits in fp16 and decoded to an empty string.
 # - **vllm #23813** (2025): FP8 attention on Hopper accumulates in a register that does not
 #   keep full fp32 precision, so the error grows with context length; fixed by two-level
 #   accumulation that flushes each tile into a true fp32 accumulator
@@ -440,14 +440,16 @@ print(f"fp16 + reparam c={C:g}, KQ in float32: finite {bool(torch.isfinite(fixed
 # %%
 print("| claim (source) | what we measured here |")
 print("|---|---|")
-print(f"| max \\|q.k\\| after rotary is 119-486 per layer over 512 corpus tokens (syllabus) | "
+print(f"| max \\|q.k\\| after rotary is 119-486 per layer over 512 corpus tokens "
+      f"(course plan) | "
       f"{max_abs.min():.0f}-{max_abs.max():.0f} over {len(ids_long)} tokens; the largest "
       f"are negative: the largest positive q.k is {max_pos.max():.0f} (layer "
       f"{int(max_pos.argmax())}) |")
-print(f"| that is 135x below 65504, so fp16 QK overflow does not happen naturally (syllabus) "
+print(f"| that is 135x below 65504, so fp16 QK overflow does not happen naturally "
+      f"(course plan) "
       f"| yes: {FP16_MAX / max_abs.max():.0f}x below in magnitude, "
       f"{FP16_MAX / max_pos.max():.0f}x for positive products, the only ones that hurt |")
-print(f"| eager fp16 overflows for c >~ 135 and yields NaN (syllabus) | a negative overflow "
+print(f"| eager fp16 overflows for c >~ 135 and yields NaN (course plan) | a negative overflow "
       f"is a -inf score, a zero weight; NaN needs a positive one: c > 65504 / "
       f"{survey48[:, 0].max():.0f} = {FP16_MAX / survey48[:, 0].max():.0f} on the "
       f"{len(ids)}-token passage. At c = {C:g}: NaN first in {counts.first()}, predicted "
@@ -455,7 +457,7 @@ print(f"| eager fp16 overflows for c >~ 135 and yields NaN (syllabus) | a negati
 print(f"| the reparametrization is exact | float32 logits bit-identical: "
       f"{torch.equal(rep32, ref32)}; fp16, engine order: KL "
       f"{kl['fp16 + reparam, engine order']:.2e} against {kl['fp16']:.2e} unmodified |")
-print(f"| pre-scaling q or accumulating KQ in fp32 never overflows (syllabus; llama.cpp PR "
+print(f"| pre-scaling q or accumulating KQ in fp32 never overflows (course plan; llama.cpp PR "
       f"#8412) | engine order (SDPA) and the KQ-in-fp32 eager step both finite at c = "
       f"{C:g}; KL {kl['fp16 + reparam, engine order']:.2e} and {kl_fixed:.2e} |")
 print(f"| max subtraction is needed | in float16 on the unmodified model: NaN first in "

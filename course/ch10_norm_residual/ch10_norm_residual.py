@@ -27,8 +27,8 @@
 # **The incidents.**
 # - **huggingface/transformers #36822** "Gemma 3 is broken with fp16" (2025-03-19):
 #   gemma-3-4b-it on an RTX 4090 gave empty output in float16 and correct output in
-#   bfloat16 (INCIDENTS.md #13). Large RMSNorm weights and post-norms pushed the
-#   activations past float16's maximum of 65504. The proposed fix, **PR #36832** (closed
+#   bfloat16. Large RMSNorm weights and post-norms pushed the activations past
+#   float16's maximum of 65504. The proposed fix, **PR #36832** (closed
 #   without being merged), clamps the activations (and the residual adds, issue #39972); on gemma-3-12b-it the lm-eval
 #   average was 0.752 in bfloat16 and 0.657 in float16 with the clamp. Later vLLM
 #   builds refuse `--dtype float16` for Gemma 3 (seen in intel/llm-scaler #270).
@@ -372,12 +372,12 @@ print(f"| Gemma 3 / T5 in fp16: activations pass 65504, inf then NaN (#36822, #9
       f"non-finite {table['float16'][1]} |")
 print(f"| bf16 is the safe choice where fp16 overflows | yes: at c = 4 bfloat16 is "
       f"bit-identical to the unscaled model ({table['bfloat16'][2]}), KL {klbf:.1e} |")
-print(f"| fp16 is more precise than bf16 while nothing overflows (syllabus: KL 1.8e-5 vs "
+print(f"| fp16 is more precise than bf16 while nothing overflows (course plan: KL 1.8e-5 vs "
       f"1.0e-3) | yes: {kl16:.1e} vs {klbf:.1e} here ({klbf / kl16:.0f}x) |")
 print(f"| the clamp proposed in PR #36832 fixes fp16 but costs accuracy (0.752 -> 0.657 lm-eval) | "
       f"both: no NaN at any c; KL {cost[2.75][2]:.1e} at c = 2.75, {cost[4.0][2]:.2f} at c = 4, "
       f"{cost[8.0][2]:.2f} at c = 8 |")
-print(f"| syllabus: amplify with c = 3 (peak 67.7k) | the peak depends on the first token "
+print(f"| course plan: amplify with c = 3 (peak 67.7k) | the peak depends on the first token "
       f"({float(first_peaks.min()):.0f} to {float(first_peaks.max()):.0f} over "
       f"{len(firsts)} first tokens), so c = 3 overflows "
       f"{int((3 * first_peaks > FP16_MAX).sum())} of them; here token 0 is <|im_start|>: "
@@ -386,7 +386,7 @@ print(f"| the fp16 'forgot to upcast' RMSNorm is severe on this model (|x| > 256
       f"{kl_noup:.2f} nats; {len(set().union(*hit.values()))} of {sum(map(len, seqs))} token "
       f"rows zeroed by some norm (not only the first token: the others pass 255.9 in layers "
       f"2-8 and at the end); bfloat16 {kl(ref, rowsbf_bad):.1e}; float32 unchanged |")
-print("| INCIDENTS #13 lab idea: scale one down_proj or norm weight by 1000 | not exact "
+print("| course plan (lab idea): scale one down_proj or norm weight by 1000 | not exact "
       "(changes the model); the reparametrization above changes no float32 bit |")
 
 # %% [markdown]

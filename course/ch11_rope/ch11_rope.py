@@ -38,7 +38,7 @@
 #   1044.27 rounds to 1045, cos off by up to 0.78"), **huggingface/candle PR #3520**
 #   (<https://github.com/huggingface/candle/pull/3520>: bf16 positions, "15962 becomes
 #   15936 or 15968"), **vllm #863** (<https://github.com/vllm-project/vllm/issues/863>:
-#   asks for RoPE in fp32). INCIDENTS.md #17.
+#   asks for RoPE in fp32).
 # - **meta-llama/llama-models #241** "Bad output after 80k tokens: rope scaling_factor 8 is
 #   used for 1B and 3B 3.2 models" (<https://github.com/meta-llama/llama-models/issues/241>,
 #   2024-12-10): the reference code hard-coded factor 8 where Llama 3.2 1B/3B need 32.
@@ -46,7 +46,6 @@
 #   looped), **Blaizzy/mlx-vlm PR #1710** (cosine similarity between correct and unscaled
 #   RoPE: 1.0 at position 0, 0.959 at 1000, 0.757 at 8192, 0.503 at 60k),
 #   **huggingface/text-generation-inference #816** (a wrong division in dynamic scaling).
-#   INCIDENTS.md #18.
 #
 # **What this model shows by itself, and what is planted.** SmolLM2-135M-Instruct has no
 # `rope_scaling` (theta 100,000, `max_position_embeddings` 8192), and minivllm builds its
@@ -385,7 +384,7 @@ fig
 # %% [markdown]
 # The float64-rounded table differs from the engine's in the last bit of some entries,
 # and the model's output moves by a KL at the float32 noise floor (the course's anchor:
-# ~1e-11 nats): far below the 1e-6 the syllabus asks for, and below every fault above by
+# ~1e-11 nats): far below the 1e-6 the course plan asks for, and below every fault above by
 # many orders of magnitude.
 #
 # ## Claim versus measurement
@@ -396,10 +395,10 @@ ea = table_err["bf16 angles"]
 th = results["theta 10,000 (all layers)"][0]
 print("| claim | what we measured here |")
 print("|---|---|")
-print(f"| a table built from bf16 positions is wrong from position 257 on (syllabus) | yes: "
+print(f"| a table built from bf16 positions is wrong from position 257 on (course plan) | yes: "
       f"first wrong table row {first_wrong['bf16 positions']}; on the model KL exactly "
       f"{bp[0]:.0f} in positions 0-63, {bp[1]:.1e} at 256-319, {bp[2]:.1e} at 512-575 |")
-print(f"| ≈0 near position 0, growing with position (syllabus) | for bf16 positions, yes "
+print(f"| ≈0 near position 0, growing with position (course plan) | for bf16 positions, yes "
       f"(KL {bp[0]:.0e} -> {bp[2]:.1e}; bf16 angles: table error {ea[:8].max():.1e} in "
       f"positions 0-7, {ea[256:576].max():.1f} at 256-575); for a wrong "
       f"theta, no: {th[0]:.1e} already at 0-63 (max over windows {th.max():.1e}) |")
@@ -424,7 +423,7 @@ print(f"| storing cos/sin in bf16 is the bug (a common reading of #29285) | no: 
       f"values after float32 angles give KL {bv.max():.1e} at most, "
       f"{bp.max() / bv.max():.0e}x less than bf16 positions |")
 print(f"| fix: fp32 table, correct theta, correct scaling: KL at long positions back to "
-      f"<= 1e-6 (syllabus, 1500-2000) | measured at 512-575 ({T} tokens keep this chapter "
+      f"<= 1e-6 (course plan, 1500-2000) | measured at 512-575 ({T} tokens keep this chapter "
       f"within its time budget; set WINDOWS = (0, 256, 512, 1024) in the first cell for "
       f"1088 tokens): {kl_fix[-1]:.1e} |")
 

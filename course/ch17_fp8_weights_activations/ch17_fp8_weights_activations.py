@@ -32,7 +32,7 @@
 #
 # **The incidents, from public sources.**
 #
-# - **Scales that are not delivered** (INCIDENTS.md #10): NVIDIA/TensorRT-LLM PR #16916
+# - **Scales that are not delivered**: NVIDIA/TensorRT-LLM PR #16916
 #   passed `None` for the fp8 KV scale buffers (GSM8K 96.44 → 74.45, 96.89 once buffers
 #   of 1.0 were passed); sgl-project/sglang #18818 loaded scales that never reached the
 #   kernel; sglang PR #20705 fell back to 1.0 when a float was assigned over the scale
@@ -46,7 +46,7 @@
 #   clamps (saturates) at ±448. vllm #4614 (2024-05-06) reported the same as "always
 #   returns invalid tokens in FP8 static mode". This engine saturates (as vLLM does
 #   since), so here the cost is saturation, not NaN.
-# - **vllm PR #33972** (2026-02-06, INCIDENTS.md #20): NVFP4 checkpoints of dense Qwen3
+# - **vllm PR #33972** (2026-02-06): NVFP4 checkpoints of dense Qwen3
 #   models overflowed fp16 in the GEMM; the fix scales the input **dynamically** before
 #   the GEMM. Dynamic scaling is this chapter's fix too.
 # - **The seed course** (000 §2.4.3): FP8 weights plus an FP8 KV cache take a task from
@@ -520,7 +520,7 @@ claims = [
      f"vs fp8 KV {r[KV]['kl']:.3g} [{r[KV]['ci'][0]:.3g}, {r[KV]['ci'][1]:.3g}] ({w_over_kv:.1f}x), "
      f"both {r[BOTH]['kl']:.3g}; QA on {len(qa)} questions: {r[DYN]['acc']:.0%}, {r[KV]['acc']:.0%}, "
      f"{r[BOTH]['acc']:.0%} ({qa_note}: QA on so few questions cannot rank them, KL can)"),
-    ("SYLLABUS/RESULTS: the layer-11 down_proj input reaches 2,824, above e4m3's 448",
+    ("course plan: the layer-11 down_proj input reaches 2,824, above e4m3's 448",
      f"here {per_layer['layers.11.mlp.down_proj']:,.0f} (layer 28: "
      f"{per_layer['layers.28.mlp.down_proj']:,.0f}, 29: {per_layer['layers.29.mlp.down_proj']:,.0f}), "
      f"at the first token of every window only; every other input <= {rest:.0f}"),

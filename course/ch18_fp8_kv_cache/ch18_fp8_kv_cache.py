@@ -28,7 +28,7 @@
 # 4. measure all of this on the embedded model: KL against a float32 KV cache, greedy
 #    text, passkey retrieval at 2k tokens, with the 4k numbers from the benchmark.
 #
-# **The incidents, from public sources** (INCIDENTS.md #9-11).
+# **The incidents, from public sources.**
 #
 # - **vllm PR #2279** "Support FP8-E5M2 KV Cache" (2023-12-27): WizardCoder-34B,
 #   HumanEval-Python-EN 68.29 % with an fp16 cache, **65.85 % with e5m2**, 67.68 % with
@@ -47,7 +47,7 @@
 #   passed to a prefill wrapper were ignored, so K/V were **read** without them
 #   (sglang PR #20705 is a third variant: a Python float assigned over the scale
 #   parameter fell back to 1.0 on some backends).
-# - **Model-dependent collapse** (#11): sglang #22671 (GLM-5.1-FP8, fp8_e4m3 KV: aime26
+# - **Model-dependent collapse**: sglang #22671 (GLM-5.1-FP8, fp8_e4m3 KV: aime26
 #   76.7 against 95.3) and **sgl-cookbook PR #237**, which removed `--kv-cache-dtype
 #   fp8_e4m3` from recipes whose checkpoints ship no calibrated scales (SGLang falls back
 #   to 1.0); vllm #38652 (GLM-4.7-Flash judge score 4.61 → 1.07, Qwen3-235B unaffected).
@@ -441,7 +441,7 @@ claims = [
      f"model-dependent; not on this model: max abs K, V {float(kv_all.max()):.1f} << 448, "
      f"0 values saturate at 1.0, and 1.0 is as good as calibrated (KL {e4['kl']:.3g} vs "
      f"{r['calibrated']['kl']:.3g})"),
-    ("SYLLABUS/RESULTS: e4m3 scale 1.0 KL 6.57e-3, calibrated 6.54e-3 (10,202 positions)",
+    ("benchmarks/RESULTS.md: e4m3 scale 1.0 KL 6.57e-3, calibrated 6.54e-3 (10,202 positions)",
      f"here, {sum(map(len, windows))} positions of prose: {e4['kl']:.3g} [{e4['lo']:.3g}, {e4['hi']:.3g}] and "
      f"{r['calibrated']['kl']:.3g} [{r['calibrated']['lo']:.3g}, {r['calibrated']['hi']:.3g}]"),
 ]

@@ -29,7 +29,7 @@
 #    reparametrization on the step registry) and measure all of this as KL against a
 #    float32 KV cache, with confidence intervals.
 #
-# **The incidents, from public sources** (INCIDENTS.md #11).
+# **The incidents, from public sources.**
 #
 # - **verl PR #4435, comment of 2026-03-29**
 #   (https://github.com/volcengine/verl/pull/4435): Qwen2.5-Math-7B with an fp8 KV cache
@@ -222,9 +222,10 @@ print(f"int8 dynamic vs int8 per tensor: {plain['int8', 'per tensor']['kl'] / pl
 #
 # ## 3. Planting outlier channels, exactly
 #
-# We pick layer 3 (INCIDENTS.md #11's lab used layer 3 too), its KV head with the largest
-# K, and that head's largest channel `j`; the fault scales the rotary pair `{j, j + 32}`
-# of K by `c = 64` and the same dimensions of the head's three query heads by `1 / 64`.
+# We pick layer 3 (the course plan's lab idea used layer 3 too), its KV head with the
+# largest K, and that head's largest channel `j`; the fault scales the rotary pair
+# `{j, j + 32}` of K by `c = 64` and the same dimensions of the head's three query heads
+# by `1 / 64`.
 
 # %%
 L = 3
@@ -445,16 +446,16 @@ print(f"the best static int8 cache (per channel) against dynamic int8, unmodifie
 # %%
 p, o = plain, outl
 claims = [
-    ("SYLLABUS / RESULTS: on SmolLM2 per-head static scales are no better than per-tensor "
+    ("benchmarks/RESULTS.md: on SmolLM2 per-head static scales are no better than per-tensor "
      "(e4m3 7.52e-3 vs 6.54e-3, int8 3.45e-3 vs 3.34e-3)",
      f"confirmed on {sum(map(len, windows))} positions: e4m3 {p['fp8_e4m3', 'per head']['kl']:.3g} vs "
      f"{p['fp8_e4m3', 'per tensor']['kl']:.3g}, int8 {p['int8', 'per head']['kl']:.3g} vs "
      f"{p['int8', 'per tensor']['kl']:.3g} (CIs in section 2)"),
-    ("SYLLABUS / RESULTS: int8 dynamic per token is the best 8-bit cache (6.9e-4)",
+    ("benchmarks/RESULTS.md: int8 dynamic per token is the best 8-bit cache (6.9e-4)",
      f"{fmt_kl(p['int8', 'dynamic'])} here, unmodified; with one outlier pair "
      f"{o['int8', 'dynamic']['kl']:.3g}, {o['int8', 'dynamic']['kl'] / p['int8', 'dynamic']['kl']:.0f}x "
      f"worse: per-token scales do not separate channels"),
-    ("INCIDENTS #11 / verl PR #4435: K outliers break an fp8 KV cache",
+    ("verl PR #4435: K outliers break an fp8 KV cache",
      f"for e4m3 only without a calibrated scale: scale 1.0 "
      f"{o['fp8_e4m3', 'scale 1.0']['kl']:.3g} at c = 64, {sat512['kl']:.3g} at c = 512 (vs "
      f"{p['fp8_e4m3', 'scale 1.0']['kl']:.3g}); calibrated per tensor "
@@ -478,7 +479,7 @@ claims = [
     ("verl PR #4435: QK-norm keeps K outliers small",
      f"not testable here: SmolLM2 has no QK-norm and no outlier channel either (largest "
      f"channel / median {float(ratio.max()):.1f} at most, largest |K| {float(ka0.max()):.1f})"),
-    ("INCIDENTS #11 lab: multiply 2 channels of K in layer 3 by 50",
+    ("course plan (lab idea): multiply 2 channels of K in layer 3 by 50",
      "done exactly, with c = 64 and the query compensated by 1/64 so the model is unchanged "
      "(bit-identical float32 logits); multiplying K alone would be a different model, "
      "not an outlier"),
@@ -529,12 +530,12 @@ for c, m in claims:
 # (`python benchmarks/kv_channel_calibration.py`, recorded in its docstring; not run
 # here).
 #
-# (SYLLABUS asked for 1.5x the unmodified *dynamic* int8 KL. No static scale reaches it
-# on this model: the best static int8 cache, per channel, sits at several times dynamic's
-# KL (the ratio is printed under section 6's choice), with or without outliers, because a
-# static scale is set by the largest value seen in calibration while a per-token scale
-# fits each token. The lab's anchor is therefore the cache's own unmodified per-tensor
-# KL.)
+# (The course plan asked for 1.5x the unmodified *dynamic* int8 KL. No static scale
+# reaches it on this model: the best static int8 cache, per channel, sits at several times
+# dynamic's KL (the ratio is printed under section 6's choice), with or without outliers,
+# because a static scale is set by the largest value seen in calibration while a
+# per-token scale fits each token. The lab's anchor is therefore the cache's own
+# unmodified per-tensor KL.)
 
 # %%
 print(f"chapter 19 ran in {time.perf_counter() - T0:.0f} s")
