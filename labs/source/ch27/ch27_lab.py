@@ -340,7 +340,7 @@ checks.equal("two keys that each break it alone", bisect_config(_gd, _bd, _meas,
 _names, _gd, _bd, _meas, _calls = _synthetic(6, lambda on: _c in on)
 _c = _rng.choice(_names)
 checks.equal("one culprit among 6 keys whose measure is exactly the threshold",
-             bisect_config(_gd, _bd, lambda c: 2.5e-4 if _meas(c) > 1e-8 else 0.0, 2.5e-4), [_c])
+             bisect_config(_gd, _bd, lambda c: 2.5e-4 if c[_c] == _bd[_c] else 0.0, 2.5e-4), [_c])
 for _what, _gd2, _bd2, _val in (("equal configurations", {"a": 1}, {"a": 1}, 0.0),
                                 ("good measures bad", {"a": 1}, {"a": 2}, 1.0),
                                 ("bad measures good", {"a": 1}, {"a": 2}, 0.0)):
