@@ -29,7 +29,7 @@
 #    measure that difference in float32 and bfloat16;
 # 4. catch a verifier that accepts the first draft token unchecked.
 #
-# **The incidents** (INCIDENTS.md #23).
+# **The incidents.**
 #
 # - **vllm #7627** (2024-08-17, <https://github.com/vllm-project/vllm/issues/7627>):
 #   opt-6.7b with an opt-125m draft at temperature 0 left the target-only output partway
@@ -279,11 +279,11 @@ claims = [
      f"V=8, {TRIALS} trials: TV {tv_ok:.4f}, chi-square p {pv_ok:.2g}"),
     ("accepting draft 0 unverified breaks it",
      f"TV {tv_bad:.4f}, chi-square p {pv_bad:.2g}"),
-    ("greedy speculative == plain in fp32 [est]",
+    ("greedy speculative == plain in fp32 (course plan estimate)",
      f"{equal32}/{len(PROMPTS)} identical (24 tokens, n-gram k=3)"),
     ("#7962: lossless up to hardware numerics (k+1 in one forward)",
      f"chunk vs step max |dlogit|: fp32 {num_rows['float32'][0]:.2g}, bf16 {num_rows['bfloat16'][0]:.2g}"),
-    ("bf16: divergences expected, as in #7627 [est]",
+    ("bf16: divergences expected, as in #7627 (course plan estimate)",
      f"{len(OPEN_IDS) - equal16}/{len(OPEN_IDS)} open prompts diverged (first at {div16})"),
     ("the planted draft[0] bug diverges on '1 1 1 1' prompts",
      f"{sum(x is not None for x in div_bad)}/{len(ONES)} diverged; correct verifier "

@@ -35,7 +35,7 @@
 #   with one without it. The cause (vllm PR #7018) was a block table, not the cache key:
 #   chapter 7 reproduces it (`faults.zeroed_block_tables`).
 # - **GeeeekExplorer/nano-vllm PR #209** "prevent in-flight prefix cache hits within same
-#   prefill batch" (2026-04-21; INCIDENTS.md #5; the same hazard in vllm PR #7822,
+#   prefill batch" (2026-04-21; the same hazard in vllm PR #7822,
 #   2024-08-23): a block was registered in the cache when it was *allocated*, so a second
 #   request in the same prefill batch counted it as a hit before the first request had
 #   written its K/V.
@@ -166,7 +166,7 @@ print(f"(float32 {t32:.1f} s, bfloat16 with its engine {tbf:.1f} s)")
 # %% [markdown]
 # On this CPU a hit changes nothing at all, in float32 **and** in bfloat16: the rows are
 # bit-identical, so KL is exactly 0 and greedy generation is the same. That is stronger
-# than the syllabus expected ("fp32 at noise level, bf16 may flip"), and it has reasons
+# than the course plan expected ("fp32 at noise level, bf16 may flip"), and it has reasons
 # that are worth knowing, because each one can fail elsewhere:
 #
 # - the cached K/V of the prefix came from a 49-token prefill and the miss computes them
@@ -376,16 +376,16 @@ print("|---|---|")
 print(f"| prefix caching \"won't change model outputs\" (vLLM design note) | with the right "
       f"key, yes, exactly: hit vs miss rows bit-identical in float32 ({h32[0]}) and "
       f"bfloat16 ({hbf[0]}), greedy equal ({h32[4]}, {hbf[4]}) |")
-print(f"| fp32: KL at noise level, greedy identical [syllabus est.] | KL {h32[2]:.3g} "
+print(f"| fp32: KL at noise level, greedy identical (course plan estimate) | KL {h32[2]:.3g} "
       f"(exactly 0, below the ~1e-11 noise floor), greedy identical |")
-print(f"| bf16: may flip [syllabus est.] | not on this CPU: KL {hbf[2]:.3g}, top-1 "
+print(f"| bf16: may flip (course plan estimate) | not on this CPU: KL {hbf[2]:.3g}, top-1 "
       f"{100 * hbf[3]:.0f}%, greedy identical; a GPU's prefill-with-context kernel is a "
       f"different kernel (not measured here) |")
 print(f"| minivllm is immune to in-flight hits by construction | yes: two identical "
       f"prompts in one step cached {[o.num_cached_tokens for o in outs_together]} tokens; "
       f"one step later {outs_later[0].num_cached_tokens} |")
 print(f"| an unchained hash gives false hits at different prefixes, KL >> noise "
-      f"[syllabus est.] | yes, when content repeats: {hit_bad} hit tokens instead of "
+      f"(course plan estimate) | yes, when content repeats: {hit_bad} hit tokens instead of "
       f"{hit_ok}, question rows mean KL {kl_bad.mean():.3g} nats (max {kl_bad.max():.3g}), "
       f"greedy agreement "
       f"{100 * metrics.greedy_agreement(ref_gen.outputs[0].token_ids, bad_gen.outputs[0].token_ids):.0f}% |")
@@ -395,7 +395,7 @@ print(f"| cache_salt isolates tenants | yes: another salt {runs[1][1]} hit token
       f"salt {runs[2][1]}; without the salt in the key {runs[-1][1]}, with identical "
       f"outputs (a privacy bug, invisible to precision metrics) |")
 print(f"| skipping the prefix-cache reset after recalibrating K/V scales reuses stale "
-      f"blocks [syllabus (b)] | yes: {stale_hits} hit tokens on blocks stored with scale 1.0, "
+      f"blocks (course plan) | yes: {stale_hits} hit tokens on blocks stored with scale 1.0, "
       f"mean KL {kl_stale:.3g} nats (fp8 e4m3 KV); with the reset {good_hits} hits "
       f"after a recalibration |")
 
