@@ -24,16 +24,19 @@
 # on the `"kv.dequantize"` step). You write the cache's two steps and the calibration
 # formula yourself. The grader calls them on **new** tensors (other formats, scale
 # shapes, input dtypes, values past the format's range, exact ties) and compares with the
-# engine's reference bit for bit; then it plugs your functions into the broken engine
-# (`llm.swap_step("kv.quantize", ...)` and `"kv.dequantize"`), with scales that your
-# calibration computes on text you have not seen, and checks that the KL against a
-# float32 KV cache is back at the calibrated engine's, next to the broken engine failing
-# the same check.
+# engine's reference bit for bit. Then you choose the cache format for a memory budget
+# (which of the caches that fit loses least), and the grader plugs your functions into an
+# engine with that cache and the broken engine's fault (`llm.swap_step("kv.quantize",
+# ...)` and `"kv.dequantize"`), with scales that your calibration computes on text you
+# have not seen, and checks that your format is the best that fits and that the KL
+# against a float32 KV cache is back at the calibrated engine's, next to the broken
+# engine failing the same check.
 #
 # 1. `quantize_kv(x, cache_dtype, scale)`: what the writer stores, 3 points;
 # 2. `dequantize_kv(stored, dtype, scale)`: what the reader gets back, 2 points;
 # 3. `calibrate_kv_scales(amax, cache_dtype, granularity)`: the static scales, 2 points;
-# 4. the engine with your three functions, 3 points (nothing to write).
+# 4. `KV_CACHE_DTYPE`: the cache format for a budget, and the engine with your three
+#    functions, 5 points.
 #
 # Run the cells in order. Do not edit the setup and test cells.
 
@@ -293,24 +296,93 @@ for _bad in ("block", "token", None):
 ### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "task4", "locked": true, "schema_version": 3, "solution": false, "task": false}
-# ## Task 4: your steps in the broken engine (3 points)
+# ## Task 4: the cache format, and your steps in the broken engine (5 points)
 #
-# Nothing to write. The grader calibrates the engine again on text you have not seen: it
-# measures each layer's per-head amax of K and V, turns them into per-tensor scales with
-# **your** `calibrate_kv_scales`, and sets them on the cache. Then, with the broken
-# engine's fault still planted, it plugs your functions in as the cache's steps,
+# The server has `KV_BUDGET_BYTES` (48 MiB) for this model's K/V cache (30 layers, 3 K/V
+# heads of 64 dimensions, blocks of 16 tokens) and must hold **two requests of 2,048
+# tokens at once** (prompt and output; chapter 18's passkey prompts are that long), so
+# that neither waits or is preempted. Choose `KV_CACHE_DTYPE` from `KV_OPTIONS`: the
+# cache with the lowest KL against a float32 cache whose pool holds both requests.
+# Quantized caches get per-tensor scales from calibration. ("auto" is the model dtype,
+# float32 here: vLLM's default, and where this task starts.)
+#
+# `pool_blocks(kv_cache_dtype)` returns the blocks the budget gives that cache (the
+# engine's own sizing, `kv_cache_bytes_per_block`); `cache_kl(kv_cache_dtype)` the mean
+# KL (nats per position) of that cache, calibrated by the engine, against a float32
+# cache on the example window. Work out what you expect first (chapter 18, sections 1-2),
+# then measure; `cache_kl` builds an engine per call (a few seconds).
+#
+# Then the grader calibrates on text you have not seen: it measures each layer's
+# per-head amax of K and V and turns them into per-tensor scales with **your**
+# `calibrate_kv_scales` for your format. On an engine with your cache, the broken
+# engine's fault planted, it plugs your functions in as the cache's steps,
 #
 #     with broken(), llm.swap_step("kv.quantize", quantize_kv), \
 #             llm.swap_step("kv.dequantize", dequantize_kv):
 #         ...
 #
 # (the engine passes each layer's scale to your functions) and scores three fresh token
-# sequences. The mean KL against an engine with a float32 KV cache must be at most
-# **1.1 times** that of the engine's own calibrated e4m3 path on the same tokens (chapter
-# 18: about 5e-3 nats), and the broken engine (tens of nats) must fail the same check. (A
-# KL above 0.5 nats fails at once, before the grader measures the two references.)
+# sequences. It checks that
+#
+# - your format's pool holds the two requests, and that among the caches whose pools
+#   hold them yours has the lowest mean KL against a float32 KV cache (each measured on
+#   the same tokens with the engine's own steps and calibration);
+# - with your functions, the mean KL is at most **1.1 times** that of the engine's own
+#   calibrated path for your format (chapter 18: about 5e-3 nats for e4m3), and the broken
+#   engine (e4m3, the reader dropping its scales: tens of nats) fails the same check. (A
+#   KL above 0.5 nats fails at once, before the grader measures the references.)
 
-# %% nbgrader={"grade": true, "grade_id": "test_restore", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": false, "grade_id": "kv_helper", "locked": true, "schema_version": 3, "solution": false, "task": false}
+import gc
+
+from minivllm.config import parse_kv_cache_dtype
+from minivllm.quantization.kv_cache import is_quantized
+from minivllm.worker.model_runner import kv_cache_bytes_per_block
+
+KV_BUDGET_BYTES = 48 * 2**20
+KV_OPTIONS = ("auto", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2")
+REQUEST_TOKENS = (2048, 2048)   # each: prompt and output; both at once
+_helper_ref = {}
+
+
+def pool_blocks(kv_cache_dtype: str) -> int:
+    """Blocks of 16 tokens that KV_BUDGET_BYTES gives a cache of ``kv_cache_dtype``."""
+    if kv_cache_dtype not in KV_OPTIONS:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_OPTIONS}, got {kv_cache_dtype!r}")
+    per_block = kv_cache_bytes_per_block(llm.llm_engine.model_config, 16,
+                                         parse_kv_cache_dtype(kv_cache_dtype, torch.float32), False)
+    return KV_BUDGET_BYTES // per_block
+
+
+def cache_kl(kv_cache_dtype: str, ids=None) -> float:
+    """Mean KL (nats per position) of a ``kv_cache_dtype`` cache against a float32 cache
+    on ``ids`` (default: example_ids); quantized caches get per-tensor scales calibrated
+    by the engine on the setup's calibration text."""
+    if kv_cache_dtype not in KV_OPTIONS:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_OPTIONS}, got {kv_cache_dtype!r}")
+    ids = ids or example_ids
+    if "float32" not in _helper_ref:
+        _helper_ref["float32"] = LLM(MODEL, kv_cache_dtype="float32", **COMMON)
+    want = _helper_ref["float32"].score(ids, output="logits")
+    eng = LLM(MODEL, kv_cache_dtype=kv_cache_dtype, **COMMON)
+    if is_quantized(eng.llm_engine.cache_config.kv_cache_torch_dtype):
+        eng.llm_engine.calibrate_kv_scales([tok.encode(_text[:1600])[:256]])
+    got = eng.score(ids, output="logits")
+    del eng
+    gc.collect()
+    return metrics.mean_kl(want, got)
+
+
+print(f"budget {KV_BUDGET_BYTES:,} bytes; two requests of {REQUEST_TOKENS[0]} tokens need "
+      f"{sum(-(-n // 16) for n in REQUEST_TOKENS)} blocks of 16 tokens")
+
+# %% nbgrader={"grade": false, "grade_id": "kv_cache_dtype", "locked": false, "schema_version": 3, "solution": true, "task": false}
+KV_CACHE_DTYPE = "auto"  # vLLM's default, the model dtype: where this task starts
+### BEGIN SOLUTION
+KV_CACHE_DTYPE = "fp8_e4m3"
+### END SOLUTION
+
+# %% nbgrader={"grade": true, "grade_id": "test_restore", "locked": true, "points": 5, "schema_version": 3, "solution": false, "task": false}
 import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
@@ -318,12 +390,24 @@ checks.guard()
 import gc as _gc
 import random as _random
 
+from minivllm.config import parse_kv_cache_dtype as _parse
 from minivllm.quantization.kv_calibration import calibrate_kv_amax as _calibrate_amax
-from minivllm.quantization.kv_cache import kv_scales_from_amax as _from_amax
+from minivllm.quantization.kv_cache import kv_scales_from_amax as _from_amax, qmax as _qmax
+from minivllm.worker.model_runner import kv_cache_bytes_per_block as _per_block
 
 _probe = torch.randn(4, 3, 8, generator=torch.Generator().manual_seed(18004)) * 5                          # the learner's functions first: a
 dequantize_kv(quantize_kv(_probe, torch.float8_e4m3fn, 0.05), torch.float32, 0.05)  # stub fails
 calibrate_kv_scales(torch.rand(3, generator=torch.Generator().manual_seed(18099)), torch.float8_e4m3fn, "tensor")                     # at once
+_options = ["auto", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"]
+checks.one_of("KV_CACHE_DTYPE", KV_CACHE_DTYPE, _options)
+_eng = llm.llm_engine
+_need = 2 * -(-2048 // 16)                     # two requests of 2,048 tokens, blocks of 16
+_blocks = {_d: (48 * 2**20) // _per_block(_eng.model_config, 16, _parse(_d, torch.float32), False)
+           for _d in _options}
+_fits = [_d for _d in _options if _blocks[_d] >= _need]
+print(f"the two requests need {_need} blocks; pool blocks in 48 MiB: {_blocks}")
+checks.equal(f"the pool of KV_CACHE_DTYPE={KV_CACHE_DTYPE!r} ({_blocks[KV_CACHE_DTYPE]} blocks) "
+             f"holds the two requests ({_need} blocks)", KV_CACHE_DTYPE in _fits, True)
 _rng = _random.Random(18005)
 
 
@@ -333,22 +417,26 @@ def _fresh(n):
 
 
 _calib, _seqs = _fresh(160), [_fresh(n) for n in (61, 70, 57)]
-_eng = llm.llm_engine
-_caches = _eng.model_runner.kv_caches
 _amax = _calibrate_amax(_eng.model_runner.model, [_calib])  # per layer: (K amax [3], V amax [3])
+_engines = {"fp8_e4m3": llm}                                # one engine per format, built once
+for _d in _fits:
+    if _d not in _engines:
+        _engines[_d] = LLM(MODEL, kv_cache_dtype=_d, **COMMON)
 
 
-def _set(scales):
-    for _c, (_k, _v) in zip(_caches, scales):
+def _set(engine, scales):
+    for _c, (_k, _v) in zip(engine.llm_engine.model_runner.kv_caches, scales):
         _c.set_scales(torch.as_tensor(_k, dtype=torch.float32), torch.as_tensor(_v, dtype=torch.float32))
-    _eng.kv_cache_manager.reset_prefix_cache()
+    engine.llm_engine.kv_cache_manager.reset_prefix_cache()
 
 
-_mine_scales = [(calibrate_kv_scales(_k.clone(), torch.float8_e4m3fn, "tensor"),
-                 calibrate_kv_scales(_v.clone(), torch.float8_e4m3fn, "tensor")) for _k, _v in _amax]
-_set(_mine_scales)
-with broken(), llm.swap_step("kv.quantize", quantize_kv), llm.swap_step("kv.dequantize", dequantize_kv):
-    _mine = llm.score(_seqs, output="logits")
+_yours = _engines[KV_CACHE_DTYPE]
+_dt = _yours.llm_engine.cache_config.kv_cache_torch_dtype
+_set(_yours, [(calibrate_kv_scales(_k.clone(), _dt, "tensor"),
+               calibrate_kv_scales(_v.clone(), _dt, "tensor")) for _k, _v in _amax])
+with faults.kv_scale_dropped(_yours, "read"), _yours.swap_step("kv.quantize", quantize_kv), \
+        _yours.swap_step("kv.dequantize", dequantize_kv):
+    _mine = _yours.score(_seqs, output="logits")
 _f32 = LLM(MODEL, kv_cache_dtype="float32", **COMMON)
 _want = _f32.score(_seqs, output="logits")
 del _f32
@@ -362,17 +450,30 @@ def _kl(rows):
 _kl_mine = _kl(_mine)
 if not _kl_mine <= 0.5:  # 100x an fp8 cache's KL: no need to measure the references
     raise checks.CheckFailed(f"mean KL of the engine with your quantize/dequantize/calibration "
-                             f"against a float32 KV cache: {_kl_mine:.3g} nats; a calibrated "
-                             f"e4m3 cache gives about 5e-3 (chapter 18), the broken engine ~20")
-_set([(_from_amax(_k.max(), 448.0), _from_amax(_v.max(), 448.0)) for _k, _v in _amax])
-_calibrated = llm.score(_seqs, output="logits")            # the engine's own calibrated path
-with broken():
-    _bad = llm.score(_seqs, output="logits")
-_limit = 1.1 * _kl(_calibrated)
-print(f"{sum(map(len, _seqs))} fresh positions; mean KL against a float32 KV cache (nats): "
-      f"the engine's calibrated e4m3 {_kl(_calibrated):.3g} (limit {_limit:.3g}); your steps "
-      f"{_kl_mine:.3g}; the broken engine {_kl(_bad):.3g}")
-if not _kl(_bad) > _limit:
+                             f"({KV_CACHE_DTYPE}) against a float32 KV cache: {_kl_mine:.3g} nats; "
+                             f"a calibrated e4m3 cache gives about 5e-3 (chapter 18), the broken "
+                             f"engine ~20")
+_kl_opt = {}
+for _d, _e in _engines.items():           # the engine's own steps and calibration rule
+    _q = _qmax(_e.llm_engine.cache_config.kv_cache_torch_dtype)
+    _set(_e, [(_from_amax(_k.max(), _q), _from_amax(_v.max(), _q)) for _k, _v in _amax])
+    _kl_opt[_d] = _kl(_e.score(_seqs, output="logits"))
+with broken():                            # llm: e4m3 with its calibrated scales
+    _kl_bad = _kl(llm.score(_seqs, output="logits"))
+for _d in [_d for _d in _engines if _d != "fp8_e4m3"]:
+    del _engines[_d]
+_gc.collect()
+_best = min(_fits, key=_kl_opt.get)
+_limit = 1.1 * _kl_opt[KV_CACHE_DTYPE]
+print(f"{sum(map(len, _seqs))} fresh positions; mean KL against a float32 KV cache (nats) of "
+      f"the caches that hold the requests, the engine's calibrated path: "
+      + ", ".join(f"{_d} {_k:.3g}" for _d, _k in _kl_opt.items())
+      + f"; your steps ({KV_CACHE_DTYPE}) {_kl_mine:.3g} (limit {_limit:.3g}); the broken "
+      f"engine {_kl_bad:.3g}")
+if not _kl_bad > 1.1 * _kl_opt["fp8_e4m3"]:
     raise checks.CheckFailed("the check does not discriminate: the broken engine passes it")
-checks.at_most("mean KL of the engine with your quantize/dequantize/calibration", _kl_mine, _limit)
+checks.equal(f"KV_CACHE_DTYPE: the lowest KL among the caches that hold the requests ({_best}, "
+             f"{_kl_opt[_best]:.3g} nats; yours {_kl_opt[KV_CACHE_DTYPE]:.3g})", KV_CACHE_DTYPE, _best)
+checks.at_most(f"mean KL of the engine ({KV_CACHE_DTYPE}) with your quantize/dequantize/calibration",
+               _kl_mine, _limit)
 ### END HIDDEN TESTS
