@@ -26,7 +26,7 @@
 #    occasional greedy divergence) from a **layout bug** (garbage), and make the reduction
 #    bitwise reproducible by fixing its order.
 #
-# **The incidents** (INCIDENTS.md #22).
+# **The incidents.**
 #
 # - **vllm #2742** "When using tp=2 ... greedy mode ... results are random"
 #   (<https://github.com/vllm-project/vllm/issues/2742>, 2024-02-04): on L40S at TP = 2,
@@ -371,7 +371,8 @@ print(f"| SmolLM2 admits tensor_parallel_size 1 or 3 only | vLLM's checks allow 
       f"at tp=3 each rank has 3 query heads, 1 KV head, 512 MLP units |")
 print(f"| fp32: KL at noise level | tp=3 vs tp=1: mean KL {kl32:.1e} nats, max |logit diff| "
       f"{diff32:.1e}, top-1 {100 * top1_32:.0f}% of {len(ref32)} positions |")
-print(f"| bf16: larger, greedy divergence possible [est] | tp=3 vs tp=1: mean KL {kl16:.1e} "
+print(f"| bf16: larger, greedy divergence possible (course plan estimate) | tp=3 vs tp=1: "
+      f"mean KL {kl16:.1e} "
       f"nats (bf16 vs fp32 at tp=1: {kl16_vs32:.1e}), max |logit diff| {diff16:.2g}, top-1 "
       f"{100 * top1_16:.1f}%, greedy first divergence {div16} |")
 print(f"| run-to-run variation appears only when the reduction order varies | fixed order run "
