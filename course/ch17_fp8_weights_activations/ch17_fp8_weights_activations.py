@@ -579,7 +579,10 @@ for c, m in claims:
 # fp8 linear layer; the grader plugs your linear into the engine's `"fp8.linear"` step
 # with the fault still planted, computing dynamic scales, and checks on fresh prose that
 # the KL against float32 is back at the built-in dynamic engine's, while the broken
-# engine fails the same check.
+# engine fails the same check. Then you decide which (at most three) linear layers get
+# dynamic per-token scales, everything else keeping the missing static scale's 1.0: the
+# grader measures your choice against dynamic scales everywhere on fresh text (section 2's
+# saturation table is the place to look).
 
 # %%
 print(f"chapter 17 ran in {time.perf_counter() - T0:.0f} s")

@@ -478,7 +478,9 @@ for c, m in claims:
 # bit the engine's) and the calibration formula; the grader plugs them into the engine
 # (`llm.swap_step("kv.quantize", ...)`, `"kv.dequantize"`) with scales your calibration
 # computes on text you have not seen, and checks that the KL against float32 is back at
-# the calibrated engine's while the broken engine is not.
+# the calibrated engine's while the broken engine is not. Then you choose the KV cache
+# dtype: the most accurate whose pool in a fixed byte budget holds two long requests at
+# once; the grader builds each format that fits and measures its KL.
 
 # %%
 print(f"chapter 18 ran in {time.perf_counter() - T0:.0f} s")
