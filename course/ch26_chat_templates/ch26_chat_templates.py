@@ -25,7 +25,7 @@
 #    vLLM's `truncate_prompt_tokens=k` keeps the **last** k tokens; cutting the other
 #    side, or cutting through the system prompt, costs accuracy, measured here.
 #
-# **The incidents** (INCIDENTS.md #26). **vllm PR #16976** "Fix doubling of BOS token
+# **The incidents.** **vllm PR #16976** "Fix doubling of BOS token
 # when BOS already exists" (2025-04-22): `LLM.chat` with Llama-3.1-8B-Instruct rendered
 # the chat template (which already starts with `<|begin_of_text|>`) and then tokenized
 # the text with `add_special_tokens=True`, so prompts began `[128000, 128000, ...]`. **huggingface/trl #3853**
@@ -314,7 +314,7 @@ print("without the generation prompt, the model writes the header itself:",
 d_nll = 100 * (bos_table[2][0] / bos_table[1][0] - 1)
 print("| claim | what we measured here |")
 print("|---|---|")
-print(f"| SmolLM2's tokenizer adds no BOS (SYLLABUS) | yes: encode('Hello') = "
+print(f"| SmolLM2's tokenizer adds no BOS (course plan) | yes: encode('Hello') = "
       f"{tok.encode('Hello')} with or without special tokens; its bos_token is "
       f"<\\|im_start\\|> (id {tok.bos_token_id}), written by the template |")
 print(f"| its template injects a default system prompt | yes: "
@@ -336,7 +336,7 @@ print(f"| truncate_prompt_tokens keeps the last k tokens (vLLM) | yes: k={room} 
       f"{len(minus1.outputs[0].token_ids)} generated token |")
 print(f"| truncating the wrong side loses the question | right truncation: "
       f"{trunc_acc['right (first tokens)']}/{N_TRUNC} |")
-print(f"| truncate by turns, keep the system prompt (SYLLABUS fix) | "
+print(f"| truncate by turns, keep the system prompt (course plan's fix) | "
       f"{trunc_acc['by turns, system kept']}/{N_TRUNC} (question alone: "
       f"{trunc_acc['question alone']}/{N_TRUNC}) |")
 print(f"| a missing add_generation_prompt | answer NLL {bos_table[1][0]:.3f} -> "

@@ -294,18 +294,18 @@ rows = [
      f"not in float32 on this CPU: max_num_seqs 1, block_size 32, no prefix cache gave KL "
      f"{relayout:.1e} (bit-identical logits); the reduction-order effect needs 16-bit "
      f"formats or batch-dependent kernels (chapter 5)"),
-    ("SYLLABUS: each bisection step builds an engine (~2 s), <= 8 engines",
+    ("course plan: each bisection step builds an engine (~2 s), <= 8 engines",
      f"{real_builds} engines for the real config ({real_time:.0f} s), {mys_builds} for the "
      f"mystery ({mys_time:.0f} s), {n_builds[0]} in this notebook"),
-    ("SYLLABUS: layer_diff gives the first-jump layer and block",
+    ("course plan: layer_diff gives the first-jump layer and block",
      f"mystery {SEED}: layer {d_near.first_jump_layer} ({d_near.first_jump_block}), "
      f"revealed {answer['layer']} ({answer['block']}); the largest error is at layer {worst}"),
-    ("SYLLABUS: bisect dtype, kv_cache_dtype, chunked prefill, prefix caching, "
+    ("course plan: bisect dtype, kv_cache_dtype, chunked prefill, prefix caching, "
      "quantization, batch size",
      "run here: kv_cache_dtype, chunked prefill, prefix caching, max_num_seqs, block_size, "
      "enforce_eager; dtype and quantization are keys like the others for `minivllm bisect` "
      "but not run here (a bfloat16 engine is ~3x slower on a CPU)"),
-    ("SYLLABUS: remove the fault, KL back to the noise floor",
+    ("course plan: remove the fault, KL back to the noise floor",
      f"culprit reverted: KL {kl_fixed:.1e} (bad {kl_bad:.1e})"),
 ]
 print("| claim | what we measured here |")
