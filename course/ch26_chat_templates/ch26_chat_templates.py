@@ -366,13 +366,17 @@ print(f"| a missing add_generation_prompt | answer NLL {bos_table[1][0]:.3f} -> 
 #
 # `labs/source/ch26/` starts from an engine with both faults planted: the chat step
 # doubles the start token (a Llama-3-like BOS-adding tokenizer tokenized with special
-# tokens on) and `truncate_prompt_tokens` cuts on the wrong side. You write
-# `render_and_tokenize` (the chat step without doubling) and `truncate_prompt` (vLLM's
-# semantics: keep the last k, -1, refuse what cannot fit). The grader checks the ids
-# exactly on fresh conversations (including text that looks like special tokens), then
-# plugs both into the engine on fresh QA items: the KL over the reference answers must be
-# back to 0, and on truncated long chats the prompt ids and greedy answers must equal the
-# correct engine's, next to the broken engine failing the same checks.
+# tokens on), and long chats are cut on the left by `truncate_prompt_tokens`, which drops
+# the system prompt. You write `render_and_tokenize` (the chat step without doubling) and
+# `truncate_by_turns` (this chapter's fix: drop the oldest whole turns until the rendered
+# chat fits, never the system prompt or the question, an error when even those two do
+# not fit), and you decide how many prompt ids a request may keep in a context of 160 when
+# it asks for 10 answer tokens. The grader checks the ids exactly on fresh conversations
+# (including text that looks like special tokens) and your truncation at the budget's
+# edges, then plugs both into the engine: the KL over the reference answers must be back
+# to 0, and on fresh long chats every prompt must start with its system prompt and give
+# the greedy answers of the grader's truncation by turns, where the left cut keeps the
+# system prompt in none of them.
 
 # %%
 print(f"chapter 26 ran in {time.perf_counter() - T0:.0f} s")
