@@ -30,13 +30,15 @@
 # 2. `per_channel_k_scales(k_amax, qmax)`: one static scale per (KV head, channel), 2 points;
 # 3. `quantize_int8(x, scale)`: the int8 cache's write step with any scale shape, 2 points;
 # 4. `choose_kv_config(measurements, budget)`: the cheapest cache within a KL budget, 2 points;
-# 5. the engine with your scales and quantizer, 3 points (nothing to write).
+# 5. `KV_SCALE_GRANULARITY`: which scales the int8 cache gets with the outliers planted,
+#    a decision, checked in the engine with your scales and quantizer, 8 points.
 #
 # The grader plants **fresh** outliers (a random layer, KV head and dimension) and calls
-# your functions on them and on new tensors; then it calibrates your per-channel scales
-# on text you have not seen, plugs your quantizer into the engine
-# (`llm.swap_step("kv.quantize", ...)`) and checks the KL against a float32 KV cache,
-# next to per-tensor int8 failing the same check.
+# your functions on them and on new tensors; then it calibrates your scales, at the
+# granularity you chose, on text you have not seen, plugs your quantizer into the engine
+# (`llm.swap_step("kv.quantize", ...)`) and checks the KL against a float32 KV cache; it
+# measures every granularity the same way and requires yours to be the cheapest that
+# meets the limit, next to per-tensor int8 (where this lab starts) failing the same check.
 #
 # Run the cells in order. Do not edit the setup and test cells. The engine is built the
 # first time a cell calls `get_llm()` (a few seconds).
@@ -83,7 +85,8 @@ _text = evalsets.load_corpus()
 # `[layers, tokens, kv_heads, head_dim]`. A *channel* is one (layer, KV head, dimension);
 # its amax is its largest |K| over the tokens. A channel is an **outlier** when its amax
 # is more than `factor` times the median of the amaxes of all channels of its layer
-# (`kv_heads × head_dim` of them; any median convention passes the tests).
+# (`kv_heads × head_dim` of them; any median convention passes the tests), compared in
+# float32 whatever the dtype of `k_samples`.
 #
 # Return the outliers as a list of `(layer, kv_head, dim)` tuples of Python ints, sorted.
 # On the unmodified model the largest channel of any layer is at most about 6 times its
@@ -151,6 +154,14 @@ checks.equal(f"find_outlier_channels(K of the model with a pair planted in layer
              f"c = {_c:g}, 10)", _got, sorted(_planted))
 _got = find_outlier_channels(capture_k(_llm, _ids), 10.0)
 checks.equal("find_outlier_channels(K of the unmodified model, 10)", _got, [])
+# 3. the edges: an amax of exactly factor x median is not more than it; bfloat16 samples
+# compared in float32 (9.99 x 1 rounds to 10 in bfloat16, and 10 > 9.99)
+_e = torch.ones(1, 2, 2, 8)
+_e[0, 0, 1, 3], _e[0, 1, 0, 6] = 10.0, -10.5
+checks.equal("find_outlier_channels(amax 10 and 10.5 against a median of 1, 10)",
+             find_outlier_channels(_e.clone(), 10.0), [(0, 0, 6)])
+checks.equal("find_outlier_channels(the same in bfloat16, 9.99)",
+             find_outlier_channels(_e.to(torch.bfloat16), 9.99), [(0, 0, 6), (0, 1, 3)])
 ### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "task2", "locked": true, "schema_version": 3, "solution": false, "task": false}
@@ -205,6 +216,13 @@ for _shape in ((3, 64), (1, 8), (5,), ()):
                      tuple(_got.shape), tuple(_want.shape))
         checks.equal(f"per_channel_k_scales(amax of shape {_shape}, {_qm:g}) equal to the "
                      f"engine's kv_scales_from_amax", torch.equal(_got.float(), _want), True)
+_a = torch.rand(3, 8, generator=_g).to(torch.bfloat16) * 100
+_got = per_channel_k_scales(_a.clone(), 127.0)
+checks.equal("per_channel_k_scales(bfloat16 amax, 127).dtype", _got.dtype, torch.float32)
+checks.equal("per_channel_k_scales(bfloat16 amax, 127) equal to the engine's",
+             torch.equal(_got, _from_amax(_a.float(), 127.0)), True)
+checks.equal("per_channel_k_scales(amax, 0.5): a qmax below 1 is still a positive number",
+             torch.equal(per_channel_k_scales(torch.tensor([2.0, 0.0]), 0.5), torch.tensor([4.0, 1.0])), True)
 for _bad in (0.0, -127.0):
     try:
         per_channel_k_scales(torch.ones(3, 4), _bad)
@@ -271,6 +289,12 @@ for _in in (torch.float32, torch.bfloat16, torch.float16):
 _ties = (torch.arange(-24, 24) + 0.5).reshape(2, 3, 8) * 0.5
 checks.equal("quantize_int8(half-integer multiples of 0.5, 0.5): ties to even",
              torch.equal(quantize_int8(_ties, 0.5), _quantize_ref(_ties, torch.int8, 0.5)), True)
+# near the rounding midpoints with per-channel scales that are not powers of two: x / s
+# and x * (1 / s) differ by an ulp, which moves about one value in eight across a midpoint
+_sc = torch.rand(3, 16, generator=_g) * 0.2 + 0.001
+_xm = (torch.randint(-120, 120, (4, 3, 16), generator=_g) + 0.5) * _sc
+checks.equal("quantize_int8(x near the midpoints of x / s, per-channel s): divided, bit for bit",
+             torch.equal(quantize_int8(_xm.clone(), _sc.clone()), _quantize_ref(_xm, torch.int8, _sc)), True)
 ### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "task4", "locked": true, "schema_version": 3, "solution": false, "task": false}
@@ -335,42 +359,137 @@ for _trial in range(200):
     checks.equal(f"choose_kv_config({_m}, {_budget:.3g})", _got, _want)
 ### END HIDDEN TESTS
 
+
 # %% [markdown] nbgrader={"grade": false, "grade_id": "task5", "locked": true, "schema_version": 3, "solution": false, "task": false}
-# ## Task 5: your per-channel int8 cache in the broken engine (3 points)
+# ## Task 5: which scales? Your int8 cache in the broken engine (8 points)
 #
-# Nothing to write. The grader plants a fresh outlier pair in two random layers of the
-# int8 engine (`faults.k_outlier_reparam`, c = 64, each in a random KV head, on the pair
-# holding that head's largest |K|), calibrates on 512 tokens of text you have not seen
-# (per-channel scales fit 192 maxima per layer and need that much; chapter 19), gives every
-# layer's K **your** `per_channel_k_scales` (V keeps one scale per layer, as the engine's
-# `kv_scale_granularity="channel"` does) and plugs your `quantize_int8` in as the cache's
-# write step:
+# The engine's int8 cache can scale K and V at four granularities (`GRANULARITIES`,
+# cheapest first; chapter 19, sections 2 and 6):
+#
+# | granularity | K scales | V scales | what it costs |
+# |---|---|---|---|
+# | `"tensor"` | one per layer | one per layer | 2 static scales per layer (where this lab starts) |
+# | `"head"` | one per KV head | one per KV head | 6 static scales per layer |
+# | `"channel"` | one per (KV head, dimension) | one per layer | 193 static scales per layer, and more calibration text |
+# | `"dynamic"` | one per token and KV head, from the values written | the same | 24 bytes per token and layer beside the 384 of K and V |
+#
+# Set `KV_SCALE_GRANULARITY` to the **cheapest** of them (the earliest in that order)
+# whose int8 cache, with K outlier pairs planted, keeps the mean KL against a float32 KV
+# cache within the limit below. `granularity_kl(granularity)` measures one granularity
+# on an example (chapter 19's pair in layer 3 at c = 64, one 96-token window) with the
+# engine's own scales and write step, and returns its KL and the example's limit. Work
+# out what you expect first, then measure.
+#
+# The grader plants a fresh outlier pair in two random layers of the int8 engine
+# (`faults.k_outlier_reparam`, c = 64, each in a random KV head, on the pair holding that
+# head's largest |K|) and calibrates on 512 tokens of text you have not seen (per-channel
+# scales fit 192 maxima per layer and need that much; chapter 19). Your cache: K scales
+# from **your** `per_channel_k_scales`, given the calibrated K maxima reduced to your
+# granularity (the layer's largest for `"tensor"`, each head's for `"head"`, every
+# channel's for `"channel"`; V gets the engine's scale at that granularity, one per layer
+# for `"channel"` as the engine's `kv_scale_granularity="channel"` does), or the engine's
+# per-token scales for `"dynamic"`; and **your** `quantize_int8` as the cache's write
+# step:
 #
 #     with llm.swap_step("kv.quantize", lambda x, dtype, scale: quantize_int8(x, scale)):
 #         ...
 #
-# It scores three fresh token sequences. The mean KL against a float32 KV cache must be
-# at most **1.5 times** what the same int8 cache with per-tensor scales gives on the
-# **unmodified** model (chapter 19: about 3e-3 nats, so the limit is about 4.5e-3), and
-# the broken configuration (per-tensor scales with the outliers planted: 0.07-0.3 nats
-# in trial runs) must fail the same check.
+# It scores three fresh token sequences. Your cache's mean KL against a float32 KV cache
+# must be at most **1.5 times** what the int8 cache with per-tensor scales gives on the
+# **unmodified** model (chapter 19: about 3e-3 nats, so the limit is about 4.5e-3). The
+# grader measures every granularity the same way with the engine's own scales and write
+# step, and yours must be the cheapest within the limit. The broken configuration
+# (per-tensor scales with the outliers planted: 0.07-0.3 nats in trial runs) must fail
+# the same check.
 
-# %% nbgrader={"grade": true, "grade_id": "test_restore", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": false, "grade_id": "granularity_helper", "locked": true, "schema_version": 3, "solution": false, "task": false}
+from minivllm.quantization.kv_calibration import calibrate_kv_amax
+from minivllm.quantization.kv_cache import kv_scales_from_amax
+
+GRANULARITIES = ("tensor", "head", "channel", "dynamic")  # cheapest first
+
+
+def granularity_engine(granularity: str):
+    """The int8 engine for ``granularity``: the lab's engine (static scales, set by the
+    caller) or, for "dynamic", one with per-token scales (each built once)."""
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    if granularity != "dynamic":
+        return get_llm()
+    if "dynamic" not in _LLM:
+        _LLM["dynamic"] = LLM(MODEL, kv_cache_dtype="int8", kv_scale_type="dynamic", **COMMON)
+    return _LLM["dynamic"]
+
+
+def float32_engine():
+    """The reference: the same model with a float32 KV cache (built once)."""
+    if "float32" not in _LLM:
+        _LLM["float32"] = LLM(MODEL, kv_cache_dtype="float32", **COMMON)
+    return _LLM["float32"]
+
+
+def set_static_scales(granularity: str, amax) -> None:
+    """The lab engine's scales at a static granularity from calibrated maxima (per layer
+    ``(k_amax [kv_heads, head_dim], v_amax [kv_heads])``), with the engine's formula."""
+    for cache, (k, v) in zip(get_llm().llm_engine.model_runner.kv_caches, amax):
+        k, v = {"tensor": (k.max(), v.max()), "head": (k.amax(-1), v),
+                "channel": (k, v.max())}[granularity]
+        cache.set_scales(kv_scales_from_amax(k, 127.0), kv_scales_from_amax(v, 127.0))
+    get_llm().llm_engine.kv_cache_manager.reset_prefix_cache()  # nothing stored under old scales
+
+
+def granularity_kl(granularity: str) -> tuple:
+    """``(mean KL, limit)`` on the example: the int8 cache at ``granularity`` (the
+    engine's scales and write step) with chapter 19's outlier pair planted (layer 3, its
+    KV head with the largest K, that head's largest pair, c = 64), calibrated on the
+    corpus's first 512 tokens, against a float32 KV cache on one 96-token window; the
+    limit is 1.5x the per-tensor cache's KL on the unmodified model, on that window."""
+    llm, ref = granularity_engine(granularity), float32_engine()
+    ids = ref.get_tokenizer().encode(_text[:30000], add_special_tokens=False)
+    calib, window = [ids[:256], ids[256:512]], [ids[2048:2144]]
+    model = get_llm().llm_engine.model_runner.model
+    amax = calibrate_kv_amax(model, calib, per_channel=True)
+    h = int(amax[3][0].amax(-1).argmax())
+    j = int(amax[3][0][h].argmax()) % 32
+    want = ref.score(window, output="logits")[0]
+
+    def kl(engine):
+        return float(metrics.kl_divergence(want, engine.score(window, output="logits")[0]).mean())
+
+    set_static_scales("tensor", amax)
+    limit = 1.5 * kl(get_llm())
+    with faults.k_outlier_reparam(get_llm(), 3, h, j, 64.0):
+        amax = calibrate_kv_amax(model, calib, per_channel=True)  # what calibration sees now
+    with faults.k_outlier_reparam(llm, 3, h, j, 64.0):
+        if granularity != "dynamic":
+            set_static_scales(granularity, amax)
+        return kl(llm), limit
+
+
+# %% nbgrader={"grade": false, "grade_id": "kv_scale_granularity", "locked": false, "schema_version": 3, "solution": true, "task": false}
+KV_SCALE_GRANULARITY = "tensor"  # the broken configuration: where this task starts
+### BEGIN SOLUTION
+KV_SCALE_GRANULARITY = "channel"
+### END SOLUTION
+
+# %% nbgrader={"grade": true, "grade_id": "test_restore", "locked": true, "points": 8, "schema_version": 3, "solution": false, "task": false}
 import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
 ### BEGIN HIDDEN TESTS
 import contextlib as _contextlib
-import gc as _gc
 import random as _random
 
 from minivllm.quantization.kv_calibration import calibrate_kv_amax as _calibrate_amax
 from minivllm.quantization.kv_cache import kv_scales_from_amax as _from_amax
 
+_GRANS = ("tensor", "head", "channel", "dynamic")  # cheapest first
+checks.one_of("KV_SCALE_GRANULARITY", KV_SCALE_GRANULARITY, list(_GRANS))
 _probe = torch.rand(3, 64, generator=torch.Generator().manual_seed(19005)) * 20                                 # the learner's functions first:
 quantize_int8(torch.randn(4, 3, 64, generator=torch.Generator().manual_seed(19099)), per_channel_k_scales(_probe, 127.0))  # a stub fails at once
 _rng = _random.Random(19006)
 _llm = get_llm()
+_dyn = granularity_engine("dynamic")
 _tok = _llm.get_tokenizer()
 
 
@@ -390,16 +509,20 @@ for _L in _layers:
     _plants.append((_L, _hh, int(_amax0[_L][0][_hh].argmax()) % 32))
 
 
-def _planted():
+def _planted(engine):
     _stack = _contextlib.ExitStack()
     for _L, _hh, _jj in _plants:
-        _stack.enter_context(faults.k_outlier_reparam(_llm, _L, _hh, _jj, 64.0))
+        _stack.enter_context(faults.k_outlier_reparam(engine, _L, _hh, _jj, 64.0))
     return _stack
 
 
-def _set(k_scales, v_scales):
-    for _c, _k, _v in zip(_caches, k_scales, v_scales):
-        _c.set_scales(torch.as_tensor(_k, dtype=torch.float32), torch.as_tensor(_v, dtype=torch.float32))
+def _set(gran, amax, k_scales):
+    """Static scales at ``gran``: K from ``k_scales(reduced amax, 127)``, V the engine's."""
+    for _c, (_k, _v) in zip(_caches, amax):
+        _k, _v = {"tensor": (_k.max(), _v.max()), "head": (_k.amax(-1), _v),
+                  "channel": (_k, _v.max())}[gran]
+        _c.set_scales(torch.as_tensor(k_scales(_k.clone(), 127.0), dtype=torch.float32),
+                      _from_amax(_v, 127.0))
     _llm.llm_engine.kv_cache_manager.reset_prefix_cache()
 
 
@@ -408,15 +531,22 @@ def _set(k_scales, v_scales):
 _amax1 = [(_k.clone(), _v) for _k, _v in _amax0]
 for _L, _hh, _jj in _plants:
     _amax1[_L][0][_hh, [_jj, _jj + 32]] *= 64.0
-with _planted():
-    _set([per_channel_k_scales(_k.clone(), 127.0) for _k, _ in _amax1],
-         [_from_amax(_v.max(), 127.0) for _, _v in _amax1])
-    with _llm.swap_step("kv.quantize", lambda x, dtype, scale: quantize_int8(x, scale)):
-        _mine = _llm.score(_seqs, output="logits")
-_f32 = LLM(MODEL, kv_cache_dtype="float32", **COMMON)
-_want = _f32.score(_seqs, output="logits")
-del _f32
-_gc.collect()
+
+
+def _with_outliers(gran, k_scales, quantize=None):
+    """Logits of the fresh sequences through the int8 cache at ``gran`` with the outliers
+    planted (``quantize``: the write step, None for the engine's own)."""
+    _e = _dyn if gran == "dynamic" else _llm
+    with _planted(_e):
+        if gran != "dynamic":
+            _set(gran, _amax1, k_scales)
+        with (_e.swap_step("kv.quantize", quantize) if quantize else _contextlib.nullcontext()):
+            return _e.score(_seqs, output="logits")
+
+
+_mine = _with_outliers(KV_SCALE_GRANULARITY, per_channel_k_scales,  # your scales, your write step
+                       lambda x, dtype, scale: quantize_int8(x, scale))  # (run first)
+_want = float32_engine().score(_seqs, output="logits")
 
 
 def _kl(rows):
@@ -424,22 +554,22 @@ def _kl(rows):
 
 
 _kl_mine = _kl(_mine)
-if not _kl_mine <= 0.05:  # ten times the limit: no need to measure the references
-    raise checks.CheckFailed(f"mean KL of the engine with your per-channel scales and int8 "
-                             f"quantizer against a float32 KV cache: {_kl_mine:.3g} nats; the "
-                             f"engine's per-channel cache gives about 2e-3 (chapter 19)")
-_set([_from_amax(_k.max(), 127.0) for _k, _ in _amax0], [_from_amax(_v.max(), 127.0) for _, _v in _amax0])
-_unmodified = _llm.score(_seqs, output="logits")              # per tensor, no outliers
-with _planted():
-    _set([_from_amax(_k.max(), 127.0) for _k, _ in _amax1], [_from_amax(_v.max(), 127.0) for _, _v in _amax1])
-    _bad = _llm.score(_seqs, output="logits")                 # per tensor, with the outliers
-_limit = 1.5 * _kl(_unmodified)
+_set("tensor", _amax0, _from_amax)
+_limit = 1.5 * _kl(_llm.score(_seqs, output="logits"))        # per tensor, no outliers
+_kls = {_g: _kl(_with_outliers(_g, _from_amax)) for _g in _GRANS}  # the engine's own, each
+_best = next((_g for _g in _GRANS if _kls[_g] <= _limit), None)
 print(f"outlier pairs planted (layer, KV head, j): {_plants}, c = 64; {sum(map(len, _seqs))} fresh "
-      f"positions; mean KL against a float32 KV cache (nats): int8 per tensor, unmodified "
-      f"{_kl(_unmodified):.3g} (limit {_limit:.3g}); int8 per tensor with the outliers "
-      f"{_kl(_bad):.3g}; your per-channel cache with the outliers {_kl_mine:.3g}")
-if not _kl(_bad) > _limit:
+      f"positions; mean KL against a float32 KV cache (nats), limit {_limit:.3g} (1.5x int8 per "
+      f"tensor, unmodified); with the outliers, the engine's scales: "
+      + ", ".join(f"{_g} {_k:.3g}" for _g, _k in _kls.items())
+      + f"; yours ({KV_SCALE_GRANULARITY}, your scales and quantizer) {_kl_mine:.3g}")
+if not _kls["tensor"] > _limit:
     raise checks.CheckFailed("the check does not discriminate: the broken configuration passes it")
-checks.at_most("mean KL of the engine with your per-channel K scales and int8 quantizer",
+_yours = "the engine's per-token scales" if KV_SCALE_GRANULARITY == "dynamic" else \
+    f"{KV_SCALE_GRANULARITY!r} scales from your per_channel_k_scales"
+checks.at_most(f"mean KL of your int8 cache with the outliers ({_yours}, your quantize_int8)",
                _kl_mine, _limit)
+checks.equal(f"KV_SCALE_GRANULARITY: the cheapest granularity within the limit ({_best}, "
+             f"{_kls.get(_best, float('nan')):.3g} nats of {_limit:.3g})", KV_SCALE_GRANULARITY,
+             _best)
 ### END HIDDEN TESTS
