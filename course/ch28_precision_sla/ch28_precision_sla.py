@@ -308,7 +308,8 @@ print(f"| seed 000: FP8 W + FP8 KV loses most through the KV cache (92 -> 89 %, 
 print(f"| a smaller format is faster (seed 002: unless 'quantized but slower') | H200, batch "
       f"64: fp8 KV predicted {H200['bf16 KV'][64][1] / H200['fp8 KV'][64][1]:.2f}x faster, "
       f"measured {H200['bf16 KV'][64][0] / H200['fp8 KV'][64][0]:.2f}x (slower) |")
-print(f"| the Pareto choice on SmolLM2 is int8 W + fp16 KV, KL ~3e-3 [syllabus est] | under "
+print(f"| the Pareto choice on SmolLM2 is int8 W + fp16 KV, KL ~3e-3 (course plan estimate) "
+      f"| under "
       f"KL <= {KL_BUDGET:g} and a {SLA_MS} ms step: {choice['name'] if choice else None}; int8 "
       f"W + fp16 KV KL {q['int8 W + fp16 KV']['kl']:.1e} [{q['int8 W + fp16 KV']['ci'][0]:.1e}, "
       f"{q['int8 W + fp16 KV']['ci'][1]:.1e}] |")

@@ -396,11 +396,11 @@ rows = [
      f"fp8 KV: KL {fp8v.drift.mean_kl:.1e} [{fp8v.drift.kl_ci[0]:.1e}, {fp8v.drift.kl_ci[1]:.1e}]"
      f" vs noise floor upper {gate.noise.kl_ci[1]:.1e}: fails; benign KL "
      f"{V['block_size 32, max_num_seqs 4'].drift.mean_kl:.1e}: passes"),
-    ("SYLLABUS: a drift monitor detects a penalty default within N requests",
+    ("course plan: a drift monitor detects a penalty default within N requests",
      f"live: alarm at request {alarm_at['repetition_penalty 1.3 default']}; "
      f"replayed: median {np.median(d_def[np.isfinite(d_def)]):.0f}, max "
      f"{d_def[np.isfinite(d_def)].max():.0f}"),
-    ("SYLLABUS: ... or an fp8 KV cache swapped in",
+    ("course plan: ... or an fp8 KV cache swapped in",
      (f"not from sampled log-probs: no alarm in {len(watch['fp8 KV cache'])} requests; "
       if alarm_at["fp8 KV cache"] is None else
       f"sampled log-probs: alarm at request {alarm_at['fp8 KV cache']}; ") +
