@@ -20,7 +20,7 @@
 # quality budget.
 #
 # This lab starts from **both broken plans**. You write the three functions a serving
-# team's planning sheet needs:
+# team's planning sheet needs, then the plan itself:
 #
 # 1. `kv_bytes_per_token(cfg, kv_cache_dtype)`: the KV-cache bytes of one token, from a
 #    model's `config.json`, 2 points;
@@ -28,12 +28,14 @@
 #    holds and the sequences that fit at once, 3 points;
 # 3. `choose_config(table, kl_budget, sla_ms, batch, context, bandwidth)`: the fastest
 #    configuration inside a quality budget and a step-time SLA, 2 points;
-# 4. your three functions in the engine, 3 points (nothing to write).
+# 4. `PLAN`: the KV cache and `max_num_seqs` to deploy in a given pool, a decision, run
+#    in the engine with your three functions, 6 points.
 #
-# The grader calls them on new configs, pools and tables; then it sizes a live engine
-# with your `capacity` and runs it at full concurrency (no preemption allowed, where the
-# "+30 %" plan preempts), and measures the configurations' KL on text you have not seen,
-# lets your `choose_config` pick one, and checks the pick on other fresh text.
+# The grader calls them on new configs, pools and tables; then it builds the engine of
+# every KV cache in the pool, checks your functions against its blocks, measures each
+# cache's KL on text you have not seen and runs your plan at full load (no preemption
+# allowed, where the "+30 %" plan preempts); and it lets your `choose_config` pick among
+# configurations measured on fresh text and checks the pick on other fresh text.
 #
 # Run the cells in order. Do not edit the setup and test cells.
 
@@ -290,22 +292,99 @@ checks.equal("choose_config(a row with kl_high == kl_budget and step == sla_ms)"
 ### END HIDDEN TESTS
 
 # %% [markdown] nbgrader={"grade": false, "grade_id": "task4", "locked": true, "schema_version": 3, "solution": false, "task": false}
-# ## Task 4: your plan in the engine (3 points)
+# ## Task 4: the plan, run in the engine (6 points)
 #
-# Nothing to write. The grader:
+# The team serves requests of `SEQ_LEN` = 50 tokens (prompt plus generated) from a KV
+# pool of `POOL_BYTES` = 14,745,600 bytes (`kv_cache_memory_bytes`; the model in
+# float32, blocks of 16 tokens). Its plan so far, `PLAN` as released, is chapter 28's
+# broken one: a float32 KV cache for precision, and `max_num_seqs` from the "+30 %"
+# rule. Write down the plan to deploy, a `kv_cache_dtype` from `KV_OPTIONS` and a
+# `max_num_seqs`:
 #
-# 1. draws a fresh KV pool (the bytes of 40-47 float16 blocks) and fresh requests of
-#    50-52 tokens, switches the cache to float32, and sizes an engine with **your**
-#    `kv_bytes_per_token` and `capacity` (`num_gpu_blocks_override`, `max_num_seqs`); it
-#    must fit the pool's bytes, run your number of requests at once and preempt
-#    **none**, while the "+30 %" plan (`BROKEN_CONCURRENCY`) on the same pool preempts;
-# 2. scores fresh text with three configurations (float32 KV, float16 KV, fp8 weights +
-#    fp8 KV), builds the table with their KL upper bounds, their weight bytes and **your**
-#    bytes per token, and lets **your** `choose_config` pick under a 2e-3 nats budget and a
-#    2 ms SLA (batch 64, context 4096, 4,281 GB/s); the pick is then scored on **other**
-#    fresh text and must stay inside the budget, where `BROKEN_PICK` does not.
+# - it runs its `max_num_seqs` requests at once **without preemption** (the pool holds
+#   them all to their last token) and uses the pool fully (as many at once as it holds);
+# - its KV cache stays inside the quality budget: the upper end of the 95 % interval of
+#   its mean KL against a float32 KV cache at most `KL_BUDGET` = 2e-3 nats;
+# - among the plans that meet both, the one that runs the **most requests at once**;
+#   between caches that hold the same number, the more precise (the lower KL bound).
+#
+# Your functions give the capacities. `plan_kl(kv_cache_dtype)` measures a cache's KL
+# (mean and upper bound, nats per position) on three example windows, and
+# `run_plan(plan)` runs 11 example requests of `SEQ_LEN` tokens through the engine of a
+# plan and returns its preemptions and the most requests that ran at once. Work out what
+# you expect first, then measure.
+#
+# The grader then:
+#
+# 1. builds the engine of every option in `POOL_BYTES` and checks that **your**
+#    `kv_bytes_per_token` and `capacity` give its blocks and its requests at once;
+#    scores fresh text with each against the float32 cache and finds the plan the rule
+#    above asks for: yours must be it, and 11 fresh requests of 50 tokens run through the
+#    engine of your plan must see no preemption and run `max_num_seqs` at once. The
+#    broken plan (the "+30 %" rule on the float16 pool's requests, `BROKEN_CONCURRENCY`,
+#    in float32) is run too, and must fail the same check;
+# 2. builds the table of three configurations (float32 KV, float16 KV, fp8 weights + fp8
+#    KV) with their KL upper bounds on that fresh text, their weight bytes and **your**
+#    bytes per token, and lets **your** `choose_config` pick under a 2e-3 nats budget and
+#    a 2 ms SLA (batch 64, context 4096, 4,281 GB/s); the pick is then scored on
+#    **other** fresh text and must stay inside the budget, where `BROKEN_PICK` does not.
 
-# %% nbgrader={"grade": true, "grade_id": "test_engine", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+# %% nbgrader={"grade": false, "grade_id": "plan_helper", "locked": true, "schema_version": 3, "solution": false, "task": false}
+import gc
+
+from minivllm import LLM, SamplingParams
+from minivllm.precision import metrics
+
+POOL_BYTES = 14_745_600      # the KV pool, kv_cache_memory_bytes
+SEQ_LEN = 50                 # tokens per request, prompt plus generated
+KV_OPTIONS = ("float32", "float16", "bfloat16", "fp8_e4m3")
+KL_BUDGET = 2e-3             # nats: the upper end of the 95 % interval, at most
+_corpus = evalsets.load_corpus()
+
+
+def plan_engine(kv_cache_dtype: str, max_num_seqs=None):
+    """The model (float32) with a ``kv_cache_dtype`` KV cache in POOL_BYTES, blocks of
+    BLOCK tokens, and ``max_num_seqs`` (None: the engine's default)."""
+    if kv_cache_dtype not in KV_OPTIONS:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_OPTIONS}, got {kv_cache_dtype!r}")
+    extra = {} if max_num_seqs is None else dict(max_num_seqs=max_num_seqs)
+    return LLM(MODEL, dtype="float32", kv_cache_dtype=kv_cache_dtype, max_model_len=64,
+               block_size=BLOCK, kv_cache_memory_bytes=POOL_BYTES,
+               enable_prefix_caching=False, **extra)
+
+
+def plan_kl(kv_cache_dtype: str) -> tuple:
+    """(mean KL, upper end of its 95 % interval) of a ``kv_cache_dtype`` cache against the
+    float32 cache, nats per position, on three 40-token example windows."""
+    ref, eng = plan_engine("float32"), plan_engine(kv_cache_dtype)
+    tok = ref.get_tokenizer()
+    windows = [tok.encode(_corpus[s:s + 1500])[:40] for s in (1000, 4000, 7000)]
+    kl = [metrics.kl_divergence(a, b).numpy() for a, b in
+          zip(ref.score(windows, output="logits"), eng.score(windows, output="logits"))]
+    del ref, eng
+    gc.collect()
+    return float(sum(k.sum() for k in kl) / sum(k.size for k in kl)), metrics.bootstrap_ci(kl)[1]
+
+
+def run_plan(plan: dict) -> tuple:
+    """Run 11 example requests of SEQ_LEN tokens (46-token prompts) through
+    ``plan_engine(plan["kv_cache_dtype"], plan["max_num_seqs"])``: (preemptions, the most
+    requests that ran at once)."""
+    llm = plan_engine(plan["kv_cache_dtype"], plan["max_num_seqs"])
+    tok = llm.get_tokenizer()
+    prompts = [tok.encode(_corpus[s:s + 600])[:46] for s in range(500, 500 + 11 * 900, 900)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=SEQ_LEN - 46, ignore_eos=True))
+    st = llm.stats
+    return st.num_preemptions, max(h[1] for h in st.history)
+
+
+# %% nbgrader={"grade": false, "grade_id": "plan", "locked": false, "schema_version": 3, "solution": true, "task": false}
+PLAN = dict(kv_cache_dtype="float32", max_num_seqs=7)  # the +30 % plan: where this task starts
+### BEGIN SOLUTION
+PLAN = dict(kv_cache_dtype="float16", max_num_seqs=10)
+### END SOLUTION
+
+# %% nbgrader={"grade": true, "grade_id": "test_engine", "locked": true, "points": 6, "schema_version": 3, "solution": false, "task": false}
 import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
@@ -315,57 +394,28 @@ import random as _random
 
 from minivllm import LLM as _LLM
 from minivllm import SamplingParams as _SP
+from minivllm.core.kv_cache_manager import KVCacheManager as _KVM
 from minivllm.precision import metrics as _metrics
 from minivllm.quantization.checkpoint import cached_quantized as _cached
 
-_rng = _random.Random(28004)
-_bpt32 = kv_bytes_per_token(CFG, "float32")                 # the learner's functions first: a
-_bpt16 = kv_bytes_per_token(CFG, "float16")                 # stub fails here, before any engine
+_OPTIONS, _POOL, _LEN, _BUDGET = ("float32", "float16", "bfloat16", "fp8_e4m3"), 14_745_600, 50, 2e-3
+checks.equal("PLAN is a dict with the keys kv_cache_dtype and max_num_seqs",
+             isinstance(PLAN, dict) and sorted(PLAN) == ["kv_cache_dtype", "max_num_seqs"], True)
+checks.one_of("PLAN['kv_cache_dtype']", PLAN["kv_cache_dtype"], list(_OPTIONS))
+_d, _n = PLAN["kv_cache_dtype"], PLAN["max_num_seqs"]
+checks.equal(f"PLAN['max_num_seqs'] ({_n!r}) is a positive int",
+             type(_n) is int and _n >= 1, True)
+# the learner's functions first: a stub fails here, before any engine
+_yours = {d: capacity(_POOL, kv_bytes_per_token(CFG, d), _LEN, BLOCK) for d in _OPTIONS}
+_ = choose_config([dict(name="a", kl_high=0.0, weight_bytes=1, kv_bytes_per_token=1)],
+                  1.0, 1e9, 1, 1, 1.0)
 _values = 2 * CFG["num_hidden_layers"] * CFG.get("num_key_value_heads", CFG["num_attention_heads"]) \
     * (CFG.get("head_dim") or CFG["hidden_size"] // CFG["num_attention_heads"])
 _real = {"float32": 4 * _values, "float16": 2 * _values, "fp8_e4m3": _values}  # bytes per token
-_real32 = _real["float32"]
-_pool = _rng.randrange(40, 48) * BLOCK * _real["float16"]      # 40-47 float16 blocks
-_seq_len = _rng.randrange(50, 53)  # K/V of 49-51 tokens (the last token is never fed): 4 blocks
-_prompt_len = _rng.randrange(36, 41)                           # 3 blocks
-_blocks, _seqs = capacity(_pool, _bpt32, _seq_len, BLOCK)
-_seqs16 = capacity(_pool, _bpt16, _seq_len, BLOCK)[1]
-_ = choose_config([dict(name="a", kl_high=0.0, weight_bytes=1, kv_bytes_per_token=1)],
-                              1.0, 1e9, 1, 1, 1.0)
-checks.at_most("bytes of the blocks your capacity gives (must fit the pool)",
-               _blocks * BLOCK * _real32, _pool)
+_rng = _random.Random(28004)
 _text = evalsets.load_corpus()
+_need = _KVM(num_blocks=1, block_size=BLOCK).num_blocks_needed(_LEN)  # the engine's own count
 _tok = None
-
-
-def _run_plan(num_blocks, max_num_seqs):
-    """A float32 engine with a float32 KV cache sized by a plan, run at full load; returns
-    (engine, preemptions, most requests running at once)."""
-    global _tok
-    llm = _LLM(MODEL, dtype="float32", kv_cache_dtype="float32", max_model_len=_seq_len,
-               num_gpu_blocks_override=num_blocks, max_num_seqs=max_num_seqs,
-               enable_prefix_caching=False)
-    _tok = llm.get_tokenizer()
-    starts = [_rng.randrange(0, len(_text) - 400) for _ in range(_seqs + 2)]
-    prompts = [_tok.encode(_text[s:s + 400])[:_prompt_len] for s in starts]
-    llm.generate(prompts, _SP(temperature=0, max_tokens=_seq_len - _prompt_len, ignore_eos=True),
-                 use_tqdm=False)
-    st = llm.stats
-    return llm, st.num_preemptions, max(h[1] for h in st.history)
-
-
-_broken_n = BROKEN_CONCURRENCY(_seqs16)
-_, _pre_bad, _peak_bad = _run_plan(_blocks, _broken_n)
-del _
-_gc.collect()
-_plan_llm, _pre, _peak = _run_plan(_blocks, _seqs)  # also the float32 reference below
-print(f"pool {_pool} bytes, requests of {_seq_len} tokens: your plan {_blocks} blocks, "
-      f"max_num_seqs={_seqs}: {_pre} preemptions, {_peak} running at most; the +30 % plan "
-      f"max_num_seqs={_broken_n}: {_pre_bad} preemptions")
-if not _pre_bad > 0:
-    raise checks.CheckFailed("the check does not discriminate: the +30 % plan did not preempt")
-checks.equal("preemptions with your plan", _pre, 0)
-checks.equal("sequences running at once with your plan (the pool used fully)", _peak, _seqs)
 
 
 def _fresh(n, k=3):
@@ -376,36 +426,107 @@ def _fresh(n, k=3):
     return out
 
 
-_text_a, _text_b = _fresh(40), _fresh(40)
-_KW = dict(dtype="float32", max_model_len=64, num_gpu_blocks_override=16,
-           enable_prefix_caching=False)
-_CONFIGS = {"float32 KV": (MODEL, "float32"), "float16 KV": (MODEL, "float16"),
-            "fp8 W + fp8 KV": (str(_cached(MODEL, "fp8", verbose=False)), "fp8_e4m3")}
-_rows, _table = {}, []
-for _name, (_path, _kv) in _CONFIGS.items():
-    # float32 KV: the engine of your plan above is that configuration already
-    _llm = _plan_llm if _name == "float32 KV" else _LLM(_path, kv_cache_dtype=_kv, **_KW)
-    _rows[_name] = (_llm.score(_text_a, output="logits"), _llm.score(_text_b, output="logits"))
-    _table.append(dict(name=_name, weight_bytes=_llm.weight_bytes()["total"],
-                       kv_bytes_per_token=kv_bytes_per_token(CFG, _kv)))
+def _engine(path, kv, **kw):
+    return _LLM(path, dtype="float32", kv_cache_dtype=kv, max_model_len=64, block_size=BLOCK,
+                kv_cache_memory_bytes=_POOL, enable_prefix_caching=False, **kw)
+
+
+def _run(llm, n):
+    """11 fresh requests of _LEN tokens at once, prompts of one length (3 blocks) so that
+    they all need their 4th block in the same step: (preemptions, most running at once)."""
+    m = _rng.randrange(44, 48)
+    prompts = [_tok.encode(_text[s:s + 600])[:m]
+               for s in [_rng.randrange(0, len(_text) - 600) for _ in range(11)]]
+    assert all(len(p) == m for p in prompts)
+    llm.generate(prompts, _SP(temperature=0, max_tokens=_LEN - m, ignore_eos=True), use_tqdm=False)
+    return llm.stats.num_preemptions, max(h[1] for h in llm.stats.history)
+
+
+# 1. every option's engine in the pool: its blocks, its KL on fresh text A (float32 last:
+# the broken plan's max_num_seqs comes from the float16 pool), the runs of both plans
+_blocks, _seqs, _rows_a, _rows_b, _runs, _wbytes = {}, {}, {}, {}, {}, {}
+for _kv in ("float16", "bfloat16", "fp8_e4m3", "float32"):
+    if _kv == "float32":
+        _broken = dict(kv_cache_dtype="float32", max_num_seqs=BROKEN_CONCURRENCY(_seqs["float16"]))
+    _m = _n if _kv == _d else (_broken["max_num_seqs"] if _kv == "float32" else None)
+    _llm = _engine(MODEL, _kv, **({} if _m is None else dict(max_num_seqs=_m)))
+    if _tok is None:
+        _tok = _llm.get_tokenizer()
+        _text_a, _text_b = _fresh(40), _fresh(40)
+    _blocks[_kv] = _llm.llm_engine.cache_config.num_gpu_blocks
+    _seqs[_kv] = _blocks[_kv] // _need
+    _rows_a[_kv] = _llm.score(_text_a, output="logits")
+    if _kv in ("float32", "float16"):  # the table of step 2
+        _rows_b[_kv] = _llm.score(_text_b, output="logits")
+        _wbytes[_kv] = _llm.weight_bytes()["total"]
+    if _m is not None:
+        _runs[_kv, _m] = _run(_llm, _m)
     del _llm
     _gc.collect()
-del _plan_llm
+for _kv in _OPTIONS:
+    checks.equal(f"your capacity(POOL_BYTES, your kv_bytes_per_token(CFG, {_kv!r}), {_LEN}) "
+                 f"against the engine's pool", _yours[_kv], (_blocks[_kv], _seqs[_kv]))
+
+
+def _kl(rows, ref):
+    return [_metrics.kl_divergence(a, b).numpy() for a, b in zip(ref, rows)]
+
+
+_kl_hi = {_kv: _metrics.bootstrap_ci(_kl(_rows_a[_kv], _rows_a["float32"]))[1] for _kv in _OPTIONS}
+_inside = [_kv for _kv in _OPTIONS if _kl_hi[_kv] <= _BUDGET]
+_best = max(_inside, key=lambda kv: (_seqs[kv], -_kl_hi[kv]))
+
+
+def _fails(plan):
+    """What keeps a plan from the rule, measured (an empty list: it is the plan)."""
+    kv, n = plan["kv_cache_dtype"], plan["max_num_seqs"]
+    out = [] if kv == _best else [f"{kv} is not the cache the rule picks ({_best})"]
+    if n != _seqs[kv]:
+        out.append(f"max_num_seqs={n}, where the {kv} pool holds {_seqs[kv]} at once")
+    if (kv, n) in _runs and _runs[kv, n] != (0, n):
+        out.append(f"run: {_runs[kv, n][0]} preemptions, {_runs[kv, n][1]} at once")
+    return out
+
+
+print(f"pool {_POOL} bytes, requests of {_LEN} tokens ({_need} blocks): blocks "
+      f"{_blocks}, requests at once {_seqs}; KL upper bound vs float32 on fresh text A: "
+      + ", ".join(f"{kv} {_kl_hi[kv]:.2g}" for kv in _OPTIONS) + f"; the rule picks {_best} "
+      f"with max_num_seqs={_seqs[_best]}; runs (preemptions, most at once): "
+      + ", ".join(f"{kv} max_num_seqs={m}: {r}" for (kv, m), r in _runs.items()))
+if not _fails(_broken) or (("float32", _broken["max_num_seqs"]) in _runs
+                           and not _runs["float32", _broken["max_num_seqs"]][0] > 0):
+    raise checks.CheckFailed("the check does not discriminate: the +30 % plan passes it")
+checks.equal(f"PLAN['kv_cache_dtype']: the most requests at once inside the KL budget "
+             f"({_best}, {_seqs[_best]} at once, KL upper bound {_kl_hi[_best]:.2g})", _d, _best)
+checks.equal(f"PLAN['max_num_seqs']: the requests the {_d} pool holds at once", _n, _seqs[_d])
+checks.equal(f"preemptions running your plan ({_d}, max_num_seqs={_n})", _runs[_d, _n][0], 0)
+checks.equal("requests running at once with your plan (the pool used fully)", _runs[_d, _n][1], _n)
+
+# 2. the table: float32 KV and float16 KV from above, fp8 weights + fp8 KV built here
+_llm = _LLM(str(_cached(MODEL, "fp8", verbose=False)), dtype="float32", kv_cache_dtype="fp8_e4m3",
+            max_model_len=64, num_gpu_blocks_override=16, enable_prefix_caching=False)
+_rows_a["fp8 W + fp8 KV"] = _llm.score(_text_a, output="logits")
+_rows_b["fp8 W + fp8 KV"] = _llm.score(_text_b, output="logits")
+_wbytes["fp8 W + fp8 KV"] = _llm.weight_bytes()["total"]
+del _llm
 _gc.collect()
-
-
-def _kl(name, i):
-    ref = _rows["float32 KV"][i]
-    return [_metrics.kl_divergence(a, b).numpy() for a, b in zip(ref, _rows[name][i])]
-
-
-for _r in _table:
-    _r["kl_high"] = _metrics.bootstrap_ci(_kl(_r["name"], 0))[1]
+_CONFIGS = {"float32 KV": "float32", "float16 KV": "float16", "fp8 W + fp8 KV": "fp8_e4m3"}
+_key = {"float32 KV": "float32", "float16 KV": "float16", "fp8 W + fp8 KV": "fp8 W + fp8 KV"}
+_table = [dict(name=_name, weight_bytes=_wbytes[_key[_name]],
+               kv_bytes_per_token=kv_bytes_per_token(CFG, _kv),
+               kl_high=_metrics.bootstrap_ci(_kl(_rows_a[_key[_name]], _rows_a["float32"]))[1])
+          for _name, _kv in _CONFIGS.items()]
 _pick = choose_config([dict(r) for r in _table], 2e-3, 2.0, 64, 4096, 4281e9)
 checks.one_of("your choose_config's pick", _pick, [r["name"] for r in _table])
-_kl_pick = float(sum(k.sum() for k in _kl(_pick, 1)) / sum(k.size for k in _kl(_pick, 1)))
-_kl_bad = float(sum(k.sum() for k in _kl(BROKEN_PICK, 1)) / sum(k.size for k in _kl(BROKEN_PICK, 1)))
-_ms = {r["name"]: (r["weight_bytes"] + 64 * 4096 * _real[_CONFIGS[r["name"]][1]]) / 4281e9 * 1e3
+
+
+def _mean_b(name):
+    k = _kl(_rows_b[_key[name]], _rows_b["float32"])
+    return float(sum(x.sum() for x in k) / sum(x.size for x in k))
+
+
+_kl_pick, _kl_bad = _mean_b(_pick), _mean_b(BROKEN_PICK)
+_ms = {r["name"]: (r["weight_bytes"] + 64 * 4096 * _real[_CONFIGS[r["name"]]]) / 4281e9 * 1e3
        for r in _table}                                     # the cost model, real bytes
 _summary = ", ".join(f"{r['name']} {r['kl_high']:.2g}" for r in _table)
 print(f"KL upper bounds on fresh text A: {_summary}; your pick {_pick!r}: mean KL on fresh "
