@@ -516,12 +516,14 @@ for c, m in claims:
 # `labs/source/ch19/` starts from the broken configuration of section 5: an int8 KV
 # cache with per-tensor scales on a model with planted outlier channels. You write
 # `find_outlier_channels` (find the planted channels from captured K, exactly),
-# `per_channel_k_scales` and the int8 quantize step, and `choose_kv_config`; the grader
-# plants a fresh outlier (random layer, head, dimension), calibrates your per-channel
-# scales on text you have not seen, plugs your quantizer into the engine
+# `per_channel_k_scales` and the int8 quantize step, and `choose_kv_config`, and you
+# decide the K scale granularity: the cheapest of per tensor, per head, per channel and
+# per token whose KL stays within the limit below. The grader plants a fresh outlier
+# (random layer, head, dimension), calibrates your scales at your granularity on text
+# you have not seen, plugs your quantizer into the engine
 # (`llm.swap_step("kv.quantize", ...)`) and checks that the KL is back within 1.5x of
-# what int8 per tensor gave before the outliers, while per-tensor int8 fails the same
-# check.
+# what int8 per tensor gave before the outliers, that no cheaper granularity would have
+# passed (it measures each), and that per-tensor int8 fails the same check.
 #
 # The grader calibrates on 512 tokens. Per-channel scales fit 192 maxima per layer
 # instead of 1 or 3, so they need more calibration text: with 160 tokens they clipped
