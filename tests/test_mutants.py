@@ -250,7 +250,13 @@ RESTORE_CELLS = {
     "ch10": ["test_restore_norm", "test_restore_overflow"], "ch11": ["test_restore_long",
                                                                      "test_restore_scaling"],
     "ch12": ["test_restore"], "ch13": ["test_steps_engine"], "ch14": ["test_engine"],
-    "ch15": ["test_engine"],
+    "ch15": ["test_engine"], "ch16": ["test_engine"], "ch17": ["test_restore"],
+    "ch18": ["test_restore"], "ch19": ["test_restore"], "ch20": ["test_restore"],
+    "ch21": ["test_restore"], "ch22": ["test_restore"], "ch23": ["test_restore"],
+    "ch24": ["test_restore_replay", "test_restore_safe"], "ch25": ["test_restore"],
+    "ch26": ["test_restore_chat", "test_restore_truncation"], "ch27": ["test_restore"],
+    "ch28": ["test_engine"], "ch29": ["test_restore"],
+    "ch30": ["test_engine_nvfp4", "test_engine_matmul"],
 }
 
 
