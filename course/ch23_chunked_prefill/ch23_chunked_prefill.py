@@ -27,13 +27,13 @@
 #
 # **The incidents.**
 # - **vllm #5952** "Chunked prefill vs. non-chunked output is different for a long prompt"
-#   (Jun 2024, closed as stale; INCIDENTS.md #6): the same long prompt gave different
-#   output with `--enable-chunked-prefill` on and off. The maintainer: chunked prefill
+#   (Jun 2024, closed as stale): the same long prompt gave different output with
+#   `--enable-chunked-prefill` on and off. The maintainer: chunked prefill
 #   runs a different attention kernel, so small numerical differences are expected (the
 #   report did not use temperature 0 or fp32); show a quality loss before calling it a bug.
 # - **nano-vllm PR #213** "correct seqlen_k to chunk boundary in prepare_prefill"
-#   (2026-04-22, fixes #212; INCIDENTS.md #7): during chunked prefill the key length
-#   `seqlen_k` was the *whole* sequence length instead of `start + n`, so attention read
+#   (2026-04-22, fixes #212): during chunked prefill the key length `seqlen_k` was the
+#   *whole* sequence length instead of `start + n`, so attention read
 #   KV slots not written yet (illegal memory access or wrong results). Chunking rarely
 #   triggered there, which hid it.
 # - **kekzl/imp PRs #114, #117** (2026-05-07): chunk attention covered only the current
@@ -173,7 +173,7 @@ print(f"for scale: bfloat16 vs float32 (both unchunked), same {N_BF16} tokens: m
 # rows instead of 300. Same math, other kernels and other reduction orders, which is
 # exactly what the vLLM maintainer said about #5952. In float32 that is rounding noise in
 # the last bits. In bfloat16 one would expect the same reordering to show up larger (the
-# syllabus's estimate); the table says what this CPU does, next to the
+# course plan's estimate); the table says what this CPU does, next to the
 # bfloat16-vs-float32 difference for scale. Neither changes what the model attends to.
 #
 # ## 3. Bug (a): `seqlen_k` = the whole length (nano-vllm PR #213)
@@ -324,7 +324,7 @@ verdict = ("bit-identical on this CPU, so not larger (not isolated here; a plaus
            "bfloat16, which can absorb a float32-level reordering)"
            if sweep["bf16", 32][1] == 0 else
            f"{'larger' if kl16 > kl32[64] else 'not larger'} than float32")
-print(f"| fp32 at noise level, bf16 larger [est] | SYLLABUS | float32: yes, mean KL "
+print(f"| fp32 at noise level, bf16 larger | course plan estimate | float32: yes, mean KL "
       f"{kl32[64]:.0e}, max |dlogit| {sweep['fp32', 64][1]:.1e}; bfloat16 (32-token chunks, "
       f"{N_BF16} tokens): mean KL {kl16:.1e}, max |dlogit| {sweep['bf16', 32][1]:.1e}, "
       f"{verdict}; bf16-vs-fp32 itself is {bf_noise:.1e} |")
