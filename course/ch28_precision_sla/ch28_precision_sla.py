@@ -335,6 +335,9 @@ print(f"\nnotebook time {time.perf_counter() - T0:.1f} s")
 #
 # `labs/source/ch28/` starts from a plan made with the "+30 %" rule and a configuration
 # picked for speed alone. You write `kv_bytes_per_token`, `capacity` and
-# `choose_config`; the grader sizes a live engine with your capacity (zero preemptions
-# at full concurrency, where the +30 % plan preempts) and checks that your choice, run
-# live on fresh text, stays inside the KL budget where the speed-only pick does not.
+# `choose_config`, and you decide the plan for a stated pool and request length (the KV
+# cache dtype and `max_num_seqs`: the most requests at once, inside a KL budget, with no
+# preemption). The grader checks your functions against the engine's pool sizes, runs
+# your plan live (zero preemptions and the pool used fully, where the +30 % plan
+# preempts), measures every option's KL, and checks that your `choose_config`'s pick,
+# run live on fresh text, stays inside the KL budget where the speed-only pick does not.
