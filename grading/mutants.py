@@ -80,7 +80,7 @@ GATED: tuple[str, ...] = tuple(f"ch{i:02d}" for i in range(1, 16))  # labs 1-15
 # MIN_LIMIT_S (a correct cell on a busy machine is slower than the baseline measured).
 LIMIT_FACTOR = 4.0
 MIN_LIMIT_S = 30.0
-RETRY_FACTOR = 3.0  # a timed-out mutant's second run, alone, gets this times the limit
+RETRY_FACTOR = 2.0  # a timed-out mutant's second run (machine loaded) gets this times the limit
 
 
 # ------------------------------------------------------------------ the lab's cells
@@ -615,12 +615,13 @@ def run_lab(lab: str, only: str | None = None, progress: bool = True,
                 limit = max(MIN_LIMIT_S, LIMIT_FACTOR * rest_s)
                 runs = _run_many([lambda m=m, i=i: _run_from(cells, i, ns, m.code, True)
                                   for m in ms], limit, workers)
-                # a loaded machine slows every run: a mutant that timed out runs again,
-                # alone, with RETRY_FACTOR times the limit before the timeout counts
+                # a loaded machine slows every run: while the load is above the cores, a
+                # mutant that timed out runs again with RETRY_FACTOR times the limit before
+                # the timeout counts (on an unloaded machine a timeout is a timeout)
                 retry = [j for j, r in enumerate(runs) if r[1]]
-                if retry:
+                if retry and os.getloadavg()[0] > (os.cpu_count() or 1):
                     again = _run_many([lambda m=ms[j], i=i: _run_from(cells, i, ns, m.code, True)
-                                       for j in retry], RETRY_FACTOR * limit, 1)
+                                       for j in retry], RETRY_FACTOR * limit, workers)
                     for j, r in zip(retry, again):
                         runs[j] = r
                     limit *= RETRY_FACTOR
