@@ -596,12 +596,15 @@ for c, m in rows:
 # ## Lab
 #
 # `labs/source/ch30/` gives you the formats and the matmul: you write `quantize_mxfp4` /
-# `dequantize_mxfp4`, `quantize_nvfp4`, and `batch_invariant_matmul` (a fixed K-chunk
-# order, whatever the number of rows). The grader compares your quantizers bit for bit
-# with the engine's on fresh tensors (zero blocks, outliers), plugs your NVFP4 into the
-# engine (KL within 1.05x of the engine's NVFP4, while MXFP4 fails that bar) and your
-# matmul into the batch-invariant engine (a request's logits `torch.equal` across three
-# fresh batch compositions, while the default GEMM fails).
+# `dequantize_mxfp4`, `quantize_nvfp4`, and `batch_invariant_matmul` (every row
+# bit-identical whatever the batch around it, in float32, as one batched computation, not
+# a loop over rows). You also decide which projections of the first layers get NVFP4
+# (the rest MXFP4) inside a byte budget that NVFP4 everywhere exceeds. The grader
+# compares your quantizers bit for bit with the engine's on fresh tensors (zero blocks,
+# outliers, rounding midpoints), measures every plan that fits on fresh text and runs
+# yours with your quantizers (KL within 1.02x of the best plan, where MXFP4 everywhere
+# fails), and plugs your matmul into the batch-invariant engine (a request's logits
+# `torch.equal` across three fresh batch compositions, while the default GEMM fails).
 
 # %%
 print(f"chapter 30 ran in {time.perf_counter() - T0:.0f} s")
