@@ -184,11 +184,12 @@ checks.guard()
 _buf = {n: torch.full((8,), 7, dtype=torch.int32 if n == "seq_lens" else torch.int64)
         for n in NAMES}
 _buf["block_tables"] = torch.full((8, 3), 7, dtype=torch.int32)
-_ids = {n: id(t) for n, t in _buf.items()}
+_objs = dict(_buf)
 _step = {"input_ids": [5, 6, 0, 0], "positions": [1, 2, 0, 0], "slot_mapping": [17, 33, -1, -1],
          "seq_lens": [2, 3, 0, 0], "block_tables": [[1], [2, 4], [], []]}
 write_static(_buf, _step)
-checks.equal("same tensors in the dict after writing", {n: id(t) for n, t in _buf.items()}, _ids)
+checks.equal("same tensors in the dict after writing (is the buffer the one captured?)",
+             {n: _buf[n] is _objs[n] for n in _objs}, {n: True for n in _objs})
 checks.equal("slot_mapping buffer", _buf["slot_mapping"].tolist(), [17, 33, -1, -1, 7, 7, 7, 7])
 checks.equal("block_tables rows 0-1", _buf["block_tables"][:2].tolist(), [[1, 7, 7], [2, 4, 7]])
 print("visible test passed")
@@ -207,7 +208,7 @@ for _max, _blocks in ((16, 5), (24, 2), (4, 9)):
     _buf["seq_lens"] = torch.randint(0, 50, (_max,), generator=_g, dtype=torch.int32)
     _buf["block_tables"] = torch.randint(0, 50, (_max, _blocks), generator=_g, dtype=torch.int32)
     _before = {n: t.clone() for n, t in _buf.items()}
-    _ptr = {n: (id(t), t.data_ptr()) for n, t in _buf.items()}
+    _ptr = {n: (t, t.data_ptr()) for n, t in _buf.items()}
     _step = {n: [int(v) for v in torch.randint(0, 1000, (_size,), generator=_g)] for n in NAMES}
     _step["slot_mapping"][_real:] = [-1] * (_size - _real)
     _step["block_tables"] = [
@@ -215,7 +216,8 @@ for _max, _blocks in ((16, 5), (24, 2), (4, 9)):
                                        generator=_g)] if i < _real else [] for i in range(_size)]
     write_static(_buf, _step)
     checks.equal(f"the same tensors, same storage (max size {_max})",
-                 {n: (id(t), t.data_ptr()) for n, t in _buf.items()}, _ptr)
+                 {n: _buf[n] is _ptr[n][0] and _buf[n].data_ptr() == _ptr[n][1] for n in _ptr},
+                 {n: True for n in _ptr})
     _want = {n: t.clone() for n, t in _before.items()}
     for _n in NAMES:
         _want[_n][:_size] = torch.tensor(_step[_n])
