@@ -21,8 +21,8 @@
 # 2. reproduce batch dependence on a real engine and measure it: the first token where
 #    greedy text diverges, how many prompts diverge, and the logit differences behind it;
 # 3. find the step that depends on the batch (here: decode attention over padded keys,
-#    and in float32 also the GEMMs) and remove it with a batch-invariant mode, measuring
-#    what that costs in tokens/s.
+#    and, depending on the CPU, the GEMMs) and remove it with a batch-invariant mode,
+#    measuring what that costs in tokens/s.
 #
 # **The incidents.**
 # - **vllm-project/vllm #5898** "Inconsistent Responses with VLLM When Batch Size > 1
@@ -44,8 +44,9 @@
 #   disagrees with one-at-a-time in bf16 but not in fp32.
 #
 # Everything below is measured when the notebook runs, on the embedded
-# SmolLM2-135M-Instruct with minivllm on this machine's CPU. Nothing is planted: the
-# default engine really is batch-dependent, through the mechanism found in section 4.
+# SmolLM2-135M-Instruct with minivllm on this machine's CPU, so the numbers (and some of
+# the verdicts) depend on that CPU, as section 4 explains. Nothing is planted: whatever
+# batch dependence the default engine shows comes from the mechanism found in section 4.
 
 # %%
 # %matplotlib inline
@@ -115,13 +116,21 @@ for name, ids in runs.items():
     print(f"{name:<40} first difference from run 1: {first_divergence(base, ids)}  "
           f"{tok.decode(ids)[:60]!r}")
 SEED_BATCH_DIV = first_divergence(ref_seeded, runs["seed 1234, beside a 30-token prompt"])
+RUN_TO_RUN = {k: first_divergence(runs[f"{k}, alone, run 1"], runs[f"{k}, alone, run 2"]) is None
+              for k in ("greedy", "seed 1234")}
+print(f"\nrun to run, alone: greedy reproducible {RUN_TO_RUN['greedy']}, seeded reproducible "
+      f"{RUN_TO_RUN['seed 1234']}; the seeded text beside another request "
+      + ("is the same this time" if SEED_BATCH_DIV is None else
+         f"differs from token {SEED_BATCH_DIV} on"))
 
 # %% [markdown]
-# Run to run, on one engine and one batch, both are reproducible: the engine has no
-# hidden randomness (a seed fixes the draws, temperature 0 needs none). The last two
-# rows are the subject of this chapter: the *same seed* drew the same exponentials, but
-# the probabilities it compared them with came from logits computed next to another
-# request. A seed makes sampling reproducible only if the logits are.
+# Run to run, on one engine and one batch, both should be reproducible, and the line
+# above checks it: the engine has no hidden randomness (a seed fixes the draws,
+# temperature 0 needs none). The last two rows are the subject of this chapter: the
+# *same seed* draws the same exponentials, but beside another request the probabilities
+# it compares them with come from logits computed next to that request, and wherever
+# those logits differ the race can pick another token. A seed makes sampling
+# reproducible only if the logits are.
 
 # %% [markdown]
 # ## 2. The incident, reproduced: greedy text depends on the batch
@@ -161,7 +170,8 @@ print(f"default engine, bfloat16: {N_DIV16} of {len(SHORTS)} prompts change thei
 # fixed 12-token sequence is scored teacher-forced in decode mode (`LLM.score(...,
 # mode="decode", output="logits")`: one token per engine step, through the decode path)
 # once alone and once while the 30-token prompt is generating beside it. Prefill-mode
-# scoring is checked too (prefills run one sequence at a time).
+# scoring is checked too (prefill attention runs one sequence at a time, but the linears
+# of a prefill step take the rows of every prefilling sequence in one GEMM).
 
 # %%
 TARGET = tok.encode("The capital of France is Paris. It is a city of art, food and "
@@ -222,8 +232,16 @@ fig
 # the MLP's 576 -> 3072 linear):
 
 # %%
+def engine_linear(x, w):
+    """A linear as the engine runs it, without autograd: float32 then takes the weight
+    packed once for oneDNN (`layers/linear.py:float_linear`), bfloat16 `F.linear`."""
+    with torch.no_grad():
+        return float_linear(x, w, None, False, owner=w)
+
+
 g = torch.Generator().manual_seed(0)
-pad_rows = {}
+pad_rows, prefill_rows_kept = {}, {}
+M_PREFILL = len(TARGET) + len(LONG_IDS)  # section 3's batched prefill step: 12 + 30 rows
 for dtype in (torch.float32, torch.bfloat16):
     changed = 0
     n = 21  # a sequence of 21 tokens, padded to 22..85
@@ -238,36 +256,77 @@ for dtype in (torch.float32, torch.bfloat16):
                                    solo)
     w = (torch.randn(3072, 576, generator=g) * 0.05).to(dtype)
     x = torch.randn(64, 576, generator=g).to(dtype)
-    rows_alone = torch.cat([float_linear(x[i:i + 1].clone(), w, None, False, owner=w)
-                            for i in range(64)])
-    gemm_rows = {M: int(sum(not torch.equal(float_linear(x[:M], w, None, False, owner=w)[i],
-                                            rows_alone[i]) for i in range(M)))
+    rows_alone = torch.cat([engine_linear(x[i:i + 1].clone(), w) for i in range(64)])
+    gemm_rows = {M: int(sum(not torch.equal(engine_linear(x[:M], w)[i], rows_alone[i])
+                            for i in range(M)))
                  for M in (2, 4, 8, 16, 32, 33, 64)}
     pad_rows[str(dtype)] = (changed, gemm_rows)
+    # section 3's prefill: the same 12 rows in a GEMM of 12 rows (alone) and of 42 (batched)
+    prefill_rows_kept[str(dtype)] = torch.equal(engine_linear(x[:M_PREFILL], w)[:len(TARGET)],
+                                                engine_linear(x[:len(TARGET)], w))
     print(f"{dtype}: padded SDPA differs from the unpadded one for {changed} of 64 pad "
-          f"lengths; GEMM rows that differ from the same row alone, by M: {gemm_rows}")
+          f"lengths; GEMM rows that differ from the same row alone, by M: {gemm_rows}; "
+          f"the first {len(TARGET)} rows have the same bits at M = {len(TARGET)} and "
+          f"M = {M_PREFILL}: {prefill_rows_kept[str(dtype)]}")
 
 # %% [markdown]
-# So, on this CPU:
+# What these counts are depends on the CPU, because the kernels do. PyTorch's CPU GEMMs
+# (oneDNN/MKL) choose a kernel and a blocking from the instruction set they find (AVX2,
+# AVX-512, AMX bf16 tiles: `amx_bf16` in `lscpu`) and from the number of rows M, and a
+# row keeps its bits only while the blocking of its own reduction stays the same. On a
+# Xeon with AMX, this bfloat16 GEMM changed no row up to M = 32 and some from M = 33;
+# the same Xeon with AVX2 kernels only (`ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+# MKL_ENABLE_INSTRUCTIONS=AVX2`) changed none up to M = 64. The path matters as much as the
+# CPU: the GEMMs above run as the engine runs them, without autograd (float32 then uses
+# weights packed once for oneDNN); a plain `F.linear` with autograd on goes to MKL (on
+# that Xeon, with either kernel set, its float32 rows changed from M = 2, the packed
+# path's at no M up to 64).
+# Section 3's prefill step is a GEMM of 12 rows alone and 42 batched, which is why its
+# verdict can differ from one CPU to another. In bfloat16 the attention output is rounded
+# to 8 significant bits, so many small differences round away, but one that survives is
+# a whole bf16 ulp, and 30 layers later the logits move by far more than float32's (the
+# ratio is printed below).
+# RMSNorm reduces each row on its own (checked in `tests/test_batch_invariant.py`).
 #
-# - **Attention** depends on the padding in both dtypes. In float32 the differences are in
-#   the last bits (section 3: the float32 logits moved by the printed max |dlogit|, four
-#   orders of magnitude below bfloat16's); in bfloat16 the attention output is rounded to
-#   8 significant bits, so many of those differences round away, but one that survives is
-#   a whole bf16 ulp, and 30 layers later the logits move by tenths.
-# - **Linears**: the float32 GEMM (oneDNN, packed weights) gives a row different bits at
-#   M >= 2 than alone. The bfloat16 GEMM depends on the CPU: on the machines this course
-#   was written on, no row changed up to M = 16; on a Xeon with AMX bf16 tiles
-#   (`amx_bf16` in `lscpu`) none changed up to M = 32, and from M = 33 rows change (4 of
-#   33 in this 576 -> 3072 linear, 30 of 33 in the LM head's 576 -> 49152). The dict
-#   printed above is this machine's. A decode step that carries a prefill chunk beside
-#   it easily reaches 33 rows, so where rows change at M = 33, bfloat16 has two causes
-#   too; with decode steps alone (M = batch size), the padding is the whole story.
-# - RMSNorm reduces each row on its own (checked in `tests/test_batch_invariant.py`), and
-#   prefill attention runs one sequence at a time: prefill-mode scores were bitwise equal
-#   in section 3.
-#
-# Nothing here is random: each composition gives the same bits every time (section 1).
+# What this CPU did, read from the measurements above:
+
+# %%
+def first_changed_m(by_m):
+    """The smallest measured M at which some row's bits differ from the row alone."""
+    return next((m for m, n in by_m.items() if n), None)
+
+
+(F32_PADS, F32_GEMM), (B16_PADS, B16_GEMM) = pad_rows["torch.float32"], pad_rows["torch.bfloat16"]
+M32, M16 = first_changed_m(F32_GEMM), first_changed_m(B16_GEMM)
+dl32, dl16 = summary["float32"][0], summary["bfloat16"][0]
+print(f"- attention: the pad length changes the bits for {F32_PADS} of 64 pad lengths in "
+      f"float32 and {B16_PADS} of 64 in bfloat16"
+      + (" (it depends on the padding in both dtypes)" if F32_PADS and B16_PADS else ""))
+print(f"- section 3, decode mode: float32's logits moved by up to {dl32:.2g}, bfloat16's by "
+      f"{dl16:.2g}" + (f" ({dl16 / dl32:,.0f}x more)" if dl32 else ""))
+print("- float32 GEMM: " + (f"rows change from M = {M32} ({F32_GEMM[M32]} of {M32} rows), "
+                            f"{F32_GEMM[max(F32_GEMM)]} of {max(F32_GEMM)} at M = {max(F32_GEMM)}"
+                            if M32 else "no row changes up to M = 64"))
+if M16 is None:
+    print("- bfloat16 GEMM: no row changes up to M = 64, so with these shapes the padding is "
+          "the whole story in bfloat16")
+else:
+    below = [m for m in B16_GEMM if m < M16]
+    print(f"- bfloat16 GEMM: {f'no row changes up to M = {max(below)}; ' if below else ''}"
+          f"from M = {M16} rows change ({B16_GEMM[M16]} of {M16}, {B16_GEMM[max(B16_GEMM)]} "
+          f"of {max(B16_GEMM)} at M = {max(B16_GEMM)}). A step of {M16} rows or more (a "
+          "prefill chunk beside the decodes reaches that easily) has two causes in bfloat16; "
+          f"decode steps alone of fewer than {M16} sequences have only the padding")
+for name in ("bfloat16", "float32"):
+    kept = prefill_rows_kept["torch." + name]
+    print(f"- prefill mode, {name}: scores alone and batched are "
+          f"{'bitwise equal' if summary[name][3] else 'NOT bitwise equal'}; this {name} GEMM "
+          f"{'keeps' if kept else 'changes'} the first {len(TARGET)} rows' bits between "
+          f"M = {len(TARGET)} and M = {M_PREFILL}")
+
+# %% [markdown]
+# Nothing here is random: each composition gives the same bits every time (section 1
+# checks it for one).
 # The result is a deterministic function of the batch, which is why "rerun it" does not
 # reproduce a report, and why a per-request seed does not help.
 
@@ -320,7 +379,11 @@ for name, llm, dflt in (("bfloat16", i16, d16), ("float32", i32, d32)):
 # prompts, 16 tokens each, prefill included, the same batch) with each mode, and the
 # decode-mode scoring runs just above (12 tokens, one 30-token prompt beside). One
 # sample each, on a shared machine: `benchmarks/batch_invariance.py` measures it with
-# more prompts, ABBA order and medians (`python benchmarks/batch_invariance.py`).
+# more prompts, ABBA order and medians (`python benchmarks/batch_invariance.py`). On a
+# CPU the mode runs the linears one row at a time, so what it costs depends on how much
+# faster that CPU's GEMM is on many rows than on one row at a time (and, for one sample
+# on a shared machine, on the load): it can even come out faster. The lines below say
+# which way it went here.
 
 # %%
 cost = {"bfloat16 generate": (4 * 16 / secs_d16, 4 * 16 / secs_i16)}
@@ -328,9 +391,13 @@ for name in ("bfloat16", "float32"):
     n_tok = 2 * len(TARGET) + 1  # the 12 scored positions and the 13 generated beside them
     cost[f"{name} decode score"] = (n_tok / score_secs[("default", name)],
                                     n_tok / score_secs[("batch_invariant", name)])
+def slower(d, i):
+    """The mode's cost as a ratio of default to batch-invariant tokens/s, in words."""
+    return f"{d / i:.2f}x slower" if d >= i else f"{i / d:.2f}x FASTER (no cost in this sample)"
+
+
 for name, (d, i) in cost.items():
-    print(f"{name}: default {d:.1f} tok/s, batch_invariant {i:.1f} tok/s, "
-          f"{d / i:.2f}x slower")
+    print(f"{name}: default {d:.1f} tok/s, batch_invariant {i:.1f} tok/s: {slower(d, i)}")
 
 fig2 = Figure(figsize=(7, 2.8), layout="constrained")
 ax = fig2.add_subplot()
@@ -352,12 +419,17 @@ fig2
 # of this engine) and from the incidents; the right column is this run.
 
 # %%
+def holds(ok):
+    return "holds here" if ok else "does NOT hold here"
+
+
 rows = [
     ("Temperature 0 gives the same text every run",
-     "true run to run, on one batch (section 1)"),
+     f"run to run, on one batch (section 1): {holds(RUN_TO_RUN['greedy'])}"),
     ("A per-request seed makes sampling reproducible",
-     f"only alone: beside another prompt the seeded text first differs at token "
-     f"{SEED_BATCH_DIV} (None = no difference this time)"),
+     f"alone, run to run: {holds(RUN_TO_RUN['seed 1234'])}; beside another prompt "
+     + ("the seeded text was the same this time" if SEED_BATCH_DIV is None else
+        f"NO: the seeded text first differs at token {SEED_BATCH_DIV}")),
     ("bf16: 2 of 3 chat prompts diverge when batched (plan, at tokens 31 and 32)",
      f"{N_DIV16} of 3 short prompts diverge, first divergences {div16}"),
     ("fp32: decode logits alone vs batched differ up to 4.8e-5 (plan)",
@@ -366,18 +438,20 @@ rows = [
     ("bf16 decode logits alone vs batched",
      f"max |dlogit| {summary['bfloat16'][0]:.3g}, argmax flips {summary['bfloat16'][2]}"),
     ("Prefill scoring in a batch is bitwise equal (plan)",
-     f"bf16 {summary['bfloat16'][3]}, fp32 {summary['float32'][3]}"),
+     "; ".join(f"{n}: {holds(summary[n][3])} (GEMM rows kept from M = {len(TARGET)} to "
+               f"{M_PREFILL}: {prefill_rows_kept['torch.' + n]})" for n in ("bfloat16", "float32"))),
     ("Padded SDPA depends on the pad length (plan: every pad length 1..300)",
      f"fp32 {pad_rows['torch.float32'][0]} of 64, bf16 {pad_rows['torch.bfloat16'][0]} "
      "of 64 pad lengths"),
     ("Linears: fp32 MKL not M-invariant, bf16 M-invariant (plan)",
-     f"fp32 rows differing by M {pad_rows['torch.float32'][1]}; bf16 "
-     f"{pad_rows['torch.bfloat16'][1]}"),
+     f"fp32 not M-invariant: {holds(M32 is not None)}; bf16 M-invariant up to M = 64: "
+     f"{holds(M16 is None)}{f' (rows change from M = {M16})' if M16 else ''}; rows differing "
+     f"by M: fp32 {F32_GEMM}, bf16 {B16_GEMM}"),
     ("Batch-invariant mode: 80 -> 1 distinct completions (Thinking Machines)",
      f"{N_DIV_I16} of 3 prompts diverge; decode logits bitwise equal batched and alone: "
      f"bf16 {all(inv_checks['bfloat16'].values())}, fp32 {all(inv_checks['float32'].values())}"),
     ("It costs ~1.6x in tokens/s (vLLM summary)",
-     "here " + ", ".join(f"{d / i:.2f}x ({n})" for n, (d, i) in cost.items())
+     "here " + ", ".join(f"{slower(d, i)} ({n})" for n, (d, i) in cost.items())
      + ", one sample each on CPU"),
 ]
 w = max(len(c) for c, _ in rows)
