@@ -140,14 +140,21 @@ print(f"at most {distinct} distinct values per group of 32 in {len(sample)} samp
 print("| grid | relative weight error (median over the sample) | max |\n|---|---|---|")
 for k, v in rel.items():
     print(f"| {k} | {np.median(v):.2e} | {max(v):.2e} |")
+med = {k: float(np.median(v)) for k, v in rel.items()}
+print(f"\nmedians: g32's error is {med['int4 asym g32'] / med['int4 asym g128']:.0%} of g128's, "
+      f"g64's {med['int4 asym g64'] / med['int4 asym g128']:.0%}; symmetric g128 errs "
+      f"{med['int4 sym g128'] / med['int4 asym g128']:.2f}x asymmetric g128; largest error: "
+      f"{max(med, key=med.get)}")
 
 # %% [markdown]
-# At most 16 values per group: Q4_1 numbers. On Q4_1's own grid the re-quantized weights
-# come back as they were (the first row of the table): a "4-bit" model that is lossless,
-# which would make any 4-bit method look perfect. The GPTQ/AWQ layout does not have that
-# grid even at g = 32: an *integer* zero point cannot place the grid at Q4_1's float
-# minimum, so g32 errs almost as much as g128 (the table; `benchmarks/RESULTS.md`, full
-# model: int4-asym-g32 KL 0.263, not ~0). Symmetric grids err most. The rest of the chapter uses **g = 128 asymmetric**,
+# At most 16 values per group (the first line) is what Q4_1 numbers look like. On Q4_1's
+# own grid the re-quantized weights come back as they were, to the error in the first row
+# of the table: a "4-bit" model that is lossless, which would make any 4-bit method look
+# perfect. The GPTQ/AWQ layout does not have that grid even at g = 32: an *integer* zero
+# point cannot place the grid at Q4_1's float minimum, so g32 keeps most of g128's error
+# (the share is printed under the table, with the symmetric grid's error against the
+# asymmetric one; `benchmarks/RESULTS.md`, full model: int4-asym-g32 KL 0.263, not ~0).
+# The rest of the chapter uses **g = 128 asymmetric**,
 # AWQ's default and the most common int4 checkpoint setting, where each group spans four
 # Q4_1 groups with different offsets: the provenance gives it no free ride.
 #
@@ -183,8 +190,8 @@ x_cal, x_held = captured
 w = W[LAYER]
 s, info = wq.awq_search_scale([w], x_cal, 128, False, n_grid=20)
 x_mean = x_cal.abs().mean(0)
-print(f"{LAYER}: {w.shape[1]} input channels; mean|x| ranges {x_mean.min():.3g}..{x_mean.max():.3g}, "
-      f"top 1% of channels carry {float(x_mean.topk(w.shape[1] // 100).values.sum() / x_mean.sum()):.1%}"
+print(f"{LAYER}: {w.shape[1]} input channels; mean|x| ranges {x_mean.min():.3g}..{x_mean.max():.3g} "
+      f"({float(x_mean.max() / x_mean.min()):,.0f}x), top 1% of channels carry {float(x_mean.topk(w.shape[1] // 100).values.sum() / x_mean.sum()):.1%}"
       f" of the total; best alpha {info['best_ratio']:.2f}, calibration loss "
       f"{info['rtn_loss']:.3g} (RTN, alpha 0) -> {info['best_loss']:.3g}")
 
@@ -200,17 +207,42 @@ rtn = wq.dequantize_int4(*wq.quantize_int4(w, 128, False), 128)
 awq_noclip = wq.dequantize_int4(*wq.quantize_int4(w * s, 128, False), 128)
 awq_full = wq.dequantize_int4(*wq.awq_quantize(w, s, x_cal, 128, False, clip=True), 128)
 print("| weights | output error, calibration window | held-out window |\n|---|---|---|")
+ERR = {}
 for label, deq, sc in (("RTN asym g128", rtn, None), ("AWQ scale only", awq_noclip, s),
                        ("AWQ scale + clip", awq_full, s)):
-    print(f"| {label} | {out_err(x_cal, deq, sc):.4f} | {out_err(x_held, deq, sc):.4f} |")
+    ERR[label] = (out_err(x_cal, deq, sc), out_err(x_held, deq, sc))
+    print(f"| {label} | {ERR[label][0]:.4f} | {ERR[label][1]:.4f} |")
+cut = [ERR["RTN asym g128"][i] / ERR["AWQ scale only"][i] for i in (0, 1)]
+clip_change = ERR["AWQ scale + clip"][1] / ERR["AWQ scale only"][1] - 1
+print(f"the scale alone divides the output error by {cut[0]:.1f} on the calibration window and "
+      f"by {cut[1]:.1f} on the held-out one; the clip search then changes the held-out error "
+      f"by {clip_change:+.1%}")
 
 # %%
+def awq_loss(alpha):
+    """AWQ's search loss at one alpha, from the formula in awq_search_scale's docstring."""
+    sa = x_mean.pow(alpha).clamp(min=1e-4)
+    sa = sa / torch.sqrt(sa.max() * sa.min())
+    deq = wq.dequantize_int4(*wq.quantize_int4(w * sa, 128, False), 128)
+    return float(((x_cal / sa) @ deq.T - x_cal @ w.T).pow(2).mean())
+
+
+# The engine's grid is k / 20 for k = 0..19; alpha = 1 (s = mean|x| itself) is added by hand.
+assert np.isclose(awq_loss(info["best_ratio"]), info["best_loss"], rtol=1e-5)
+alphas = np.arange(len(info["losses"]) + 1) / len(info["losses"])
+losses = np.array(info["losses"] + [awq_loss(1.0)])
+best = int(losses.argmin())
+flat = alphas[losses <= 1.1 * losses[best]]
+print(f"loss: alpha 0 (RTN) {losses[0]:.3g}, minimum {losses[best]:.3g} at alpha {alphas[best]:.2f}"
+      f", alpha 1 {losses[-1]:.3g} ({losses[-1] / losses[best]:.2f}x the minimum); within 10 % of "
+      f"the minimum for alpha {flat.min():.2f}..{flat.max():.2f}; the minimum is "
+      + ("interior" if 0 < best < len(alphas) - 1 else f"at the end alpha = {alphas[best]:.0f}"))
+
 fig = Figure(figsize=(10, 3.5), layout="constrained")
 ax1, ax2 = fig.subplots(1, 2)
-alphas = np.arange(len(info["losses"])) / len(info["losses"])
-ax1.plot(alphas, info["losses"], marker="o")
-ax1.axvline(info["best_ratio"], color="k", ls=":")
-ax1.set_xlabel("alpha (s = mean|x|^alpha; 0 is plain RTN)")
+ax1.semilogy(alphas, losses, marker="o")
+ax1.axvline(alphas[best], color="k", ls=":")
+ax1.set_xlabel("alpha (s = mean|x|^alpha; 0 is plain RTN, 1 is s = mean|x|)")
 ax1.set_ylabel("output MSE on calibration rows")
 ax1.set_title(f"AWQ's scale search, {LAYER}")
 order = x_mean.argsort(descending=True)
@@ -222,13 +254,19 @@ ax2.set_title("salient channels get the largest scales")
 fig
 
 # %% [markdown]
-# The loss curve has an interior minimum: α = 0 is RTN, α = 1 over-protects the salient
-# columns and coarsens the others. This layer's inputs span three orders of magnitude
-# across channels (the line above the table), and the scale alone cuts the output error
-# many times over, on the held-out window as much as on the calibration one: the salient
-# channels are a property of the layer, not of one text. The clip search, fitted to 64
-# calibration rows, adds nothing here (compare the last two rows); it is a second-order
-# refinement, which is why the cached checkpoint below leaves it out.
+# Read the curve (log axis) with the line above it. α = 0 is RTN; as α grows the salient
+# columns get finer steps and the others coarser ones (s is normalised, so what one column
+# gains the others pay), and at α = 1 the scale is mean|x| itself. The line says where the
+# minimum lies on this layer, how flat the curve is around it (the α range within 10 % of
+# the minimum) and what α = 1 costs against it: where the minimum is interior, protecting
+# the salient columns can be overdone, by the ratio printed for α = 1 (small where the
+# curve is nearly flat near its end). This layer's inputs span the range printed above the
+# table across channels, and the line under the table says how many times the scale alone
+# cuts the output error on the calibration window and on the held-out one: where the two
+# cuts are alike, the salient channels are a property of the layer, not of one text. The
+# clip search, fitted to 64 calibration rows, is a second-order refinement (the same line
+# gives its change on the held-out window), which is why the cached checkpoint below leaves
+# it out.
 #
 # ## 4. The whole model: RTN against AWQ, from a cached checkpoint
 #
@@ -244,7 +282,7 @@ fig
 # by a sha256 of the source weights, the quantization config, the calibration token ids
 # and the quantizer's code, rebuilds it when any of them changes, and checks every file's
 # hash before handing out the path (a tampered file is refused with a message). `LLM(path)`
-# then loads the stored int4 tensors in about a second. The next cell says whether it
+# then loads the stored int4 tensors, with no search. The next cell says whether it
 # built or found the checkpoint.
 #
 # RTN needs no calibration and quantizes on load. Three measures, each against the
@@ -331,14 +369,22 @@ for n in NAMES[1:]:
 ax.set_xlabel("log10 KL(float32 || int4) per prose position (nats)")
 ax.set_ylabel("positions")
 ax.legend(fontsize=8)
+q_rtn, q_awq = (np.quantile(np.concatenate(RESULTS[n]["kl_rows"]), [0.1, 0.5, 0.9]) for n in NAMES[1:])
+print("per-position KL, 10th / 50th / 90th percentile: RTN "
+      + " / ".join(f"{v:.3g}" for v in q_rtn) + ", AWQ " + " / ".join(f"{v:.3g}" for v in q_awq)
+      + f"; AWQ lower at {int((q_awq < q_rtn).sum())} of the 3; KL CIs overlap: "
+      f"{r_awq['kl_ci'][1] >= r_rtn['kl_ci'][0] and r_rtn['kl_ci'][1] >= r_awq['kl_ci'][0]}")
+print(f"QA accuracy CI width on {len(qa)} questions: " + ", ".join(
+    f"{n} {100 * (RESULTS[n]['acc_ci'][1] - RESULTS[n]['acc_ci'][0]):.0f} points" for n in NAMES[1:]))
 fig
 
 # %% [markdown]
-# AWQ moves the whole distribution of per-position KL down, not a few outliers (the
-# histogram), and the KL CIs of the two schemes do not overlap (the table). Both are far
-# from chapter 14's int8 per channel (a few 1e-3): 4 bits on a 135M model is expensive
-# whatever the method. QA accuracy is another story: its CIs on 30 questions are some 30
-# points wide, and on the full 176-question set the engine's default AWQ g128 answered
+# The histogram and the percentiles under it show whether AWQ moves the whole
+# distribution of per-position KL down or only a few outliers, and the line says whether
+# the KL CIs of the two schemes overlap. Both means are to be read against chapter 14's
+# int8 per channel (a few 1e-3): 4 bits on a 135M model is expensive whatever the method.
+# QA accuracy is another story: its CIs on this sample are as wide as printed above, and
+# on the full 176-question set the engine's default AWQ g128 answered
 # *fewer* questions than RTN g128 with less than half its KL (`benchmarks/RESULTS.md`,
 # 2026-11-30: 47.7 % against 68.2 %; with today's code, `python
 # benchmarks/qa_inversion.py`: 59.7 % [52.3, 67.0] against 68.2 % [61.4, 75.0]). Section 6
@@ -348,15 +394,19 @@ fig
 
 # %%
 lo_awq, hi_awq = (v / RESULTS["float32"]["acc"] for v in r_awq["acc_ci"])
+KL_BETTER = r_awq["kl_ci"][1] < r_rtn["kl_ci"][0]  # AWQ's whole CI below RTN's
+MED = {k: float(np.median(v)) for k, v in rel.items()}
 claims = [
     ("AWQ keeps over 95 % of the original performance at 4 bits (seed 000 §2.4.4)",
-     f"not on this 135M model: AWQ g128 keeps {kept['AWQ asym g128, scale only']:.0%} of float32's correct "
+     f"{'yes' if kept['AWQ asym g128, scale only'] > 0.95 else 'no'} on this sample: AWQ g128 "
+     f"keeps {kept['AWQ asym g128, scale only']:.0%} of float32's correct "
      f"QA answers here [CI {lo_awq:.0%}, {min(hi_awq, 1):.0%}] ({len(qa)} questions), top-1 "
      f"agreement on prose {100 * r_awq['top1']:.0f}%; full set (RESULTS.md, 176 questions): "
      "47.7 % (g128) and 73.3 % (g64) in RESULTS.md, 59.7 % (g128, today's code, "
-     "qa_inversion.py). Small models are more fragile than the paper's 7B+"),
+     "qa_inversion.py): no on the full set. Small models are more fragile than the paper's 7B+"),
     ("AWQ beats round-to-nearest at the same bits",
-     f"on KL yes: {r_awq['kl']:.3g} [{r_awq['kl_ci'][0]:.3g}, {r_awq['kl_ci'][1]:.3g}] against "
+     f"on KL {'yes (CIs apart)' if KL_BETTER else 'not clearly here'}: {r_awq['kl']:.3g} "
+     f"[{r_awq['kl_ci'][0]:.3g}, {r_awq['kl_ci'][1]:.3g}] against "
      f"{r_rtn['kl']:.3g} [{r_rtn['kl_ci'][0]:.3g}, {r_rtn['kl_ci'][1]:.3g}], answer KL "
      f"{r_awq['answer_kl']:.3g} against {r_rtn['answer_kl']:.3g}; on greedy QA not reliably "
      f"(here {100 * r_awq['acc']:.0f}% against {100 * r_rtn['acc']:.0f}%; full set, engine "
@@ -371,7 +421,8 @@ claims = [
      f"{out_err(x_held, rtn):.4f} to {out_err(x_held, awq_noclip, s):.4f}, clipping to "
      f"{out_err(x_held, awq_full, s):.4f} (alpha {info['best_ratio']:.2f})"),
     ("smaller groups are better",
-     f"weight error g128 {np.median(rel['int4 asym g128']):.3f} -> g64 "
+     f"{'yes' if MED['int4 asym g32'] < MED['int4 asym g64'] < MED['int4 asym g128'] else 'not monotone here'}"
+     f" in weight error: g128 {np.median(rel['int4 asym g128']):.3f} -> g64 "
      f"{np.median(rel['int4 asym g64']):.3f} -> g32 {np.median(rel['int4 asym g32']):.3f} for "
      f"{4 + 40 / 128:.2f} -> {4 + 40 / 64:.2f} -> {4 + 40 / 32:.2f} bits per weight"),
 ]
@@ -439,6 +490,34 @@ for n in NAMES[1:]:
     t = TF[n]
     print(f"| {n} | {t['kl_unsure']:.3f} | {t['kl_sure']:.3f} | {t['kl_first']:.3f} | "
           f"{t['flips_unsure']} of {unsure.sum()} | {t['flips_sure']} of {(~unsure).sum()} |")
+ta, tr = TF[NAMES[2]], TF[NAMES[1]]
+print(f"AWQ's answer KL below RTN's: at margin < 1 {ta['kl_unsure'] < tr['kl_unsure']}, at "
+      f"margin >= 1 {ta['kl_sure'] < tr['kl_sure']}; top-1 flips at margin < 1: AWQ "
+      f"{ta['flips_unsure']}, RTN {tr['flips_unsure']}")
+
+
+def answer_start(i):
+    """Token index in float32's answer where an accepted answer's text begins (None: not
+    found verbatim), as benchmarks/qa_inversion.py finds it."""
+    text = OUTS["float32"][i].text.lower()
+    pos = min((text.find(a.lower()) for a in qa[i].answers if a.lower() in text), default=-1)
+    return None if pos < 0 else next((k - 1 for k in range(1, len(base_answers[i]) + 1)
+                                      if len(tok.decode(base_answers[i][:k])) > pos), None)
+
+
+print()
+for n in NAMES[1:]:
+    lost = [i for i in range(len(qa)) if base_ok[i] and not RESULTS[n]["ok"][i]]
+    starts = {i: answer_start(i) for i in lost}
+    opening = sum(starts[i] is not None and rows_[i][n][1] < starts[i] for i in lost)
+    fact = sum(starts[i] is not None and rows_[i][n][1] >= starts[i] for i in lost)
+    kind = ("none lost" if not lost else "mostly a different opening" if opening > fact else
+            "mostly at the answer word" if fact > opening else "as many of each")
+    print(f"{n}: of the {len(lost)} items float32 answers correctly and it does not, {opening} "
+          f"leave float32's answer before the answer word (a different opening), {fact} at the "
+          f"answer word or after it (float32's opening, then another word where its answer "
+          f"stood), {len(lost) - opening - fact} where the answer is not verbatim in float32's "
+          f"text: in this sample, {kind}")
 print("\nquestions where the two schemes disagree on correctness:")
 for i, c in enumerate(rows_):
     if c[NAMES[1]][0] != c[NAMES[2]][0]:
@@ -447,26 +526,32 @@ for i, c in enumerate(rows_):
               f"\n    AWQ:     {OUTS[NAMES[2]][i].text!r}")
 
 # %% [markdown]
-# What this sample shows, and what the full set (176 questions, 24 tokens; `python
-# benchmarks/qa_inversion.py`) adds:
+# What this sample shows (the lines above, which count it), and what the full set (176
+# questions, 24 tokens; `python benchmarks/qa_inversion.py`) adds. The sample has a few
+# dozen questions and a handful of lost items, so its counts can move with the CPU's
+# kernels and need not agree with the full set's:
 #
 # 1. **Not the cut at 24 tokens.** Of the wrong answers on the full set, 1 of RTN's 56 and
 #    1 of AWQ's 71 contain the answer when the same engine may write 64 tokens.
-# 2. **Not a wrong fact, mostly: a different opening.** AWQ's wrong answers leave
-#    float32's answer *before* the answer word in 52 of 71 cases (RTN's in 28 of 56), and
-#    47 of AWQ's 118 changed answers change at the first token (RTN: 32 of 125). Float32
-#    opens "Portugal's capital is Lisbon."; AWQ opens "Portugal is the second largest
-#    country in Europe..." and never states the capital. The capitals carry most of the
-#    loss (RTN 44, AWQ 31 of 56 right). In this chapter's sample, 13 of AWQ's 25 changed
-#    answers change at the very first token (the lines above).
-# 3. **The flips sit at near-ties of float32 itself.** Float32's margin at AWQ's first
-#    changed token is a fraction of a nat (median 0.66 on the items AWQ loses, full set;
-#    the sample's median is printed above), against about 3 nats typical for the first
-#    answer tokens. Teacher-forced on float32's answers (the table above), AWQ has less KL
-#    than RTN at unsure positions and at sure ones, yet flips the top-1 token at the unsure
-#    positions as often as RTN does: a near-tie is tipped by any 4-bit error of this size,
-#    and which way it tips (a paraphrase that still names the answer, or a description
-#    that does not) is not ordered by KL.
+# 2. **On the full set, mostly a different opening, not a different answer word.** AWQ's
+#    wrong answers leave float32's answer *before* the answer word in 52 of 71 cases
+#    (RTN's in 28 of 56), and 47 of AWQ's 118 changed answers change at the first token
+#    (RTN: 32 of 125). Float32 opens "Portugal's capital is Lisbon."; AWQ opens "Portugal
+#    is the second largest country in Europe..." and never states the capital. The
+#    capitals carry most of the loss (RTN 44, AWQ 31 of 56 right). This chapter's sample
+#    is counted the same way in the lines above (how many changed answers change at the
+#    very first token, and whether the items each scheme loses mostly change before the
+#    answer word or at it); with so few lost items either can come out, and an answer
+#    that changes at the answer word may be a wrong fact (another city named as the
+#    capital) or a digression: the list of disagreements shows which.
+# 3. **The flips sit at near-ties of float32 itself.** On the full set, float32's margin
+#    at AWQ's first changed token is a fraction of a nat (median 0.66 on the items AWQ
+#    loses); the sample's median is printed above, beside float32's typical margin over
+#    the first three answer tokens. Teacher-forced on float32's answers (the table above
+#    and the line under it), compare the KL with the top-1 flips at the unsure positions:
+#    a near-tie is tipped by any 4-bit error of this size, so fewer nats need not mean
+#    fewer flips there, and which way it tips (a paraphrase that still names the answer,
+#    or a description that does not) is not ordered by KL.
 # 4. **So the metric reads a few coin tosses.** Answer KL is measured along float32's
 #    path; greedy follows the model's own path, and one flipped opening token sends it
 #    into a continuation no KL scored: on the items AWQ loses its answer KL is *lower*
@@ -474,12 +559,13 @@ for i, c in enumerate(rows_):
 #    accuracy is 36 lost against 21 gained (sign test p = 0.063), and the 20-point gap
 #    recorded on 2026-11-30 did not reproduce with today's code (59.7 % where RESULTS.md
 #    has 47.7 %; RTN reproduces exactly, 68.2 %).
-# 5. **The set is part of it.** Every item is one float32 answers correctly (it was
-#    built that way), many of them at a near-tie opening, and the score is all-or-nothing
-#    on a greedy string. Such a set measures "does the opening token survive", which a
-#    4-bit model of this size fails at random. Gate on KL and answer KL; if accuracy is
-#    reported, pair it (same items, sign test) and prefer a likelihood read (the log-prob
-#    of the accepted answer) to one greedy string.
+# 5. **The set is part of it.** Every item is one the float32 reference (HF transformers)
+#    answered correctly when the set was built (section 4 prints how many this engine's
+#    float32 answers correctly on this CPU), many of them at a near-tie opening, and the
+#    score is all-or-nothing on a greedy string. Such a set measures "does the opening
+#    token survive", which a 4-bit model of this size fails at random. Gate on KL and
+#    answer KL; if accuracy is reported, pair it (same items, sign test) and prefer a
+#    likelihood read (the log-prob of the accepted answer) to one greedy string.
 #
 # Full-set numbers: `python benchmarks/qa_inversion.py --awq-path <default AWQ g128
 # checkpoint>` on 2026-12-02 (176 questions, 24 tokens, engine default AWQ: scale and clip
@@ -494,12 +580,13 @@ for i, c in enumerate(rows_):
 #   as RTN plus one scale per input channel, which the layer divides its input by (or the
 #   previous layer absorbs): the gain is all in *which* numbers are stored.
 # - *"A method that lowers KL raises accuracy."* On a few dozen greedy answers, no: the
-#   accuracy CI is ±15 points, and on 176 questions the two measures disagreed in 6 of 9
-#   calibrated-against-RTN pairs of `benchmarks/RESULTS.md`. Gate a release on KL and
+#   accuracy CI on 30 questions is tens of points wide (section 4 prints it), and on 176
+#   questions the two measures disagreed in 6 of 9 calibrated-against-RTN pairs of
+#   `benchmarks/RESULTS.md`. Gate a release on KL and
 #   answer KL; read accuracy beside them, paired.
 # - *"Calibration data does not matter."* AWQ fits its scales to the activations it saw
-#   (here chat conversations); the held-out window in section 3 shows the fit transfers
-#   for one layer, section 6 what it does to short factual answers.
+#   (here chat conversations); the held-out window in section 3 shows how well the fit
+#   transfers for one layer, section 6 what it does to short factual answers.
 # - *"The benchmark's 95 % carries over."* Retention claims are per model size and task;
 #   measure on your own model.
 #
