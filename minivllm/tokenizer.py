@@ -117,3 +117,29 @@ def resolve_truncate_prompt_tokens(truncate_prompt_tokens, max_model_len: int):
         raise ValueError(f"truncate_prompt_tokens value ({k}) is greater than max_model_len "
                          f"({max_model_len}). Please, select a smaller truncation size.")
     return k
+
+
+def truncate_by_turns_ref(conversation: list[dict], render, budget: int):
+    """Truncation of a chat by whole turns that keeps the system prompt (chapter 26's fix,
+    the reference of lab 26's ``truncate_by_turns``): drop the oldest turns (a user
+    message and the assistant's reply), as few as possible, until ``render`` of what is
+    kept has at most ``budget`` ids.
+
+    vLLM's ``truncate_prompt_tokens`` cuts the rendered ids on the left instead, which
+    drops the system prompt first (:func:`truncate_prompt_ref`).
+
+    Args:
+        conversation: an optional system message first, then alternating user/assistant
+            messages ending with the user message being asked.
+        render: conversation -> token ids (e.g. :func:`render_chat_ref` with a tokenizer).
+        budget: the most ids the rendered prompt may have.
+    Returns:
+        a new list of the kept messages (the same dicts), or None when even the system
+        message and the last user message render to more than ``budget`` ids.
+    """
+    system = [m for m in conversation[:1] if m["role"] == "system"]
+    rest = conversation[len(system):]
+    for j in range(0, len(rest), 2):
+        if len(render(system + rest[j:])) <= budget:
+            return system + rest[j:]
+    return None

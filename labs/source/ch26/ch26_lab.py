@@ -186,6 +186,7 @@ for _i, _c in enumerate(_cases):
 # For `example_chat` (setup) and `render`, a budget of 150 keeps the system message, the
 # newest turn and the question. The grader calls your function on new conversations, with
 # the chat template and with other render functions, at the edges of this contract.
+# Do not call `minivllm.tokenizer.truncate_by_turns_ref` (the grader's reference).
 
 # %% nbgrader={"grade": false, "grade_id": "truncate_by_turns", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def truncate_by_turns(conversation, render, budget):
@@ -229,6 +230,7 @@ import importlib, grading.checks as checks  # fresh names: a rebinding in the la
 checks = importlib.reload(checks)
 checks.guard()
 ### BEGIN HIDDEN TESTS
+from minivllm.tokenizer import truncate_by_turns_ref as _turns_ref  # the grader's reference
 import random as _random
 import re as _re
 
@@ -243,16 +245,6 @@ def _count_render(conversation):
     for m in conversation:
         ids += [1, _ROLE_ID[m["role"]]] + [len(w) for w in m["content"].split()] + [2, 198]
     return ids + [1, 520, 198]
-
-
-def _turns_ref(conversation, render, budget):
-    """The grader's truncation by turns (None: ValueError)."""
-    system = [m for m in conversation[:1] if m["role"] == "system"]
-    rest = conversation[len(system):]
-    for j in range(0, len(rest), 2):
-        if len(render(system + rest[j:])) <= budget:
-            return system + rest[j:]
-    return None
 
 
 def _text(n):
@@ -339,6 +331,7 @@ import importlib, grading.checks as checks  # fresh names: a rebinding in the la
 checks = importlib.reload(checks)
 checks.guard()
 ### BEGIN HIDDEN TESTS
+from minivllm.tokenizer import truncate_by_turns_ref as _turns_ref  # the grader's reference
 import random as _random
 
 _rng = _random.Random(26012)
@@ -346,16 +339,6 @@ _hist = evalsets.load_conversations()
 _qa = evalsets.load_qa()
 _systems = ["You are a careful tutor.", "Answer like a pirate, in one sentence.",
             "You are a helpful assistant for a hardware store. Be brief and friendly."]
-
-
-def _turns_ref(conversation, render, budget):
-    """The grader's truncation by turns (None: ValueError)."""
-    system = [m for m in conversation[:1] if m["role"] == "system"]
-    rest = conversation[len(system):]
-    for j in range(0, len(rest), 2):
-        if len(render(system + rest[j:])) <= budget:
-            return system + rest[j:]
-    return None
 
 
 def _smol_no_gen(conversation):  # another render: SmolLM2's tokenizer, no generation prompt
@@ -517,6 +500,7 @@ import importlib, grading.checks as checks  # fresh names: a rebinding in the la
 checks = importlib.reload(checks)
 checks.guard()
 ### BEGIN HIDDEN TESTS
+from minivllm.tokenizer import truncate_by_turns_ref as _turns_ref  # the grader's reference
 import random as _random
 
 _rng = _random.Random(26004)
@@ -526,16 +510,6 @@ _systems = ["You are a travel agent. Answer briefly.", "You are a patient maths 
             "You are a helpful librarian who loves history."]
 _hist = evalsets.load_conversations()
 _items = _rng.sample(evalsets.load_qa()[60:], 5)
-
-
-def _turns_ref(conversation, render, budget):
-    """The grader's truncation by turns (None: ValueError)."""
-    system = [m for m in conversation[:1] if m["role"] == "system"]
-    rest = conversation[len(system):]
-    for j in range(0, len(rest), 2):
-        if len(render(system + rest[j:])) <= budget:
-            return system + rest[j:]
-    return None
 
 
 _chats = []
