@@ -462,7 +462,7 @@ claims = [
     ("per-channel scales handle outliers (the usual advice)",
      "output channels yes; an input-channel outlier (planted exactly, section 5) sets every "
      "row's scale and needs float columns/layers (ignore) or input-side groups"),
-    ("the weights came from Q4_1, so requantizing looks lossless (issue 25's caution)",
+    ("the weights came from Q4_1, so requantizing looks lossless (a reviewer's caution)",
      f"at most {max(d for d, _ in checks.values())} distinct values per group of 32 (Q4_1), but "
      "the int8 grid is not Q4_1's: int8 per channel still errs (KL above), and per tensor "
      "fails; the caution applies to 4-bit grids with groups of 32 (chapter 15)"),

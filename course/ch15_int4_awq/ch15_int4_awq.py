@@ -412,7 +412,7 @@ claims = [
      f"(here {100 * r_awq['acc']:.0f}% against {100 * r_rtn['acc']:.0f}%; full set, engine "
      "default AWQ: 59.7 % against 68.2 %, 36 items lost and 21 gained, sign test p = 0.063: "
      "section 6)"),
-    ("these weights came from Q4_1, so 4-bit re-quantization is lossless (issue 25's caution)",
+    ("these weights came from Q4_1, so 4-bit re-quantization is lossless (a reviewer's caution)",
      f"only on Q4_1's own grid (relative weight error {np.median(rel['Q4_1 grid (float min), g32']):.1e}); "
      f"the integer-zero-point layout errs already at g32 ({np.median(rel['int4 asym g32']):.3f}) "
      f"and at g128 ({np.median(rel['int4 asym g128']):.3f})"),

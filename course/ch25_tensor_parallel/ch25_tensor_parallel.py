@@ -414,7 +414,7 @@ print("| vllm #2891: TP=1 vs TP=4 greedy outputs differ, probably reduction orde
 # of a third of the width picking another kernel than the full GEMM, and the time of 60
 # all-reduces per step against the GEMMs they split (the speed side of tensor
 # parallelism). The real run of section 6 is CPU processes over gloo; the GPU table
-# comes from two H200s when that machine is available (issue 28).
+# comes from two H200s when that machine is available.
 #
 # ## Lab
 #
