@@ -18,15 +18,21 @@
 # 1. follow one request through the engine: tokenize, prefill, decode, the blocks it
 #    holds (block table) and where each token's K/V lives (slot mapping);
 # 2. read the engine's KV usage over time and explain a preemption;
-# 3. measure the seed course's "eviction and recompute" incident and its three fixes
-#    (fewer concurrent sequences, more KV memory, prefix caching) on preemptions,
-#    agreement with the reference and throughput.
+# 3. measure the seed course's "eviction and recompute" incident and its fixes (fewer
+#    concurrent sequences, more KV memory, prefix caching) on preemptions, agreement
+#    with the reference and the work recomputed;
+# 4. size vLLM's KV pool from `gpu_memory_utilization` and say which way a change moves
+#    preemptions, and name the metrics that show it.
 #
 # **The incident (as the seed course tells it).** Under load, a vLLM server ran out of KV
 # blocks; the scheduler evicted running requests and recomputed them later. Users saw
 # slower answers and, the story says, *different* answers for the same prompt depending
-# on the load. The fixes offered: lower `max_num_seqs`, give the KV cache more memory,
-# enable prefix caching.
+# on the load. The fixes offered: lower `max_num_seqs`, lower
+# `--gpu-memory-utilization` from 0.90 to 0.85 ("memory utilization too high causes
+# eviction"), enable prefix caching. Section 5 measures the second one against how vLLM
+# sizes its KV pool: it points the wrong way. vLLM's own tuning guide says to *increase*
+# `gpu_memory_utilization` when requests are preempted ("Optimization and Tuning",
+# https://docs.vllm.ai/en/stable/configuration/optimization/, checked 2026-12).
 
 # %%
 # %matplotlib inline
@@ -110,7 +116,8 @@ def run(name, **engine_kw):
     return {"config": name, "tokens": [o.outputs[0].token_ids for o in outs],
             "preemptions": s.num_preemptions, "steps": len(h), "computed": int(h[:, 4].sum()),
             "history": s.history, "blocks": s.num_total_blocks,
-            "prefix_hit_rate": s.prefix_cache_hit_rate}
+            "prefix_hit_rate": s.prefix_cache_hit_rate,
+            "peak_usage": max(row[3] for row in s.history)}
 
 
 # "ample" = every request's final size fits at once (the second fix below, measured here)
@@ -196,29 +203,173 @@ for r in rows:
 # and computed, so requests admitted in the same step as the first one cannot hit it;
 # later and recomputed requests can (see the hit rate).
 #
-# ## 5. Claim vs measurement
+# ## 5. "Lower `gpu_memory_utilization` to 0.85": the pool is what is left
 #
-# | the seed says | measured here |
-# |---|---|
-# | a small KV pool with many requests causes eviction and recompute | yes: preemptions counted above, KV usage pinned at 100 % |
-# | it makes answers differ under load | in float32, rarely: recompute is exact up to float rounding (see the identical counts). In 16 bits answers do change under load, but chapter 8 measured that the batch changes them, not the recompute: over 40-request bfloat16 and float16 runs, 3 of 28 preempted requests changed tokens against 39 of 132 never-preempted ones (`course/ch08_preemption/recompute_rates.json`, not re-run here: 16-bit is ~3x slower on a CPU) |
-# | (implied) preemption is always safe for accuracy | only if the engine keeps every request's state: vLLM had recompute bugs that changed outputs (#16832, PR #5349); lab 2 plants one |
-# | lower max_num_seqs / more KV memory fixes it | yes, both to zero preemptions, with the costs shown |
-# | prefix caching fixes it | partly: it saves the shared prefix only |
+# vLLM does not give the KV cache a fraction of the GPU. It takes the share it may use,
+# `ceil(total x gpu_memory_utilization)`, and subtracts everything that is not KV cache:
+# the weights, the activation peak of a profiling forward pass and memory outside PyTorch
+# (vLLM v1 `Worker.determine_available_memory` in `vllm/v1/worker/gpu_worker.py`; it
+# logs "Available KV cache memory" at startup). The KV pool is the *remainder*, so the
+# five points the seed takes away come out of the pool alone.
+# `minivllm.engine.arg_utils.kv_cache_budget_bytes` is that formula (tested in
+# `tests/test_kv_cache_budget.py`). Two deployments, from public sizes: Llama-3.1-8B on
+# one H100 and Llama-3.1-70B on two (tensor parallel, half the weights and half the KV
+# heads per GPU), bf16 weights and cache. The activation peak is an assumption (2 GiB);
+# vLLM prints the real one.
+
+# %%
+from minivllm.engine.arg_utils import kv_cache_budget_bytes
+
+GiB = 1 << 30
+H100 = 81559 * 2**20  # bytes nvidia-smi reports for an H100 80GB HBM3
+ACT = 2 * GiB  # activation peak + memory outside PyTorch (assumed)
+DEPLOYS = {  # name: (weight bytes per GPU, KV bytes per token per GPU)
+    "Llama-3.1-8B, 1 x H100": (int(8.03e9) * 2, 32 * 8 * 128 * 2 * 2),
+    "Llama-3.1-70B, 2 x H100": (int(70.6e9) * 2 // 2, 80 * (8 // 2) * 128 * 2 * 2),
+}
+UTILS = (0.85, 0.90, 0.95)
+pools = {}
+print("| deployment | " + " | ".join(f"KV pool at {u:.2f}" for u in UTILS) + " |")
+print("|---|" + "---|" * len(UTILS))
+for name, (weights, per_token) in DEPLOYS.items():
+    cells = []
+    for u in UTILS:
+        try:
+            b = kv_cache_budget_bytes(H100, u, weights + ACT)
+            pools[name, u] = b
+            cells.append(f"{b / GiB:.1f} GiB = {b // per_token:,} tokens")
+        except ValueError:
+            pools[name, u] = 0
+            cells.append("none: vLLM refuses to start")
+    print(f"| {name} | " + " | ".join(cells) + " |")
+small = "Llama-3.1-8B, 1 x H100"
+loss = 1 - pools[small, 0.85] / pools[small, 0.90]
+print(f"\n0.90 -> 0.85 takes {0.05 * H100 / GiB:.1f} GiB from each GPU: "
+      f"{100 * loss:.1f} % of the 8B pool")
+
+# %% [markdown]
+# The same move on this chapter's workload: let the tight pool of section 2 stand for the
+# 8B deployment's pool at 0.90, and scale it as that pool scales at 0.85 and 0.95 (whole
+# blocks, rounded down as vLLM does). Same twelve requests, same engine.
+
+# %%
+util_runs = {}
+for u in UTILS:
+    blocks = int(TIGHT * pools[small, u] / pools[small, 0.90])
+    util_runs[u] = tight if blocks == TIGHT else run(
+        f"{blocks} blocks", num_gpu_blocks_override=blocks, enable_prefix_caching=False)
+for u, r in util_runs.items():
+    print(f"gpu_memory_utilization {u:.2f}: {r['blocks']} blocks, {r['preemptions']} "
+          f"preemptions, {r['computed'] - USEFUL} tokens recomputed")
+p85, p90, p95 = (util_runs[u]["preemptions"] for u in UTILS)
+lowering = ("more" if p85 > p90 else "as many" if p85 == p90 else "fewer")
+raising = ("fewer" if p95 < p90 else "as many" if p95 == p90 else "more")
+print(f"lowering the utilization to 0.85 gave {lowering} preemptions ({p85} vs {p90}); "
+      f"raising it to 0.95 gave {raising} ({p95})")
+
+# %% [markdown]
+# What to watch, and under which names. The seed's monitoring advice names metrics that
+# vLLM does not export under those names; the table prints this run's values (the tight
+# run, and the prefix-caching run for the hit rate) beside vLLM's real names. This
+# engine's `LLM.stats` and its server's `/metrics` use the same names
+# (`minivllm/entrypoints/openai/metrics.py`).
+
+# %%
+print("| the seed says to watch | vLLM's metric | this run |")
+print("|---|---|---|")
+print(f"| `vllm:cache_usage` | `vllm:kv_cache_usage_perc` (0..1 of the pool; it replaced "
+      f"`vllm:gpu_cache_usage_perc` in vLLM PR #18354, 2025) | peak {tight['peak_usage']:.2f} |")
+print(f"| per-request prefix-cache hit rate from `--log-stats` | none per request: the "
+      f"counters `vllm:prefix_cache_queries` and `vllm:prefix_cache_hits` (tokens; "
+      f"vLLM PR #14136, 2025) give a rate over any window; the server's periodic log "
+      f"line (on unless `--disable-log-stats`) prints the recent rate | "
+      f"{100 * fixes[1]['prefix_hit_rate']:.0f} % over the prefix-caching run |")
+print(f"| (not in the seed) preemptions | `vllm:num_preemptions_total` | "
+      f"{tight['preemptions']} |")
+
+# %% [markdown]
+# ## 6. Claim vs measurement
 #
+# Every verdict below is computed from this run, except the 16-bit rates, which chapter 8
+# measured (`course/ch08_preemption/recompute_rates.json`, read here, not re-run: 16-bit
+# is ~3x slower on a CPU).
+
+# %%
+import json
+from pathlib import Path
+
+_rates = json.loads(Path("../ch08_preemption/recompute_rates.json").read_text())["runs"]
+_16 = [v["summary"] for k, v in _rates.items() if not k.startswith("float32")]
+pre_n, pre_d = sum(s["preempted"] for s in _16), sum(s["preempted_diverged"] for s in _16)
+ctl_n, ctl_d = sum(s["control"] for s in _16), sum(s["control_diverged"] for s in _16)
+same_tight = sum(a == b for a, b in zip(roomy["tokens"], tight["tokens"]))
+pinned = tight["peak_usage"] >= 1.0
+print("| the seed says | measured here |")
+print("|---|---|")
+print(f"| a small KV pool with many requests causes eviction and recompute | "
+      f"{'yes' if tight['preemptions'] else 'not here'}: {tight['preemptions']} preemptions "
+      f"in the {TIGHT}-block pool, KV usage peaking at {100 * tight['peak_usage']:.0f} %"
+      f"{' (pinned full)' if pinned else ''} |")
+print(f"| it makes answers differ under load | float32: {same_tight}/{len(prompts)} requests "
+      f"token-identical tight vs ample ({'no change' if same_tight == len(prompts) else 'some changed'}"
+      f"; recompute is exact up to float rounding). 16-bit (chapter 8, 40-request runs): "
+      f"{pre_d} of {pre_n} preempted requests changed tokens against {ctl_d} of {ctl_n} "
+      f"never-preempted ones: "
+      f"{'the batch changes them more than the recompute' if ctl_d / ctl_n > pre_d / pre_n else 'preempted requests change more often'} |")
+print("| (implied) preemption is always safe for accuracy | only if the engine keeps every "
+      "request's state: vLLM had recompute bugs that changed outputs (vllm #16832, PR #5349); "
+      "lab 2 plants one |")
+for r, what in ((fixes[0], f"lower max_num_seqs (to {fit})"), (roomy, "more KV blocks")):
+    print(f"| {what} fixes it | {'yes' if r['preemptions'] == 0 else 'no'}: "
+          f"{r['preemptions']} preemptions, {r['steps']} engine steps (tight: {tight['steps']}) |")
+print(f"| lower `--gpu-memory-utilization` from 0.90 to 0.85 | "
+      f"{'refuted' if p85 >= p90 else 'confirmed'}: it shrinks the KV pool (the 8B "
+      f"deployment's by {100 * loss:.1f} %); scaled here, {p85} preemptions vs {p90} at 0.90 "
+      f"and {p95} at 0.95. vLLM's guide says to raise it |")
+print(f"| prefix caching fixes it | {'yes' if fixes[1]['preemptions'] == 0 else 'partly' if fixes[1]['preemptions'] < tight['preemptions'] else 'no'}: "
+      f"{fixes[1]['preemptions']} preemptions vs {tight['preemptions']}, "
+      f"{100 * fixes[1]['prefix_hit_rate']:.0f} % of prompt tokens served from the cache "
+      f"(it saves the shared prefix only) |")
+print("| watch `vllm:cache_usage` and a per-request hit rate from `--log-stats` | not "
+      "vLLM's names: `vllm:kv_cache_usage_perc` (formerly `vllm:gpu_cache_usage_perc`), "
+      "`vllm:prefix_cache_queries` / `vllm:prefix_cache_hits`, no per-request hit rate "
+      "(table in section 5) |")
+
+# %% [markdown]
 # ## Common misconceptions
 #
 # - *"Preemption loses the request."* It is re-queued and recomputed; only time is lost.
 # - *"KV usage at 100 % is a bug."* It is what a busy engine looks like; preemptions are
 #   the signal to watch (vLLM exports `vllm:num_preemptions_total`).
 # - *"Recompute gives identical numbers."* Identical math, different summation order.
+# - *"A lower `gpu_memory_utilization` relieves memory pressure."* It is a cap on what
+#   vLLM may use; the KV pool is what remains after the weights, so lowering it shrinks
+#   the pool and preempts more. Lower it only to leave room for another process on the
+#   GPU.
 #
 # ## Lab
 #
 # `labs/source/ch02/`: the engine carries a planted recompute bug (a preempted request
-# forgets what it generated, as in vllm #16832); size it (blocks and max_num_seqs) so
-# that a workload runs with zero preemptions, fits a memory budget and gives every answer
-# right, where an undersized engine gets some wrong.
+# forgets what it generated, as in vllm #16832). Size it as vLLM does, from a device's
+# memory, `gpu_memory_utilization` and the memory the weights and activations take: the
+# KV pool, and the most concurrency it holds with zero preemptions, so that every answer
+# comes back right; the pool the seed's 0.85 leaves, run with the same concurrency, gets
+# some wrong.
+#
+# ## On real vLLM
+#
+# - Size the pool: `--gpu-memory-utilization` (default 0.9; raise it for more KV),
+#   or `--kv-cache-memory-bytes` to give the cache an exact size (then utilization is
+#   not used); `--max-num-seqs` caps concurrency. The startup log prints "Available KV
+#   cache memory" and "Maximum concurrency for N tokens per request".
+# - Watch `vllm:num_preemptions_total` (rate over a window), `vllm:kv_cache_usage_perc`,
+#   `vllm:num_requests_waiting`, and `vllm:prefix_cache_hits` / `vllm:prefix_cache_queries`.
+# - Prefix caching is on by default in vLLM v1 (`--no-enable-prefix-caching` turns it off);
+#   this engine's `LLM` also defaults it on, and this chapter turns it off to isolate it.
+# - Checked against vLLM's docs and source of 2025-2026 (v0.11 and later: the V1 engine,
+#   the renamed KV metric). This engine preempts the newest running request by
+#   recompute, as vLLM v1 does; it sizes a CPU pool from `max_num_seqs` and a CUDA pool
+#   from free memory, not by vLLM's profiling run.
 
 # %%
 print(f"chapter 2 ran in {time.perf_counter() - T0:.0f} s")

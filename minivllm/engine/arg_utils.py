@@ -484,6 +484,51 @@ class EngineArgs:
 BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
 
 
+def kv_cache_budget_bytes(total_memory_bytes: int, gpu_memory_utilization: float,
+                          non_kv_cache_bytes: int) -> int:
+    """The bytes vLLM gives the KV cache on one GPU: the share of the device it may use,
+    less everything that is not KV cache (vLLM v1 ``Worker.determine_available_memory``,
+    ``vllm/v1/worker/gpu_worker.py``: ``requested_memory - non_kv_cache_memory``, with
+    ``requested_memory = ceil(total_memory x gpu_memory_utilization)`` from
+    ``request_memory`` in ``vllm/v1/worker/utils.py``).
+
+    The KV pool is what is *left*, so every point of ``gpu_memory_utilization`` moves
+    ``total_memory_bytes / 100`` bytes in or out of the pool: lowering it never makes
+    room for the cache, it takes room from it. (This engine sizes its CUDA pool more
+    simply, from free memory: :meth:`EngineArgs._create_cache_config`.)
+
+    Args:
+        total_memory_bytes: the device's memory, bytes (> 0).
+        gpu_memory_utilization: the fraction of it vLLM may use, in (0, 1].
+        non_kv_cache_bytes: weights + the activation peak of the profiling run + memory
+            outside PyTorch (vLLM logs each at startup), bytes (>= 0).
+
+    Returns:
+        ceil(total x utilization) - non_kv_cache_bytes, bytes (> 0).
+
+    Raises:
+        ValueError: an argument out of range, or nothing left for the cache (vLLM: "No
+            available memory for the cache blocks").
+    """
+    if not isinstance(total_memory_bytes, int) or isinstance(total_memory_bytes, bool) \
+            or total_memory_bytes <= 0:
+        raise ValueError(f"total_memory_bytes must be a positive int, got {total_memory_bytes!r}")
+    if not _is_real(gpu_memory_utilization) or not 0.0 < gpu_memory_utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], "
+                         f"got {gpu_memory_utilization!r}")
+    if not isinstance(non_kv_cache_bytes, int) or isinstance(non_kv_cache_bytes, bool) \
+            or non_kv_cache_bytes < 0:
+        raise ValueError(f"non_kv_cache_bytes must be an int >= 0, got {non_kv_cache_bytes!r}")
+    budget = math.ceil(total_memory_bytes * gpu_memory_utilization) - non_kv_cache_bytes
+    if budget <= 0:
+        raise ValueError(
+            f"No available memory for the cache blocks: {gpu_memory_utilization} x "
+            f"{total_memory_bytes} bytes leaves {budget} bytes after {non_kv_cache_bytes} "
+            f"bytes of weights and activations. Increase gpu_memory_utilization (at most 1) "
+            f"or give the model more devices.")
+    return budget
+
+
 def batch_invariant_enabled(args: "EngineArgs") -> bool:
     """``args.batch_invariant``, or the environment variable ``VLLM_BATCH_INVARIANT``
     set to ``1`` (vLLM's switch for the same mode; ``0`` or unset: off).
