@@ -93,3 +93,18 @@ def test_site_pages_cite_no_internal_planning(path):
     bad = internal_references(path.read_text(), DOC_INTERNAL_REFERENCE)
     assert not bad, (f"{path.relative_to(ROOT)}: mentions internal planning files, tags or "
                      f"the project's issue numbers (cite the public source): {bad}")
+
+
+# Every chapter ends with what to use on a real vLLM deployment (flags, environment
+# variables, metrics, the version checked and what this engine does differently).
+ON_REAL_VLLM = re.compile(r"^# ## On real vLLM\s*$", re.M)
+BOXED = [p for p in SOURCES if p.parent.parent.name == "course" and int(p.stem[2:4]) <= 15]
+
+
+@pytest.mark.parametrize("path", BOXED, ids=[p.stem for p in BOXED])
+def test_chapter_has_an_on_real_vllm_box(path):
+    text = path.read_text()
+    assert ON_REAL_VLLM.search(text), f"{path.relative_to(ROOT)}: no '## On real vLLM' section"
+    box = text[ON_REAL_VLLM.search(text).end():].split("# %%")[0]
+    assert "vllm" in box.lower() and box.count("\n# - ") >= 3, (
+        f"{path.relative_to(ROOT)}: the 'On real vLLM' box needs at least three bullets")

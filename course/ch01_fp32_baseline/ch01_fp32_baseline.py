@@ -31,6 +31,20 @@
 #
 # Everything below is measured when the notebook runs, on the embedded SmolLM2-135M-Instruct
 # with minivllm on this machine's CPU.
+#
+# **Three instruments, in one paragraph each** (chapter 4 derives them properly):
+#
+# - *KL divergence* `KL(p_ref || p)` at a position compares two next-token distributions:
+#   the expected extra log-loss, in nats, of using `p` where `p_ref` is right. 0 means
+#   identical; the mean over all positions of a fixed text is this course's main number,
+#   because it sees a change long before a greedy token flips.
+# - *The noise floor* is the KL that a change which is exact in real arithmetic makes in
+#   float32 (here: the MLP's sum reordered). A measurement at or below it says "no effect
+#   we can tell from rounding"; only a result well above it is an effect.
+# - *A bootstrap interval* resamples the conversation's turns with replacement and
+#   recomputes the mean each time; the middle 95 % of those means is the `[95% CI]`
+#   printed beside a mean KL. Two configurations whose intervals overlap are not shown
+#   to differ.
 
 # %%
 # %matplotlib inline
@@ -143,7 +157,7 @@ def kl_by_turn(drifts, spans):
 
 from matplotlib.figure import Figure
 
-fig = Figure(figsize=(7, 4), layout="constrained")
+fig = Figure(figsize=(8.5, 4), layout="constrained")
 ax = fig.add_subplot()
 for kv in KV_DTYPES:
     ax.plot(np.arange(1, 11), kl_by_turn(drift[kv], spans)[:10], marker="o", label=f"{kv} KV")
@@ -154,7 +168,8 @@ ax.set_xlabel("assistant turn")
 ax.set_ylabel("mean KL vs float32 KV (nats)")
 ax.set_title("Does KV-cache rounding accumulate over a conversation?")
 ax.grid(True, which="both", alpha=0.3)
-ax.legend(fontsize=8)
+# outside the axes, right: inside, the legend sat on the fp8 curve
+ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
 fig
 
 # %% [markdown]
@@ -253,7 +268,7 @@ with torch.inference_mode():
 cache = out.past_key_values
 layer0 = cache.layers[0].keys if hasattr(cache, "layers") else cache[0][0]
 print("transformers fp16 model: KV cache dtype =", layer0.dtype)
-ref.model.to(torch.float32)
+_ = ref.model.to(torch.float32)  # back to the reference (assigned: no model printout)
 
 # %% [markdown]
 # ## 7. Claim vs measurement
@@ -291,6 +306,25 @@ ref.model.to(torch.float32)
 # asks you to build this comparison yourself and restore accuracy at the lowest cost: the
 # cheapest KV cache whose mean KL stays under a budget on conversations you have not seen
 # (float16 and bfloat16 cost the same; the measurement decides).
+#
+# ## On real vLLM
+#
+# - The baseline is `--dtype float32` with `--kv-cache-dtype auto` (auto = the model's
+#   dtype). No vLLM version offers a `float32` KV cache: the choices are `auto`, 16-bit
+#   types and fp8 (`fp8` = `fp8_e4m3` on CUDA, `fp8_e5m2`), plus newer quantized ones.
+# - An fp8 cache needs scales: calibrated k/v scales in the checkpoint (llm-compressor)
+#   or `--calculate-kv-scales` (set once from a warmup batch; deprecated in 2026, vllm
+#   PR #37565). With neither they are 1.0: this chapter's broken configuration.
+# - Score fixed tokens as here with `SamplingParams(prompt_logprobs=k)`; `k` is capped by
+#   `--max-logprobs` (default 20). Recent versions take `-1` for the whole vocabulary
+#   (with `--max-logprobs -1`), which a KL needs.
+# - The startup log prints "GPU KV cache size" (tokens) and "Maximum concurrency":
+#   compare them across `--kv-cache-dtype` values, as section 5 does.
+# - Checked against vLLM's docs and source of 2025-2026 (v0.10 to the main branch). This
+#   engine also accepts `kv_cache_dtype="float32"` (for teaching); its
+#   `calculate_kv_scales=True` sets amax / qmax from bundled text, where vLLM divides one
+#   batch's amax by fixed constants (`K_SCALE_CONSTANT` 200, `V_SCALE_CONSTANT` 100); and
+#   `LLM.score` returns every position's full distribution.
 
 # %%
 print(f"chapter 1 ran in {time.perf_counter() - T0:.0f} s")

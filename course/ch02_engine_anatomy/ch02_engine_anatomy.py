@@ -358,7 +358,8 @@ print("| watch `vllm:cache_usage` and a per-request hit rate from `--log-stats` 
 #
 # ## On real vLLM
 #
-# - Size the pool: `--gpu-memory-utilization` (default 0.9; raise it for more KV),
+# - Size the pool: `--gpu-memory-utilization` (default 0.9 up to v0.16, 0.92 in current
+#   releases; raise it for more KV),
 #   or `--kv-cache-memory-bytes` to give the cache an exact size (then utilization is
 #   not used); `--max-num-seqs` caps concurrency. The startup log prints "Available KV
 #   cache memory" and "Maximum concurrency for N tokens per request".

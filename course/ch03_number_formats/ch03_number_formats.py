@@ -748,6 +748,23 @@ for c in claims:
 # plug your rounding into the engine; the grader checks it bit for bit against
 # `minivllm/numerics.py` on formats you have not seen, and checks that the engine's
 # logits come back bit-identical to its built-in fp8 cache.
+#
+# ## On real vLLM
+#
+# - `--kv-cache-dtype` picks the format: `fp8` (= `fp8_e4m3`, more precision; CUDA and
+#   ROCm) or `fp8_e5m2` (more range; CUDA). Scales come from the checkpoint or
+#   `--calculate-kv-scales`, else 1.0: the scale-1 cache of section 6.
+# - vLLM's FP8 KV-cache page (v0.6 to v0.11) gives E4M3's range as ±240: that is the
+#   maximum of `e4m3fnuz` (`torch.finfo`); OCP `e4m3fn`, measured here, reaches 448.
+# - With the FlashAttention 3 backend and an fp8 cache, vLLM quantizes the queries to
+#   fp8 as well (a note in its docs), so Q lands on this grid too.
+# - Recent versions keep chosen layers in 16 bits (`--kv-cache-dtype-skip-layers`, layer
+#   indices or `sliding_window`) and add dtypes with dynamic per-token-head scales
+#   (e.g. `fp8_per_token_head`).
+# - Checked against vLLM's docs and source of 2025-2026 (v0.6 docs to the main branch).
+#   This engine rounds with explicit saturation at ±max and offers per-head and
+#   per-channel (K) static scales and dynamic per-token scales; vLLM's KV-cache page
+#   lists per-tensor scales and per-head ones from llm-compressor (FlashAttention only).
 
 # %%
 print(f"chapter 3 ran in {time.perf_counter() - T0:.0f} s")

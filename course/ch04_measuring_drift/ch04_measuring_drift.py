@@ -192,7 +192,7 @@ print_table([noise, bf16_row, fault])
 # Fast-LLM's "0.03 nats in bf16" is the same order as the RMS here.
 
 # %% [markdown]
-# ## 4. The metrics rank configurations differently
+# ## 4. Do the metrics rank configurations the same way?
 #
 # A handful of configurations, all against the float32 engine on the same 256 positions:
 # the two from section 2, the bf16 engine, the bf16 engine with the fp32 LM head (section
@@ -273,20 +273,28 @@ ranks = np.array([[sorted(METRICS[m](r) for r in configs).index(METRICS[m](r)) +
 pairs = [(i, j) for i in range(len(configs)) for j in range(i + 1, len(configs))]
 kl_bad = [METRICS["mean KL"](r) for r in configs]
 print("| metric | pairs ordered against KL | pairs it calls a tie |\n|---|---|---|")
+disagreement = {}
 for m, f in METRICS.items():
     v = [f(r) for r in configs]
     against = sum((v[i] - v[j]) * (kl_bad[i] - kl_bad[j]) < 0 for i, j in pairs)
     ties = sum(v[i] == v[j] for i, j in pairs)
     print(f"| {m} | {against} of {len(pairs)} | {ties} |")
+    disagreement[m] = (against, ties)
+others = {m: v for m, v in disagreement.items() if m != "mean KL"}
+n_against = sum(a > 0 for a, _ in others.values())
+worst = max(others, key=lambda m: others[m][0])
+tiest = max(others, key=lambda m: others[m][1])
+print(f"\n{n_against} of {len(others)} other metrics order at least one pair of configurations "
+      f"against KL; most: {worst} ({others[worst][0]} of {len(pairs)} pairs). Most ties: "
+      f"{tiest} ({others[tiest][1]} of {len(pairs)} pairs it cannot tell apart).")
 
-fig = Figure(figsize=(8, 4.2), layout="constrained")
+fig = Figure(figsize=(8.5, 4.6), layout="constrained")
 ax = fig.add_subplot()
-im = ax.imshow(ranks, cmap="viridis_r")
-ax.set_xticks(range(len(names)), [n.replace(" (", "\n(").replace(": ", ":\n") for n in names],
-              fontsize=7, rotation=30, ha="right")
-ax.set_yticks(range(len(METRICS)), list(METRICS), fontsize=8)
+im = ax.imshow(ranks.T, cmap="viridis_r", aspect="auto")  # configurations down, metrics across
+ax.set_yticks(range(len(names)), names, fontsize=8)
+ax.set_xticks(range(len(METRICS)), list(METRICS), fontsize=8, rotation=30, ha="right")
 for (i, j), v in np.ndenumerate(ranks):
-    ax.text(j, i, str(v), ha="center", va="center", color="w" if v > 4 else "k", fontsize=8)
+    ax.text(i, j, str(v), ha="center", va="center", color="w" if v > 4 else "k", fontsize=8)
 ax.set_title("Rank of each configuration by each metric (1 = closest to float32)")
 fig.colorbar(im, ax=ax, shrink=0.8)
 fig
@@ -294,9 +302,9 @@ fig
 # %% [markdown]
 # KL is the most sensitive and the most stable instrument: it sees every change of every
 # probability, weighted by how much the reference believes it. The others are coarse
-# summaries of it. Top-1 and greedy agreement only move when a near-tie flips and call many
-# pairs a tie; QA accuracy on 6 questions moves in steps of 17 %, and short answers rarely
-# change at all (see how many pairs it ties);
+# summaries of it. Top-1 and greedy agreement only move when a near-tie flips, so they call
+# pairs a tie that KL orders (the ties column above); QA accuracy on 6 questions moves in
+# steps of 17 %, and short answers rarely change at all (see how many pairs it ties);
 # the PPL ratio averages signed changes, so it cancels and can even reward a fault; the
 # max |Δlogprob| over 49,152 tokens is dominated by the least likely tokens, which nobody
 # samples. Use KL to detect and compare, target-token |Δlogprob| to talk to RL people, and
@@ -454,6 +462,22 @@ fig
 # judge four changes a team proposes for the float32 engine (K/V in bfloat16 or fp8, TF32
 # linear inputs, a bfloat16 LM head) as noise or anomaly by measuring them; the grader
 # measures them again on fresh windows and compares.
+#
+# ## On real vLLM
+#
+# - Teacher-forced rows: `SamplingParams(prompt_logprobs=k)`; sampled tokens:
+#   `logprobs=k` (the sampled token's log-prob plus the top k). `--max-logprobs` caps k
+#   (default 20); recent versions take `-1`, the whole vocabulary, with
+#   `--max-logprobs -1`: KL and top-k overlap need it.
+# - `--logprobs-mode` says what comes back: `raw_logprobs` (default, before any logit
+#   processor), `processed_logprobs` (after penalties, temperature, top-k/p), or the
+#   `raw_logits`/`processed_logits`. An RL trainer must compare like with like.
+# - The float32 reference on the same stack is `--dtype float32` for the whole model;
+#   the fp32 LM head of section 6 is this engine's `lm_head_dtype`, not a vLLM engine
+#   argument (open-instruct PR #1387 and prime-rl PR #2438 patch the head instead).
+# - Checked against vLLM's docs and source of 2025-2026 (engine arguments,
+#   `SamplingParams`; v0.10 to the main branch). This engine's `LLM.score` returns the
+#   full next-token distribution at every position, or at chosen rows (`positions=`).
 
 # %%
 print(f"chapter 4 ran in {time.perf_counter() - T0:.0f} s")

@@ -440,6 +440,16 @@ rows = [
     ("Prefill scoring in a batch is bitwise equal (plan)",
      "; ".join(f"{n}: {holds(summary[n][3])} (GEMM rows kept from M = {len(TARGET)} to "
                f"{M_PREFILL}: {prefill_rows_kept['torch.' + n]})" for n in ("bfloat16", "float32"))),
+    ("Seed 000: the same prompt gives different outputs across requests, so the "
+     "problem is in prefill",
+     "the inference does not follow: decode logits depend on the batch in "
+     + (", ".join(n for n in ("bfloat16", "float32") if summary[n][1]) or "no dtype")
+     + " here (section 3), and prefill-mode scores are bitwise equal batched in "
+     + (", ".join(n for n in ("bfloat16", "float32") if summary[n][3]) or "no dtype")
+     + ": " + ("the batch, not the prefill path, changes the text"
+               if any(summary[n][1] and summary[n][3] for n in ("bfloat16", "float32"))
+               else "here prefill depends on the batch too (its GEMM, section 4), so "
+                    "varying outputs do not single out either path")),
     ("Padded SDPA depends on the pad length (plan: every pad length 1..300)",
      f"fp32 {pad_rows['torch.float32'][0]} of 64, bf16 {pad_rows['torch.bfloat16'][0]} "
      "of 64 pad lengths"),
@@ -486,6 +496,21 @@ for c, m in rows:
 # its `"attention.decode"` step and checks that fresh prompts give bitwise equal logits
 # alone and in three fresh batch compositions, next to the default engine failing the
 # same check.
+#
+# ## On real vLLM
+#
+# - `VLLM_BATCH_INVARIANT=1` turns on vLLM's batch-invariant kernels (beta; tracker
+#   vllm #27433): the same output whatever the batch, at a speed cost. Its docs list
+#   the models tested, SmolLM2-1.7B-Instruct among them.
+# - Seeds: `SamplingParams(seed=...)` per request; the engine's `--seed` defaults to 0
+#   in v1. A seed fixes the random draws, not the logits they meet (section 1).
+# - Identical runs also need offline mode with `VLLM_ENABLE_V1_MULTIPROCESSING=0` (for a
+#   deterministic schedule), the same hardware and the same vLLM version
+#   (docs: usage/reproducibility).
+# - Checked against vLLM's docs (features/batch_invariance, usage/reproducibility) and
+#   `vllm/envs.py`, 2025-2026. Here `batch_invariant=True` is an engine argument (the
+#   variable works too); on CPU it runs the linears one row at a time and decode
+#   attention one sequence at a time, where vLLM swaps in batch-invariant GPU kernels.
 
 # %%
 print(f"chapter 5 ran in {time.perf_counter() - T0:.0f} s")

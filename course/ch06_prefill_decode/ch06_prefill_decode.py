@@ -366,6 +366,22 @@ print("| (vllm #18352) vLLM vs HF log-probs differ up to ~0.32 in bf16 | not mea
 # softmax in float32; the grader plugs your step into the faulty engine on fresh text and
 # checks that the prefill/decode KL is back under 1e-9 nats, next to the faulty engine
 # failing the same check.
+#
+# ## On real vLLM
+#
+# - Prefill path: `SamplingParams(prompt_logprobs=k)` scores a fixed text in one
+#   pass; decode path: `logprobs=k` on generated tokens. Recent versions teacher-force
+#   decode too: `--enable-trace-replay` and `SamplingParams(trace_decode_token_ids=...)`
+#   follow given tokens and still compute real log-probs, this chapter's test.
+# - The seed's enforce-eager comparison is `--enforce-eager` (no CUDA graphs and, in
+#   recent versions, no `torch.compile`): score the same tokens with and without it.
+# - A prompt split into chunks reads the earlier chunks back from the cache:
+#   `--no-enable-chunked-prefill` or a larger `--max-num-batched-tokens` keeps it in
+#   one step, and `--no-enable-prefix-caching` rules out cached prefix blocks.
+# - Checked against vLLM's docs and source of 2025-2026 (engine arguments,
+#   `SamplingParams`; v0.10 to the main branch). Here `LLM.score(ids, mode="decode")`
+#   teacher-forces decode on every version, and the step registry swaps one layer's
+#   decode attention for a test.
 
 # %%
 print(f"chapter 6 ran in {time.perf_counter() - T0:.0f} s")

@@ -434,6 +434,22 @@ print(f"| the correct mapping is bitwise equal to the reference on a fragmented 
 # the same check. Last, you choose the most precise `kv_cache_dtype` whose pool, in a
 # fixed byte budget, holds a batch at once; the grader reads each option's pool size
 # from the engine and measures the KL of those that fit.
+#
+# ## On real vLLM
+#
+# - `--block-size` (default 16) sets the page; the attention backend limits it
+#   (FlashAttention: multiples of 16; FlashInfer: 16, 32 or 64). Test at more than one
+#   size, with prompts that cross block boundaries.
+# - Fragment the pool on purpose: a small `--num-gpu-blocks-override` (documented as
+#   "Used for testing preemption") and many short requests before the ones under test.
+# - The vllm #5543 check: the same requests with `--enable-prefix-caching` and
+#   `--no-enable-prefix-caching`, compared on log-probs (a wrong block table is a large
+#   KL, not a near-tie flip); `vllm:prefix_cache_hits` shows whether hits happened, and
+#   `--attention-backend` runs another kernel's reader.
+# - Checked against vLLM's docs of 2025-2026 (engine arguments, attention backends,
+#   metrics). Here the mapping is a swappable step ("slot_mapping",
+#   "slot_mapping.read") and the TORCH backend gathers K/V into dense tensors; vLLM's
+#   kernels, like this engine's TRITON backend, walk the block table.
 
 # %%
 print(f"chapter 7 ran in {time.perf_counter() - T0:.0f} s")

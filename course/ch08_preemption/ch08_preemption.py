@@ -342,6 +342,23 @@ print(f"| fp32 + penalties + forced preemption gives identical tokens (course pl
 # section 3 shows a resume is not exact in bfloat16, you choose the largest `max_num_seqs`
 # that serves a given traffic on a given pool without any preemption; the grader serves
 # it at your value and one above.
+#
+# ## On real vLLM
+#
+# - Watch `vllm:num_preemptions` (scraped as `vllm:num_preemptions_total`) beside
+#   `vllm:num_requests_running`, `vllm:num_requests_waiting` and
+#   `vllm:kv_cache_usage_perc`.
+# - v1 preempts by recompute only (`--swap-space` is gone): the newest running request,
+#   or the lowest-priority one under `--scheduling-policy priority`. Fewer preemptions:
+#   a lower `--max-num-seqs`, more KV (`--gpu-memory-utilization`,
+#   `--kv-cache-memory-bytes`) or a smaller cache entry (`--kv-cache-dtype fp8`).
+# - Test resumes as this chapter does: force them with a small `--num-gpu-blocks-override`
+#   (its documented purpose), then compare each preempted request with an unpreempted
+#   run, with `SamplingParams(seed=...)` and penalties set.
+# - Checked against vLLM's docs and source of 2025-2026 (engine arguments, metrics, the
+#   v1 scheduler). This engine preempts the newest running request too and counts it in
+#   `llm.stats.num_preemptions`; what a resume keeps is the "scheduler.preempt" step,
+#   which the faults replace.
 
 # %%
 print(f"chapter 8 ran in {time.perf_counter() - T0:.0f} s")

@@ -504,6 +504,23 @@ print(f"| online softmax is exact; accumulator precision decays with length (vll
 # not divide the length, fp16 inputs whose raw q.k pass 65504), then plugs them into the
 # fp16 engine as its prefill and decode attention steps on fresh text: no corrupted
 # request and KL <= 1e-3 against float32, next to the eager engine failing the same check.
+#
+# ## On real vLLM
+#
+# - `VLLM_COMPUTE_NANS_IN_LOGITS=1` makes vLLM check the logits and count requests with
+#   NaN in `vllm:corrupted_requests` (off by default: it costs compute). A rising count
+#   is section 3's failure; the text alone ("!!!!") is only a symptom.
+# - The kernel fixes the order of operations: `--attention-backend` (`FLASH_ATTN`,
+#   `FLASHINFER`, `TRITON_ATTN`, `FLEX_ATTENTION`; `VLLM_ATTENTION_BACKEND` in older
+#   versions) reruns a request through another one.
+# - `--dtype bfloat16` has float32's exponent range and cannot overflow where float16
+#   does; FlashAttention 2 takes fp16 and bf16 only, `TRITON_ATTN` and `FLEX_ATTENTION`
+#   also float32.
+# - With an fp8 KV cache on FlashAttention 3 the queries are quantized to fp8 too (vLLM's
+#   docs): the FP8 attention path of vllm #23813.
+# - Checked against vLLM's docs and source of 2025-2026 (`vllm/envs.py`, metrics,
+#   attention backends). This engine checks every logit row and ends such a request
+#   with `finish_reason="error"`; both its backends give a fully masked row 0.
 
 # %%
 print(f"chapter 9 ran in {time.perf_counter() - T0:.0f} s")

@@ -422,6 +422,21 @@ print("| course plan (lab idea): scale one down_proj or norm weight by 1000 | no
 # amplified engine (c = 2.75) from NaN to finite logits within 1e-2 nats of float32.
 # Last, you decide for the unmodified and the amplified model whether to serve float16
 # (with your fixes) or bfloat16; the grader measures both on fresh sequences.
+#
+# ## On real vLLM
+#
+# - vLLM refuses `--dtype float16` for the model types it knows to overflow (`gemma2`,
+#   `gemma3`, `gemma3_text`, `plamo2`, `glm4`: "does not support float16"); it checks no
+#   other model, so measure the activation peak before serving float16.
+# - Its `RMSNorm` is the custom op `rms_norm`:
+#   `--compilation-config '{"custom_ops": ["+rms_norm"]}'` runs the op's own kernel,
+#   `"-rms_norm"` lets torch.compile build one from `forward_native`; compare the two.
+# - An overflow ends in NaN logits: `VLLM_COMPUTE_NANS_IN_LOGITS=1` counts those
+#   requests in `vllm:corrupted_requests`; compare float16 and bfloat16 replicas on it.
+# - Checked against vLLM's source and docs of 2025-2026 (`vllm/config/model.py`,
+#   `layernorm.py`, the compilation config). This engine's norm reference upcasts to
+#   float32 (`rms_norm_ref`); the clamp and the fused add + norm of the lab are steps you
+#   install (`fused_add_rms_norm` is vLLM's name for the fused op).
 
 # %%
 print(f"chapter 10 ran in {time.perf_counter() - T0:.0f} s")

@@ -455,6 +455,22 @@ print(f"| fix: fp32 table, correct theta, correct scaling: KL at long positions 
 # fresh configurations, then installs your table in the engine on fresh text: KL at long
 # positions must be at most 1e-6 against the clean engine, next to the broken table
 # failing the same check.
+#
+# ## On real vLLM
+#
+# - Override RoPE with `--hf-overrides`; current versions take transformers 5's
+#   `rope_parameters`, e.g. `{"rope_parameters": {"rope_type": "yarn", "factor": 4.0,
+#   "original_max_position_embeddings": 32768, "rope_theta": 1000000}}`. The old
+#   `--rope-scaling` flag is gone (docs: features/context_extension).
+# - vLLM derives `max_model_len`: `max_position_embeddings` times the factor (yarn:
+#   `original_max_position_embeddings` times it; llama3 and longrope unchanged). A longer
+#   `--max-model-len` is refused unless `VLLM_ALLOW_LONG_MAX_MODEL_LEN=1`, which the
+#   source warns gives NaN past the derived length with RoPE.
+# - Test at the positions you serve: `prompt_logprobs` over a long document, KL per
+#   window against a reference, as section 2 does; short prompts hide these bugs.
+# - Checked against vLLM's docs and source of 2025-2026 (`vllm/config/model.py`, context
+#   extension). This engine reads `rope_scaling` or `rope_parameters`, builds its cos/sin
+#   table in float32 and casts it at use; the table is the swappable "rotary.table" step.
 
 # %%
 print(f"chapter 11 ran in {time.perf_counter() - T0:.0f} s")

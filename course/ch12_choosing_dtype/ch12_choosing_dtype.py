@@ -608,6 +608,23 @@ for c_, m in claims:
 # builds engines with your choice on prompts you have not seen, for the x4 model on a
 # pre-Ampere platform (where `auto` gives NaN) and for the unmodified model (where your
 # choice must beat `auto`'s bfloat16).
+#
+# ## On real vLLM
+#
+# - `--dtype auto` serves a float32 checkpoint in the platform's preferred 16-bit type
+#   (the code's rule since vllm PR #18751; the `--dtype` help text still says FP16 for
+#   FP32 models). Name the dtype you mean: `bfloat16`, `float16`/`half`, `float32`.
+# - The startup log says what happened: INFO "Downcasting torch.float32 to
+#   torch.bfloat16." (or "Upcasting"), WARNING "Casting torch.bfloat16 to
+#   torch.float16." between the 16-bit formats.
+# - `--dtype float16` raises for `gemma2`, `gemma3`, `gemma3_text`, `plamo2` and `glm4`
+#   ("Numerical instability"); no other model is checked, so measure the peak as
+#   section 4 does. `VLLM_COMPUTE_NANS_IN_LOGITS=1` counts NaN requests in
+#   `vllm:corrupted_requests`.
+# - Checked against `vllm/config/model.py` (`_resolve_auto_dtype`,
+#   `_get_and_verify_dtype`) and the engine-argument docs of 2025-2026. This engine
+#   applies the same rule (`resolve_auto_dtype`) and always checks logit rows for NaN,
+#   ending such requests with `finish_reason="error"`.
 
 # %%
 print(f"chapter 12 ran in {time.perf_counter() - T0:.0f} s")

@@ -660,6 +660,20 @@ for c, m in claims:
 # rounding, and plug it into the engine through the step registry; the grader checks,
 # on prompts you have not seen, that the KL against float32 is back at the noise floor
 # while plain TF32 is not.
+#
+# ## On real vLLM
+#
+# - TF32 touches float32 matmuls only: a `--dtype float32` model; bfloat16 and float16
+#   models do not use it.
+# - `VLLM_FLOAT32_MATMUL_PRECISION` sets `torch.set_float32_matmul_precision` in vLLM's
+#   workers: `highest` (default), `high` or `medium`. vllm PR #29897 (2025-12) made
+#   `highest` explicit, answering the seed's "vLLM enables TF32 by default".
+# - PyTorch's `TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1` forces TF32 whatever that setting
+#   says: check the serving environment for it when float32 must match float32.
+# - Checked against `vllm/envs.py`, vllm PR #29897 and PyTorch's CUDA environment
+#   variables page (2025-2026). Here `float32_matmul_precision` is an engine argument and
+#   TF32 is emulated on CPU (inputs rounded ties-to-even); on a GPU the tensor cores'
+#   accumulator adds the error section 5 measured.
 
 # %%
 print(f"chapter 13 ran in {time.perf_counter() - T0:.0f} s")

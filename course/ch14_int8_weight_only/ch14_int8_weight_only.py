@@ -504,6 +504,21 @@ for c, m in claims:
 # threshold while the per-tensor configuration is not. Last, with per-tensor scales only,
 # you choose the one `o_proj` or `down_proj` to keep in float (`ignore`); the grader
 # measures the KL it leaves on fresh text.
+#
+# ## On real vLLM
+#
+# - vLLM serves int8 weight-only from a quantized checkpoint: llm-compressor's `W8A16`
+#   preset stores int8 weights with one symmetric scale per output channel (this
+#   chapter's per-channel scheme). vLLM reads `quantization_config` from config.json;
+#   no `--quantization` flag is needed.
+# - Outlier layers: the checkpoint's `ignore` list (module names or `re:` patterns)
+#   keeps them unquantized; vLLM applies it when it loads compressed-tensors weights.
+# - `W8A8` (int8 activations too) is another scheme with other errors (docs: INT8
+#   W8A8): measure the one you ship, with the `prompt_logprobs` KL of section 3.
+# - Checked against vLLM's quantization docs and source, and compressed-tensors'
+#   `quant_scheme.py` (2025-2026). This engine quantizes on load (`quantization="int8"`,
+#   `granularity` "tensor" or "channel", `ignore`) and multiplies by the dequantized
+#   weight (`F.linear`).
 
 # %%
 print(f"chapter 14 ran in {time.perf_counter() - T0:.0f} s")

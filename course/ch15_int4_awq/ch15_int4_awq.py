@@ -597,6 +597,21 @@ for i, c in enumerate(rows_):
 # engine's), AWQ's scale search, and the quantizer that applies the scale; the grader
 # registers them as a calibrated quantization method and checks, on text you have not
 # seen, that your AWQ brings the KL against float32 under a threshold that RTN fails.
+#
+# ## On real vLLM
+#
+# - Serve an AWQ checkpoint as it is: vLLM reads its `quantization_config` and, where it
+#   can, runs the `awq_marlin` kernel; an explicit `--quantization awq` forces the
+#   older AWQ kernel (its log says so). `--dtype half` is the recommended dtype for AWQ.
+# - Make checkpoints with llm-compressor: AutoAWQ is deprecated and its AWQ moved there
+#   (vLLM docs, AutoAWQ page). AutoAWQ's example config (4 bits, `zero_point`,
+#   `q_group_size` 128) is this chapter's asymmetric g128 grid.
+# - Gate on this chapter's numbers: `prompt_logprobs` KL and answer KL against the
+#   16-bit model, accuracy paired on the same items; test several prompt lengths too
+#   (vllm #10656 failed on short prompts only).
+# - Checked against vLLM's docs (quantization, AutoAWQ, engine arguments) and
+#   `awq_marlin.py`, 2025-2026. This engine runs its own AWQ search (scales, clip) on
+#   bundled text, caches the checkpoint, and multiplies by the dequantized weight.
 
 # %%
 print(f"chapter 15 ran in {time.perf_counter() - T0:.0f} s")
