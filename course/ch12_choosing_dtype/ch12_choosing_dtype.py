@@ -508,30 +508,54 @@ print(f"\nthe check gives a finite answer in {restored} of the {broken} configur
 # margin); a clamp before the residual add (transformers PR #36832 for Gemma 3, chapter 10)
 # keeps float16 finite but costs accuracy.
 #
-# ## 5. Seed 003 §1.5: an fp32 KV cache for an fp16 model
+# ## 5. Seed 000 §2.4.2: bfloat16 weights, a float16 KV cache, TF32 off
 #
-# The seed recommends storing K and V in float32 when the model runs in float16. K and V are
-# computed by float16 matmuls, so every value is already a float16 number, and float32 holds
-# it exactly; attention then reads the same numbers:
+# The seed's closing recommendation combines three settings: run the model in bfloat16
+# (range), store K and V in float16 (three more mantissa bits), and turn TF32 off. What
+# each does here:
+#
+# - **TF32** only ever touches float32 matmuls (chapter 13); a bfloat16 model has none, so
+#   "TF32 off" changes nothing in this configuration.
+# - **A float16 cache for bfloat16 K/V.** K and V come out of bfloat16 matmuls, so every
+#   value has at most 8 significant bits, and float16 holds 11: any such value between
+#   2^-14 and 65504 is stored exactly. The extra bits have nothing to keep. What float16
+#   adds is a risk: values below 2^-14 lose bits (subnormal) and above 65504 overflow.
+# - **What vLLM allows**: `--kv-cache-dtype` lists `auto`, `bfloat16`, the fp8 variants and,
+#   in some versions, `float16` or `int8` (`CacheDType` in `vllm/config/cache.py`); `auto`
+#   stores K/V in the model's dtype. (Seed 003 §1.5's float32 cache for a float16 model is
+#   not among them, and chapter 1, section 6, measured that it stores float16 values
+#   exactly: the same logits at twice the memory.)
+#
+# Measured: the bfloat16 engine with a float16 cache against the same engine with its
+# default (bfloat16) cache, on the windows of section 2.
 
 # %%
-fp16_kv32 = LLM(MODEL, dtype="float16", kv_cache_dtype="float32", **COMMON)
-rows_kv32 = fp16_kv32.score(seqs, output="logits")
-same = all(torch.equal(a, b) for a, b in zip(rows_kv32, RUNS["float16"]["rows"]))
-kv_bytes = {name: llm.llm_engine.model_runner.kv_caches[0].key.element_size()
-            for name, llm in [("float16 KV", fp16), ("float32 KV", fp16_kv32)]}
-print(f"float16 model, float32 KV vs float16 KV: logits bit for bit equal: {same}; bytes per "
-      f"K/V element {kv_bytes['float16 KV']} vs {kv_bytes['float32 KV']}")
+bf16_kv16 = LLM(MODEL, dtype="bfloat16", kv_cache_dtype="float16", **COMMON)
+rows_kv16 = bf16_kv16.score(seqs, output="logits")
+same_kv16 = all(torch.equal(a, b) for a, b in zip(rows_kv16, RUNS["auto (bfloat16)"]["rows"]))
+kv16_kl = float(np.mean(np.concatenate([metrics.kl_divergence(a, b).numpy() for a, b in
+                                        zip(RUNS["float32"]["rows"], rows_kv16)])))
+kv_elem = {name: llm.llm_engine.model_runner.kv_caches[0].key.element_size()
+           for name, llm in [("bfloat16 KV", auto), ("float16 KV", bf16_kv16)]}
+# which stored K/V values float16 could not hold exactly: read back the float16 cache
+_kc = bf16_kv16.llm_engine.model_runner.kv_caches
+_vals = torch.cat([c.key.flatten().float() for c in _kc] + [c.value.flatten().float() for c in _kc])
+_vals = _vals[_vals != 0]
+tiny = int((_vals.abs() < 2.0 ** -14).sum())
+print(f"bfloat16 model, float16 KV vs bfloat16 KV: logits bit for bit equal: {same_kv16}; "
+      f"mean KL against float32 {kv16_kl:.3g} (bfloat16 KV: {drift('auto (bfloat16)')['kl']:.3g}); "
+      f"bytes per K/V element {kv_elem['bfloat16 KV']} vs {kv_elem['float16 KV']}; stored values "
+      f"below 2^-14 (float16 subnormal): {tiny} of {_vals.numel():,}; largest |K/V| "
+      f"{float(_vals.abs().max()):.3g}")
+del bf16_kv16
 
 # %% [markdown]
-# K and V written into the float32 cache are float16 numbers already, so the cache holds
-# the same values and the logits should come out bit for bit the same (the line above
-# checks it), at twice the KV memory (twice the bytes per token: 32 → 16 concurrent
-# requests, not the seed's "32 → 24"): the fp32 cache buys nothing here. (The attention
-# here computes in the model dtype after reading; an engine that read K/V into a float32
-# softmax would gain from a float32 *computation*, not from float32 storage.) vLLM does not
-# offer the option: its `kv_cache_dtype` choices (`CacheDType` in `vllm/config/cache.py`) are
-# `auto`, `bfloat16`, the fp8 variants, and in some versions `float16` or `int8`, no `float32`.
+# Read the line above this way: a bfloat16 value between 2^-14 and 65504 fits float16
+# exactly, so only the values counted below 2^-14 can lose bits (the largest |K/V| printed
+# shows how far the other end is). Where the logits are bit for bit equal, those few moved
+# no logit; where they are not, the KL beside it says by how much. Either way the
+# recommendation's float16 cache buys no accuracy for a bfloat16 model: a bfloat16 engine's
+# accuracy is set by its bfloat16 matmuls, not by where K/V are stored.
 #
 # ## 6. Claim vs measurement
 
@@ -571,9 +595,14 @@ claims = [
         f"fast as float32 (native 16-bit matmul instructions: {cpu_16bit_units()})")
      + "; on a GPU float32 costs speed and twice the memory, and it is the only safe "
      "choice for the x4 model on a pre-Ampere GPU"),
+    ("bf16 weights + fp16 KV cache + TF32 off (seed 000 §2.4.2)",
+     ("the float16 cache changed nothing: " if same_kv16 else
+      f"the float16 cache changed the logits ({tiny} stored values below 2^-14): ")
+     + f"mean KL {kv16_kl:.3g} against bfloat16 KV's {drift('auto (bfloat16)')['kl']:.3g}; TF32 "
+     "touches no bfloat16 matmul; vLLM offers a float16 cache only in some versions"),
     ("an fp32 KV cache helps an fp16 model (seed 003 §1.5)",
-     ("no: " if same else "it changed the logits here: ")
-     + f"bit for bit the same logits as the float16 KV cache: {same}; twice the KV bytes"),
+     "no: float16 values convert to float32 exactly, so the logits stay the same bit for bit "
+     "(chapter 1, section 6, checks it), at twice the KV bytes"),
     ("vLLM serves fp32 checkpoints in fp16 (olmo-cookbook #60, PR #18340)",
      "true before PR #18751; since then bfloat16 where the platform has it, float16 on "
      "pre-Ampere GPUs"),
@@ -596,7 +625,8 @@ for c_, m in claims:
 # - *"The typical activation size tells me whether float16 is safe."* The peak decides: one
 #   massive activation in one layer (layer 11 here) is enough.
 # - *"A float32 KV cache protects a float16 model."* It stores float16 values exactly,
-#   which the float16 cache already did (section 5 compares the logits bit for bit).
+#   which the float16 cache already did (chapter 1, section 6, compares the logits bit for
+#   bit); likewise a float16 cache holds a bfloat16 model's K/V exactly (section 5).
 # - *"Casting bfloat16 weights to float16 is harmless."* vLLM warns about it
 #   ("Casting torch.bfloat16 to torch.float16."): a bfloat16 model's activations were
 #   trained with float32's range and may not fit 65504.
