@@ -22,7 +22,7 @@
 # the engine's own reference; then it registers them as a *calibrated* quantization
 # method (`register_quantization_method(..., calibrated=True)`: the engine hands your
 # method each layer's calibration input rows) and checks, on text you have not seen,
-# that your AWQ brings the KL under a limit that RTN fails.
+# that your AWQ cuts RTN's KL by at least a quarter on the same text.
 #
 # 1. `quantize_int4_group(w, group_size, symmetric)`: int4 codes, scales and zero points
 #    per group, 4 points;
@@ -404,11 +404,14 @@ for _o, _i, _gs in ((48, 576, 128), (8, 100, 32), (1, 7, 4)):
 #         quantization_config=dict(calibration_tokens=256, **SUBSET))
 #
 # (the engine runs 256 tokens of its bundled chat conversations through the model layer
-# by layer and gives each MLP layer's input rows to your `awq_scale_search`), scores
-# conversation text you have not seen, and requires the mean KL against float32 to be
-# at most **0.04 nats**. RTN on the same layers (`quantization="int4"`, asymmetric, g128)
-# gives about 0.05 there and must fail the same check; the reference AWQ (no clip search,
-# 10 grid points) about 0.03. `measure()` (setup cell) prints both on a prose window.
+# by layer and gives each MLP layer's input rows to your `awq_scale_search`), scores six
+# windows of text you have not seen (480 positions) with it and with RTN on the same
+# layers (`quantization="int4"`, asymmetric, g128: the broken configuration), and requires
+# your mean KL against float32 to be **at most 0.75 x RTN's** on the same positions.
+# Paired on the same text, the ratio hardly moves with the text: the reference AWQ (no
+# clip search, 10 grid points) gives 0.5-0.7 of RTN's KL on every 3-window set we tried,
+# and RTN itself is the 1.0 the limit is measured against. `measure()` (setup cell) prints
+# both on a prose window.
 
 # %% nbgrader={"grade": true, "grade_id": "test_engine", "locked": true, "points": 6, "schema_version": 3, "solution": false, "task": false}
 import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
@@ -422,10 +425,11 @@ _pw, _px = torch.randn(6, 16, generator=_pg), torch.randn(5, 16, generator=_pg)
 _ps = awq_scale_search(_pw, _px, 8, 2)                     # the learner's functions first: a
 _pq = quantize_int4_group(_pw * _ps, 8, False)             # stub fails before any engine
 dequantize_awq(*_pq, _ps, 8)
-_LIMIT = 0.04
+_RATIO = 0.75  # your KL at most this share of RTN's, on the same positions
 register()
 _convs = evalsets.conversation_sequences(tokenizer, max_conversations=12)
-_seqs = [_convs[i][:80] for i in (9, 10, 11)]               # not the calibration text
+_seqs = ([_convs[i][:80] for i in (9, 10, 11)]              # not the calibration text
+         + evalsets.corpus_sequences(tokenizer, seq_len=80, max_sequences=3))
 
 
 def _kl(ref, llm):
@@ -446,9 +450,10 @@ _broken = _kl(_ref, LLM(MODEL, **COMMON, quantization="int4", quantization_confi
 _gc.collect()
 _restored = _kl(_ref, _yours)
 print(f"{sum(map(len, _seqs))} fresh positions; mean KL against float32 (nats): RTN asym g128 "
-      f"on the MLPs of layers 0-3 (the broken configuration) {_broken:.3g}; your AWQ {_restored:.3g}; "
-      f"limit {_LIMIT}")
-# the check must discriminate: the broken configuration fails it
-assert _broken > _LIMIT, f"RTN ({_broken:.3g}) should fail the limit {_LIMIT}"
-checks.at_most(f"KL of the engine with your AWQ (RTN: {_broken:.3g})", _restored, _LIMIT)
+      f"on the MLPs of layers 0-3 (the broken configuration) {_broken:.3g}; your AWQ {_restored:.3g} "
+      f"= {_restored / _broken:.2f} x RTN; limit {_RATIO} x RTN = {_RATIO * _broken:.3g}")
+# the check must discriminate: the broken configuration (1.0 x itself) fails it
+assert _broken > _RATIO * _broken > 0, f"RTN's KL ({_broken:.3g}) must be positive and finite"
+checks.at_most(f"KL of the engine with your AWQ, nats (0.75 x RTN's {_broken:.3g})", _restored,
+               _RATIO * _broken)
 ### END HIDDEN TESTS
