@@ -291,8 +291,8 @@ print(f"| (not in the seed) preemptions | `vllm:num_preemptions_total` | "
 # ## 6. Claim vs measurement
 #
 # Every verdict below is computed from this run, except the 16-bit rates, which chapter 8
-# measured (`course/ch08_preemption/recompute_rates.json`, read here, not re-run: 16-bit
-# is ~3x slower on a CPU).
+# measured (`course/ch08_preemption/recompute_rates.json`, read here, not re-run: they are
+# 40-request runs in two 16-bit formats, minutes of CPU time).
 
 # %%
 import json

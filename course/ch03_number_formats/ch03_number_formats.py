@@ -137,11 +137,11 @@ for v in (1024.5, 1e5, 1e-6, 3e-8):
 # %% [markdown]
 # Inside fp16's range the two are the same format. They differ only at the ends, where
 # fp16's 5-bit exponent runs out: 1e5 overflows fp16 to inf, and 1e-6 is an fp16
-# subnormal (spacing 2^-24 = 6e-8 there, so a few percent of error) while TF32 keeps it
-# normal. 1024.5 is a tie between 1024 and 1025 in both; round-to-nearest-even gives
-# 1024. The famous "1024.5 times the identity gives 1025 on a 3090"
-# (pytorch/pytorch #53635) is the *same* 10-bit grid with a different tie rule (NVIDIA's `cvt.rna.tf32`
-# rounds ties away from zero), not a coarser one.
+# subnormal (spacing 2^-24 = 6e-8 there, so about 1 % of error: 1.3e-02 printed) while
+# TF32 keeps it normal. 1024.5 is a tie between 1024 and 1025 in both;
+# round-to-nearest-even gives 1024. The famous "1024.5 times the identity gives 1025 on
+# a 3090" (pytorch/pytorch #53635) is the *same* 10-bit grid with a different tie rule
+# (NVIDIA's `cvt.rna.tf32` rounds ties away from zero), not a coarser one.
 #
 # ### 2.2 "FP8 keeps about 3 decimal digits"
 #
@@ -170,7 +170,9 @@ print(f"pi in e4m3: {float(round_to_format(pi, 'fp8_e4m3')):.4g}, in e5m2: "
 # %% [markdown]
 # e4m3's worst case is just under $2^{-4}$ = 6.25 % (a value halfway between 1 and
 # 1.125 is off by 0.0625 either way, 5.9 % of it): 4 significant bits, about 1.2 decimal
-# digits. e5m2's is just under 12.5 %, under one digit. "About 3 decimal digits" is fp16.
+# digits. e5m2's bound is $2^{-3}$ = 12.5 %; its worst case is again a midpoint (1.125,
+# halfway between 1 and 1.25, is off by 0.125): 11.1 %, the printed 1.111e-01, under one
+# digit. "About 3 decimal digits" is fp16.
 # In e4m3, π is 3.25, and every value from 3.125 to 3.375 is stored as 3.25 (or as 3.0 or
 # 3.5 at the ends).
 #
@@ -415,8 +417,9 @@ for c in CLASSES:
                      for b in (8, 4)) + " |")
 
 # %% [markdown]
-# How to read it: tf32, fp16 and bf16 never flush or saturate anything this model stores,
-# and their errors are the format's precision alone (about ulp/√12 relative to the value:
+# How to read it: tf32 and bf16 never flush or saturate anything this model stores, fp16
+# saturates nothing and flushes at most about 1e-4 % of a class to zero (the K row), and
+# their errors are the format's precision alone (about ulp/√12 relative to the value:
 # 2e-4 for 10 mantissa bits, 1.5e-3 for 7; tf32 and fp16 agree to every digit). The fp8
 # columns are where the ends of the range show up, and the integer
 # columns show why an integer format needs a good scale: one outlier sets the spacing for
@@ -469,7 +472,8 @@ print(f"3. 'Weights come from Q4_1, so each group of 32 holds <= 16 distinct val
 #    weights (8 %), V over all layers (3 %) and K (1 %) touch them much less.
 # 2. **The residual peak is inside bf16's range but not exact**: bf16 has 8 significant
 #    bits, so at ~25,000 it rounds to a multiple of 128. (It does saturate e4m3 and fit
-#    fp16, as expected: a handful of values, in the few channels listed above.)
+#    fp16, as expected: about 0.013 % of them (printed), in the few channels listed
+#    above.)
 # 3. **Only the decoder linears are Q4_1**: the embedding (which is also the LM head)
 #    holds up to 32 distinct values per group; the GGUF stores it as Q8_0. Re-quantizing
 #    a decoder linear to 4 bits on the same groups would be nearly lossless; chapters
@@ -487,8 +491,10 @@ print(f"3. 'Weights come from Q4_1, so each group of 32 holds <= 16 distinct val
 #   scale set by the massive activations rounds most of the stream to 0 (the
 #   bracketed percentages).
 #
-# Everything stored in fp16 or bf16 stays in range and in the normal numbers: their
-# columns show nothing but the format's precision.
+# Everything stored in fp16 or bf16 stays in range. bf16 keeps it all in its normal
+# numbers; fp16 puts a small share in its subnormals (up to 0.22 % of layer 0's V, the
+# table), too few to show in its error column, which matches tf32's: both columns show
+# nothing but the format's precision.
 #
 # The histograms show where K, V and the residual stream sit against the fp8 ranges (log
 # scale, so that the tails, down to single values, are visible):
@@ -735,8 +741,9 @@ for c in claims:
 #   biases every value toward zero; the errors no longer cancel in attention's averages,
 #   and the fp8 cache's KL doubles (§6).
 # - *"8 bits are 8 bits: int8 and fp8 are equally precise."* They spend the bits
-#   differently. With one absmax scale per tensor, int8 is *more* precise than e4m3 on K
-#   and V here (the table in §4), whose values span a few decades around their maximum;
+#   differently. With one absmax scale per tensor, int8 is *more* precise than e4m3 on
+#   the K and V rows over all layers (the table in §4), whose values span a few decades
+#   around their maximum, though not on layer 0's V alone (2.94e-02 against 2.79e-02);
 #   on the residual stream, whose values span many decades below a few huge ones, one
 #   int8 scale per layer rounds most values to 0, and e4m3 saturates the huge ones.
 #

@@ -141,11 +141,12 @@ print_table([noise, fault])
 
 # %% [markdown]
 # Read the two lines side by side. The reorder moves log-probs by ~1e-4 at most and its
-# KL is ~1e-11 nats: float32 rounding, nothing else. The fault's mean KL is eight orders
-# of magnitude larger, yet a quarter of the metrics barely notice it: top-1 agreement
-# stays in the high nineties, and the **perplexity ratio can even come out below 1** (the
-# faulty model looks "better" on these tokens): a PPL ratio averages signed changes of the
-# target tokens' log-probs, which cancel. KL and the absolute differences do not cancel.
+# KL is a few 1e-11 nats: float32 rounding, nothing else. The fault's mean KL is nearly
+# eight orders of magnitude larger, yet a quarter of the metrics barely notice it: top-1
+# agreement stays in the high nineties, and the **perplexity ratio can even come out
+# below 1** (the faulty model looks "better" on these tokens): a PPL ratio averages signed
+# changes of the target tokens' log-probs, which cancel. KL and the absolute differences
+# do not cancel.
 
 # %% [markdown]
 # ## 3. The incident: a bf16 engine against float32
@@ -331,8 +332,10 @@ fig
 #    correlated (an early error persists), so resampling positions one by one would give
 #    intervals that are far too narrow;
 # 2. it is *practically* large: the mean KL is above a threshold that matters. We take
-#    1e-4 nats: below it, in the measurements above and in the course's anchors (fp16 KV
-#    4e-7, TF32 3e-6 nats), no top-1 token flips on 256 positions; above it, flips start.
+#    1e-4 nats: below it top-1 flips are rare (the fp16 K/V cache, 4e-7 nats, flips none
+#    of the 256 positions above; emulated TF32, 3.05e-6 nats in benchmarks/RESULTS.md,
+#    keeps 99.92 % of top-1 tokens over 2,560 positions, about one flip in 1,000); above
+#    it, flips become common (a few per hundred in the bf16 rows above).
 #
 # A candidate that passes (1) but not (2) is real but immaterial (the fp16 K/V cache);
 # one that passes (2) but not (1) needs more data (a bigger noise floor: compare a bf16
@@ -370,8 +373,9 @@ for r in configs:
 # lookup and the 30 layers stay bf16.
 #
 # Because the head does not feed back into the body on fixed tokens, the bf16 engine and
-# the bf16 engine with the fp32 head compute *identical* hidden states; the difference of
-# their log-probs is exactly the bf16 head's rounding.
+# the bf16 engine with the fp32 head run the same bf16 body on the same tokens, so their
+# hidden states should agree (this chapter does not print a check); the difference of
+# their log-probs is then the bf16 head's rounding.
 
 # %%
 bf16_body = bf16_row["tgt RMS"]
@@ -418,11 +422,12 @@ fig
 
 # %% [markdown]
 # The fp32 head removes its own share completely (its rounding is a few hundredths of a
-# nat RMS, as large as a bf16 head on a float32 body), yet the total drops by only a
-# fraction. Independent rounding errors add **in quadrature**: the body's bf16 error and
-# the head's error are about equally large, so removing one of two equal terms divides
-# the RMS by ~√2 at most, and here the body's share is the larger one. On this model the
-# rest is the 30 bf16 layers; Fast-LLM's 0.002 needs fp32 *throughout*. In RL the
+# nat RMS, about as large as a bf16 head on a float32 body), yet the total drops by only
+# a fraction. Independent rounding errors add **in quadrature**, and the body's bf16
+# error (the fp32-head line) is the larger term, about 1.7 times the head's own rounding
+# (e.g. 0.0458 against 0.0268): removing the smaller term leaves most of the RMS (the
+# printed ratio, about 0.9x), as the quadrature check predicts. On this model the rest is
+# the 30 bf16 layers; Fast-LLM's 0.002 needs fp32 *throughout*. In RL the
 # mitigation is still worth it: trainer and engine then disagree only by their bodies, and
 # the head, whose rounding hits the logits directly, is the same on both sides.
 
@@ -432,7 +437,7 @@ fig
 # | claim | what we measured here |
 # |---|---|
 # | vLLM vs HF log-probs differ by up to ~0.32 on identical inputs (#18352, Qwen3-1.7B bf16) | bf16 engine vs float32 on a 135M model: max \|Δ\| of sampled and of target tokens a few tenths, RMS a few hundredths (sections 3 and 6); float32 engine vs HF: ~1e-4 (section 1) |
-# | the difference is "bf16 numerics and different kernels, including the bf16 lm_head" | yes: a bf16 head alone on the float32 body gives an RMS of the same size as the whole bf16 engine's (section 6) |
+# | the difference is "bf16 numerics and different kernels, including the bf16 lm_head" | yes: a bf16 head alone on the float32 body gives about half the whole bf16 engine's RMS (section 6) |
 # | an fp32 LM head fixes it (open-instruct #1387, prime-rl #2438) | it removes the head's share exactly, but the total RMS falls only by the factor printed in section 6: the bf16 body's share remains |
 # | RMS δ ≈ 0.002 nats in fp32 vs 0.03 in bf16 (Fast-LLM #525, Qwen2.5-0.5B) | bf16 here: the same order (section 3); float32 engine vs HF here: far below 0.002 (same kernels on one CPU) |
 # | any difference from the reference is a bug | the benign reorder differs too; only a KL interval above its floor *and* above a practical threshold is an anomaly (section 5) |

@@ -278,9 +278,9 @@ for dtype in (torch.float32, torch.bfloat16):
 # the same Xeon with AVX2 kernels only (`ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
 # MKL_ENABLE_INSTRUCTIONS=AVX2`) changed none up to M = 64. The path matters as much as the
 # CPU: the GEMMs above run as the engine runs them, without autograd (float32 then uses
-# weights packed once for oneDNN); a plain `F.linear` with autograd on goes to MKL (on
-# that Xeon, with either kernel set, its float32 rows changed from M = 2, the packed
-# path's at no M up to 64).
+# weights packed once for oneDNN); a plain `F.linear` with autograd on goes to MKL (when
+# this chapter was written, on that Xeon with either kernel set, its float32 rows changed
+# from M = 2, while the packed path's changed at no M up to 64; not re-measured here).
 # Section 3's prefill step is a GEMM of 12 rows alone and 42 batched, which is why its
 # verdict can differ from one CPU to another. In bfloat16 the attention output is rounded
 # to 8 significant bits, so many small differences round away, but one that survives is
@@ -442,14 +442,14 @@ rows = [
                f"{M_PREFILL}: {prefill_rows_kept['torch.' + n]})" for n in ("bfloat16", "float32"))),
     ("Seed 000: the same prompt gives different outputs across requests, so the "
      "problem is in prefill",
-     "the inference does not follow: decode logits depend on the batch in "
-     + (", ".join(n for n in ("bfloat16", "float32") if summary[n][1]) or "no dtype")
-     + " here (section 3), and prefill-mode scores are bitwise equal batched in "
-     + (", ".join(n for n in ("bfloat16", "float32") if summary[n][3]) or "no dtype")
-     + ": " + ("the batch, not the prefill path, changes the text"
-               if any(summary[n][1] and summary[n][3] for n in ("bfloat16", "float32"))
-               else "here prefill depends on the batch too (its GEMM, section 4), so "
-                    "varying outputs do not single out either path")),
+     "the inference does not follow: " + "; ".join(
+         f"{n}: decode logits {'depend' if summary[n][1] else 'do not depend'} on the batch, "
+         f"prefill scores {'are bitwise equal' if summary[n][3] else 'change'} batched"
+         + (" (the batch, not prefill, changes the text)" if summary[n][1] and summary[n][3]
+            else " (prefill depends on the batch too: its GEMM, section 4)"
+            if not summary[n][3] else "")
+         for n in ("bfloat16", "float32"))
+     + ": varying outputs point at the batch, and only a per-path check says which path"),
     ("Padded SDPA depends on the pad length (plan: every pad length 1..300)",
      f"fp32 {pad_rows['torch.float32'][0]} of 64, bf16 {pad_rows['torch.bfloat16'][0]} "
      "of 64 pad lengths"),

@@ -18,7 +18,7 @@
 # 1. score the *same* fixed tokens through the engine's two code paths, prefill (all
 #    positions in one pass) and decode (one engine step per token, reading K/V back from
 #    the paged cache), and say how far apart they are, position by position;
-# 2. tell a healthy prefill/decode gap (float32 rounding, flat along the output) from a
+# 2. tell a healthy prefill/decode gap (float32 rounding, not growing along the output) from a
 #    decode-only bug (a gap far above it), and name the layer with a layer diff between
 #    the two paths;
 # 3. check the seed course's rules of thumb ("prefill is about compute precision, decode
@@ -140,7 +140,7 @@ ax.plot(pos[1:], np.maximum(kl_noise[1:], 1e-16), lw=1, color="gray", ls="--",
 ax.set_yscale("log")
 ax.set_xlabel("position in the sequence")
 ax.set_ylabel("KL (nats)")
-ax.set_title("Prefill vs decode, teacher-forced: flat along the output?")
+ax.set_title("Prefill vs decode, teacher-forced: does the gap grow along the output?")
 ax.grid(True, which="both", alpha=0.3)
 ax.legend(fontsize=8)
 fig
@@ -155,6 +155,58 @@ fig
 # a small difference flips a near-tie, after which the texts differ completely: that is
 # the "more chaotic later" a user sees, and it is a property of greedy text, not of
 # accumulated KV error (chapter 4 measures first divergence; chapter 5 determinism).
+#
+# ### The same test in bfloat16: the size of vllm #18352
+#
+# The public report compared vLLM and HF *in bfloat16*, where the two paths' different
+# summation orders round to 8 significant bits instead of 24. Score the first 64 tokens
+# through both paths of a bfloat16 engine, and each against the float32 engine, on the
+# numbers the report used: the log-probability of each *target* token (the next token of
+# the text), its largest and its RMS difference.
+
+# %%
+N_BF16 = 64
+ids_b = ids[:N_BF16]
+bf16 = LLM(MODEL, dtype="bfloat16", max_model_len=512, kv_cache_memory_bytes=32 << 20)
+t = time.perf_counter()
+pre_b = bf16.score(ids_b, mode="prefill", output="logits")
+dec_b = bf16.score(ids_b, mode="decode", output="logits")
+t_bf16 = time.perf_counter() - t
+ref_b = pre[:N_BF16]  # the float32 engine's prefill rows (section 1)
+target = torch.tensor(ids_b[1:])
+
+
+def target_logprobs(rows):
+    """log p(next token of the text) at each position but the last: [N_BF16 - 1]."""
+    return torch.log_softmax(rows.float(), -1)[:-1].gather(-1, target[:, None])[:, 0]
+
+
+def lp_gap(a, b):
+    d = (target_logprobs(a) - target_logprobs(b)).abs()
+    return float(d.max()), float(d.pow(2).mean().sqrt()), float(metrics.kl_divergence(a, b).mean())
+
+
+BF16_GAPS = {"bf16 prefill vs bf16 decode": lp_gap(pre_b, dec_b),
+             "bf16 prefill vs float32": lp_gap(ref_b, pre_b),
+             "bf16 decode vs float32": lp_gap(ref_b, dec_b),
+             "float32 prefill vs float32 decode": lp_gap(pre[:N_BF16], dec[:N_BF16])}
+print(f"{len(ids_b)} tokens, both bfloat16 paths in {t_bf16:.1f} s")
+print("| comparison | max |Δ target logprob| | RMS |Δ target logprob| | mean KL (nats) |")
+print("|---|---|---|---|")
+for name, (mx, rms, kl) in BF16_GAPS.items():
+    print(f"| {name} | {mx:.3g} | {rms:.3g} | {kl:.2e} |")
+del bf16
+
+# %% [markdown]
+# Read the table against the report: its "up to ~0.32" is a *max* over positions, the
+# same kind of number as the first row's max (section 7 puts the two side by side). The
+# RMS is the steadier summary (ServiceNow/Fast-LLM PR #525 measured ~0.03 nats RMS in
+# bf16 against ~0.002 in float32 throughout). The last row is the float32 engine's own
+# gap. In bfloat16 the two paths are two different roundings of the same function:
+# compare how far each is from float32 (rows 2 and 3) with how far they are from each
+# other (row 1); neither is "the wrong one". That is why the mitigations run the parts
+# whose rounding matters most (the LM head) in float32 rather than trying to make the
+# bf16 paths agree.
 #
 # ## 3. "Decode is about storage precision": an fp8 KV cache in both paths
 #
@@ -199,16 +251,16 @@ del fp8
 # store the same tokens in the same format, so the storage itself is not the difference.
 # The likely mechanism (not isolated in this notebook): a K or V element that the two
 # paths compute a few float32 ulps apart now and then lies on either side of an fp8
-# rounding midpoint, so it is stored one whole fp8 step (6 %) apart, and every later layer
-# and position inherits that. A coarse storage grid magnifies compute-order differences;
+# rounding midpoint, so it is stored one whole fp8 step (6-12 % of the value) apart, and
+# every later layer and position inherits that. A coarse storage grid magnifies compute-order differences;
 # it does not add a fixed, path-independent error.
 #
-# ## 4. Why the healthy gap is small and flat
+# ## 4. Why the healthy gap is small and does not grow
 #
 # - **Different shapes, same math.** Prefill multiplies a [T, 576] block by each weight;
 #   decode multiplies one row. BLAS picks different blockings for the two, so sums are
-#   added in different orders: float32 rounding of ~6e-8 relative per operation, a few
-#   ulps after 30 layers. Attention differs the same way: one causal SDPA over T queries,
+#   added in different orders: float32 rounding of ~6e-8 relative per operation, ~1e-7
+#   to 1e-6 relative in the hidden states after 30 layers (section 5's layer diff). Attention differs the same way: one causal SDPA over T queries,
 #   against T masked single-query SDPAs.
 # - **Rounding does not accumulate across steps.** Step t reads K/V of tokens < t, which
 #   were computed (and rounded) once when those tokens were processed. Its own error is
@@ -238,6 +290,23 @@ print(f"prefill vs decode, mean KL: clean {kl_pd[:N_SHORT].mean():.2e}, with the
       f"{100 * float((pre_f.argmax(-1) == dec_f.argmax(-1)).double().mean()):.1f}%")
 
 # %% [markdown]
+# Chapter 4's two questions about this difference give two answers (printed below): it is
+# far above the noise floor, so it is *real*, and it is below the practical threshold of
+# 1e-4 nats, so at this size it is *immaterial* to users of this small model. The noise
+# floor is the right yardstick for finding a bug (a decode-only fault is a defect at any
+# size, and in a larger model or a lower precision the same defect can cross the
+# threshold); the practical threshold is the one for deciding whether users would notice.
+
+# %%
+ABOVE_NOISE = kl_fault.mean() > 10 * kl_noise[:N_SHORT].mean()
+ABOVE_PRACTICAL = kl_fault.mean() > 1e-4
+print(f"fault's prefill/decode KL {kl_fault.mean():.1e} nats: "
+      f"{'above' if ABOVE_NOISE else 'NOT above'} 10x the noise floor "
+      f"({kl_noise[:N_SHORT].mean():.1e}); {'above' if ABOVE_PRACTICAL else 'below'} chapter 4's "
+      f"practical threshold of 1e-4 nats: "
+      f"{'real and material' if ABOVE_PRACTICAL else 'real but immaterial at this size' if ABOVE_NOISE else 'not distinguishable from noise'}")
+
+# %% [markdown]
 # The prefill path is untouched (bit-identical), so a prompt-only evaluation (perplexity
 # on fixed text, `prompt_logprobs`) would never see this bug. Scoring the same tokens in
 # decode mode exposes it immediately: the KL jumps far above the float32 gap. Look at the
@@ -246,12 +315,13 @@ print(f"prefill vs decode, mean KL: clean {kl_pd[:N_SHORT].mean():.2e}, with the
 #
 # **Which layer?** Capture the hidden states at every layer in both modes (forward hooks,
 # `capture_hidden_states(llm, ids, mode)`, the machinery of `layer_diff`) and compare decode
-# against prefill, layer by layer. Healthy layers differ at float32 noise (~1e-7
-# relative); the first layer whose residual stream jumps above both 2e-6 and 10x
+# against prefill, layer by layer. Healthy layers differ at float32 noise (~1e-7 to 1e-6
+# relative, printed below); the first layer whose residual stream jumps above both 2e-6 and 10x
 # everything before it is where the decode path breaks. Every layer after it inherits the
 # error, so look for the *first* jump, not the largest error. (The threshold is below
 # `layer_diff`'s default of 1e-5 because from layer 11 on this model's residual stream is
-# large, peaking near 22,000, and one layer's attention error is then only ~2e-5 of it.)
+# large, peaking above 20,000 (chapter 10 prints the peak), and one layer's attention
+# error is then only ~2e-5 of it.)
 
 # %%
 ids_d = ids[:N_DIFF]
@@ -305,7 +375,7 @@ fig
 
 # %% [markdown]
 # The fixed step is not bit-identical to the engine's SDPA (it sums in another order), and
-# that does not matter: the KL is back at the clean engine's level, far below the fault.
+# that does not matter: the KL is back at the noise floor's order, far below the fault.
 # Read the fault's curve for growth as well (the last ratio printed above): a real decode
 # bug rounds each step's attention afresh, so it need not grow along the output either;
 # what it changes is the level, from the first decoded token on.
@@ -338,9 +408,14 @@ print(f"| a decode-only bug shows only in generation | yes: bf16 decode softmax 
       f"diff names layer {jump_layer}; the float32 softmax brings it back to {kl_fix.mean():.1e} |")
 print("| enforce-eager comparison (CUDA graphs off) | not measurable here: CUDA graphs exist "
       "only on a GPU; on this CPU every step runs eagerly (chapter 24) |")
-print("| (vllm #18352) vLLM vs HF log-probs differ up to ~0.32 in bf16 | not measured in bf16 "
-      "here: bf16 decode scoring is ~3x slower than float32 on this CPU and does not fit the "
-      "chapter's time budget; in float32 the two paths agree to the noise floor (above) |")
+_pd = BF16_GAPS["bf16 prefill vs bf16 decode"]
+_size = ("the same order of magnitude" if 0.032 < _pd[0] < 3.2 else
+         "smaller" if _pd[0] <= 0.032 else "larger")
+print(f"| (vllm #18352) vLLM vs HF log-probs differ up to ~0.32 in bf16 | {_size} between "
+      f"this engine's own two bf16 paths: max |Δ target logprob| {_pd[0]:.2f}, RMS {_pd[1]:.3f} "
+      f"over {N_BF16 - 1} tokens; each path {BF16_GAPS['bf16 prefill vs float32'][1]:.3f} / "
+      f"{BF16_GAPS['bf16 decode vs float32'][1]:.3f} RMS from float32; float32's own gap max "
+      f"{BF16_GAPS['float32 prefill vs float32 decode'][0]:.1e}: bf16 rounding, not a bug |")
 
 # %% [markdown]
 # ## Common misconceptions
@@ -349,7 +424,7 @@ print("| (vllm #18352) vLLM vs HF log-probs differ up to ~0.32 in bf16 | not mea
 #   use different shapes and so different summation orders; a float32 gap at the noise
 #   floor is healthy. Compare against the noise floor, not against zero.
 # - *"Error accumulates over a long generation."* Each step's rounding is fresh; the KL per
-#   position on fixed tokens is flat. What accumulates in free generation is *divergence*:
+#   position on fixed tokens does not grow. What accumulates in free generation is *divergence*:
 #   once a token differs, everything after it is conditioned on different text.
 # - *"The KV-cache dtype only matters for decode."* Only if prefill attends to fresh K/V.
 #   minivllm, like vLLM v1, reads the cache in prefill as well.

@@ -176,9 +176,10 @@ fig
 #
 # A resumed request's next logits come from a **prefill** over prompt + output; its
 # unpreempted twin computed them in a **decode** that read K/V written token by token. In
-# float32 the two differ at ~1e-11 nats (section 1). In bfloat16 (8 significand bits
-# against float32's 24) or float16 (11) each matmul's rounding depends on its shape, so
-# the recomputed K/V and logits differ far more. A preemption also changes who shares a
+# float32 the two differ at the float32 noise floor (1e-11 to 1e-10 nats; section 1
+# prints the maximum). In bfloat16 (8 significand bits against float32's 24) or
+# float16 (11) each matmul's rounding depends on its shape, so the recomputed K/V and
+# logits differ far more. A preemption also changes who shares a
 # batch with whom, and a 16-bit decode on the TORCH backend depends on its batch (decode
 # attention pads K/V to the longest sequence of the group), so requests that were never
 # preempted are the control: their changes come from the batch alone.
@@ -290,7 +291,8 @@ print(f"| seed 000 §2.1.3: eviction and recompute under memory pressure change 
       f"token-identical to their unpreempted runs with seeded sampling and penalties, KL at the "
       f"resumed positions <= {kl_res32.max():.1e} nats |")
 for key in B16:
-    print(f"| ... in 16 bits it can ({key}) | {_rate(key)} ({rates['date']}) |")
+    _verdict = "can" if ST[key]["kp"] > 0 else "did not in this run"
+    print(f"| ... in 16 bits it {_verdict} ({key}) | {_rate(key)} ({rates['date']}) |")
 _ratio = [ST[k]["res"].mean() / ST[k]["oth"].mean() for k in B16
           if len(ST[k]["res"]) and ST[k]["oth"].mean() > 0]
 print(f"| ... so preemption is what changes answers under load in 16 bits | not more than "
@@ -315,8 +317,9 @@ print(f"| fp32 + penalties + forced preemption gives identical tokens (course pl
 # ## Common misconceptions
 #
 # - *"Preemption is a precision problem."* In float32 it is not: recompute reproduces the
-#   logits to ~1e-11 nats and every token. What changed answers in vLLM's incidents was
-#   state: outputs lost, appended twice, or counted as prompt.
+#   logits to the float32 noise floor (1e-11 to 1e-10 nats; section 1 prints the
+#   maximum) and every token. What changed answers in vLLM's incidents was state:
+#   outputs lost, appended twice, or counted as prompt.
 # - *"16-bit recompute gives garbage."* It gives a different rounding: a KL of order
 #   1e-3 nats (bfloat16) or 1e-5 (float16) right after a resume, of the size of the
 #   other 16-bit differences in the same runs (table above). A greedy answer may fork at

@@ -162,12 +162,14 @@ fig
 
 # %% [markdown]
 # The peak is a **massive activation** (Sun et al. 2024, "Massive Activations in Large
-# Language Models"): one channel of the first token, written by layer 11's MLP in one
+# Language Models"): on the first token, concentrated in very few hidden dimensions
+# (chapter 12 prints them: dimension 507 dominates), written by layer 11's MLP in one
 # step and carried by the stream almost to the end, while the other tokens stay in the
 # hundreds. It stays well inside float16's range (the percentage above), so the
-# unmodified model does **not** overflow float16. Note the second line, though: many
-# tokens pass 255.9 somewhere (layers 2-8, and the last layers), which matters in
-# section 2. How close float16 and bfloat16 get to float32 on these sequences:
+# unmodified model does **not** overflow float16. Note the plot's "every other token"
+# curve, though: the other tokens pass 255.9 too (layers 2-9 in the plot, and the last
+# layers), which matters in section 2. How close float16 and bfloat16 get to float32 on
+# these sequences:
 
 # %%
 rows16, rowsbf = score(f16), score(bf16)
@@ -227,13 +229,15 @@ print(f"| float16 | {kl16:.2e} | {kl(ref, rows16_bad):.3g} |")
 print(f"| bfloat16 | {klbf:.2e} | {kl(ref, rowsbf_bad):.2e} |")
 
 # %% [markdown]
-# Almost every row is zeroed by some norm: the first token from layer 1 on, the others
-# in the layers where their stream passes 255.9 (section 1's second line). A zeroed row
-# gives attention a zero query, key and value for that token, and the final norm zeroes
-# the logits of every token still past 255.9 at the end: a uniform distribution, which is
-# where most of the KL comes from. In bfloat16 the same code loses only precision
-# (bfloat16 has float32's exponent range, so squares never overflow); in float32 the
-# fault *is* the reference.
+# Almost every row is zeroed by some norm (the printed list: 46 of the 48 rows): the
+# first token wherever its stream passes 255.9, from layer 2's input norm on (the first
+# norms hit), the others in the layers where theirs does (section 1's plot, the "every
+# other token" curve). A zeroed row gives attention a zero query, key and value for that
+# token, and the final norm zeroes the logits of every token still past 255.9 at the
+# end: a uniform distribution, which is where most of the KL comes from. In bfloat16 the
+# same code cannot zero a row (bfloat16 has float32's exponent range, so squares never
+# overflow), and its KL is no worse than with the correct norm (the table's last row); in
+# float32 the fault *is* the reference.
 #
 # The layer diff finds it. Plant it in layer 17 only and compare the captured hidden
 # states with the correct float16 engine's (same bits up to the fault):
@@ -385,7 +389,8 @@ print(f"| course plan: amplify with c = 3 (peak 67.7k) | the peak depends on the
 print(f"| the fp16 'forgot to upcast' RMSNorm is severe on this model (|x| > 256) | yes: KL "
       f"{kl_noup:.2f} nats; {len(set().union(*hit.values()))} of {sum(map(len, seqs))} token "
       f"rows zeroed by some norm (not only the first token: the others pass 255.9 in layers "
-      f"2-8 and at the end); bfloat16 {kl(ref, rowsbf_bad):.1e}; float32 unchanged |")
+      f"2-9 and at the end, section 1's plot); bfloat16 {kl(ref, rowsbf_bad):.1e}; "
+      f"float32 unchanged |")
 print("| course plan (lab idea): scale one down_proj or norm weight by 1000 | not exact "
       "(changes the model); the reparametrization above changes no float32 bit |")
 
@@ -397,7 +402,8 @@ print("| course plan (lab idea): scale one down_proj or norm weight by 1000 | no
 #   useless outside it. One value past 65504 and every logit is NaN.
 # - *"The float32 upcast in RMSNorm is a precision nicety."* In float16 it is about
 #   range: the square of anything above 255.9 overflows, and this model's stream passes
-#   that on most tokens somewhere (section 1).
+#   that on most tokens somewhere (section 1's plot; section 2 lists
+#   the rows zeroed, 46 of 48).
 # - *"A clamp fixes float16 overflow."* It removes the NaN. Its cost grows with how
 #   much it clips: nothing below the range (bit-identical), bfloat16's order of cost a
 #   few percent over, more than a nat when a massive activation loses a quarter of its

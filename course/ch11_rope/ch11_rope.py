@@ -148,12 +148,12 @@ ax.legend(fontsize=8, ncol=3, loc="lower right")
 fig
 
 # %% [markdown]
-# Storing the finished values in 16 bits costs a constant ~1e-3 (bf16) or ~1e-4 (fp16)
-# at every position: the values lie in [-1, 1], where the format's relative accuracy is
-# all that matters. Computing the *angle* in 16 bits is a different bug: its error is a
-# fraction of the angle, so it grows with position until cos/sin are simply wrong (errors
-# near 2, the largest possible). bf16 positions are exact up to 256 and wrong from 257,
-# the first integer bf16 cannot hold.
+# Storing the finished values in 16 bits costs a constant maximum error, 2.0e-03 (bf16)
+# or 2.4e-04 (fp16) in the table above, at every position: the values lie in [-1, 1],
+# where the format's relative accuracy is all that matters. Computing the *angle* in 16
+# bits is a different bug: its error is a fraction of the angle, so it grows with
+# position until cos/sin are simply wrong (errors near 2, the largest possible). bf16
+# positions are exact up to 256 and wrong from 257, the first integer bf16 cannot hold.
 #
 # The numbers the incidents quote, computed here:
 
@@ -216,8 +216,9 @@ for name, (kl, top1) in results.items():
 # %% [markdown]
 # The shape the incidents describe: the bf16-positions table is *exactly* right in the
 # first window (KL 0: positions below 257 are exact) and wrong after, more so the further
-# out. (Computing the angles in bf16, as autocast did, has the same table error from 256
-# on, section 1, plus errors below it; its run is left out to keep the chapter short.)
+# out. (Computing the angles in bf16, as autocast did, has at least the same table error
+# from 256 on, 2.0 against 1.7 at 256-1023 in section 1, plus errors below it; its run
+# is left out to keep the chapter short.)
 # Storing cos/sin in bf16 after a float32 computation is four orders of magnitude
 # smaller. That is the fix transformers PR #29285 made: the
 # angles in float32, whatever the model's dtype.
@@ -382,10 +383,10 @@ ax.legend(fontsize=7, loc="center right")
 fig
 
 # %% [markdown]
-# The float64-rounded table differs from the engine's in the last bit of some entries,
-# and the model's output moves by a KL at the float32 noise floor (the course's anchor:
-# ~1e-11 nats): far below the 1e-6 the course plan asks for, and below every fault above by
-# many orders of magnitude.
+# The float64-rounded table is not the engine's bit for bit (the KL would be exactly 0
+# otherwise), yet the model's output moves only by a KL at the float32 noise floor (a
+# few 1e-11 nats, printed above; the course's anchor: ~1e-11 nats): far below the 1e-6
+# the course plan asks for, and below every fault above by many orders of magnitude.
 #
 # ## Claim versus measurement
 

@@ -349,12 +349,15 @@ print(f"speed, this CPU (ATen kernels {torch.backends.cpu.get_cpu_capability()},
 # The speed line is this CPU's, in this run (the better of two samples each, still noisy
 # on a busy machine), not a GPU's, and no number in this chapter depends more on the CPU. A CPU
 # without native 16-bit matmul units converts to float32 and back, so 16 bits buy it no
-# speed (the course's instructor guide notes bfloat16 ~3x slower than float32 on the
-# 2-core CPU it was built on); a CPU with native 16-bit matmul (AMX tiles, AVX512-BF16 or
-# AVX512-FP16: `amx_bf16`, `avx512_bf16`, `avx512_fp16` in `lscpu`) can run those GEMMs
-# several times faster than float32, as a GPU's tensor cores do. The last line above gives
-# this run's verdict and the units this CPU reports (a cap such as `ONEDNN_MAX_CPU_ISA`
-# can keep the kernels from using them). Memory halves in 16 bits everywhere.
+# speed and may cost some (the course's instructor guide, `docs/instructor.md`, budgets
+# bfloat16 at ~3x slower than float32 on CPU); a CPU with native 16-bit matmul (AMX
+# tiles, AVX512-BF16 or AVX512-FP16: `amx_bf16`, `avx512_bf16`, `avx512_fp16` in `lscpu`)
+# *can* run those GEMMs faster than float32, as a GPU's tensor cores do, but only where
+# the kernels use the units for that dtype: on one CPU listing all three, this chapter
+# printed bfloat16 2.0x faster and float16 only about as fast as float32. The last line
+# above gives this run's verdict and the units this CPU reports (a cap such as
+# `ONEDNN_MAX_CPU_ISA` can keep the kernels from using them). Memory halves in 16 bits
+# everywhere.
 #
 # ## 3. The incident: a model whose activations do not fit float16
 #
@@ -424,9 +427,10 @@ ax.legend(fontsize=8)
 fig
 
 # %% [markdown]
-# The jump at layer 11 is a *massive activation*: one MLP writes values hundreds of times the
-# typical size into a few hidden dimensions of a few tokens, and later layers carry them
-# along. Which tokens and dimensions, on the first window (float32 engine, layer 11's output):
+# The jump at layer 11 is a *massive activation*: one MLP writes a value about 10^4 times
+# the median |x| into one hidden dimension (507) of the first token (printed below), and
+# later layers carry it along. Which tokens and dimensions, on the first window (float32
+# engine, layer 11's output):
 
 # %%
 captured = []
@@ -500,13 +504,13 @@ print(f"\nthe check gives a finite answer in {restored} of the {broken} configur
       f"its KL is lower in {sum(closer)} of {len(closer)}")
 
 # %% [markdown]
-# The broken configurations are the float16 rows of the x4 model; the line above counts
-# how many of them the check restores, and whether on the unmodified model its pick
-# (float16, where the peak fits with the margin) came out closer to float32 than `auto`'s
-# bfloat16. What
-# the check cannot know: a prompt unlike the calibration text may go higher (hence the
-# margin); a clamp before the residual add (transformers PR #36832 for Gemma 3, chapter 10)
-# keeps float16 finite but costs accuracy.
+# The broken configuration is the float16 row of the x4 model (a pre-Ampere GPU, where
+# `auto` is float16); the line above says whether the check restores it, and whether on
+# the unmodified model its pick (float16, where the peak fits with the margin) came out
+# closer to float32 than `auto`'s bfloat16. What the check cannot know: a prompt unlike
+# the calibration text may go higher (hence the margin); a clamp before the residual add
+# (transformers PR #36832 for Gemma 3, chapter 10) keeps float16 finite but costs
+# accuracy.
 #
 # ## 5. Seed 000 §2.4.2: bfloat16 weights, a float16 KV cache, TF32 off
 #
@@ -626,7 +630,8 @@ for c_, m in claims:
 #   massive activation in one layer (layer 11 here) is enough.
 # - *"A float32 KV cache protects a float16 model."* It stores float16 values exactly,
 #   which the float16 cache already did (chapter 1, section 6, compares the logits bit for
-#   bit); likewise a float16 cache holds a bfloat16 model's K/V exactly (section 5).
+#   bit); likewise a float16 cache holds a bfloat16 model's K/V exactly, apart from the
+#   few values below 2^-14 that section 5 counts.
 # - *"Casting bfloat16 weights to float16 is harmless."* vLLM warns about it
 #   ("Casting torch.bfloat16 to torch.float16."): a bfloat16 model's activations were
 #   trained with float32's range and may not fit 65504.

@@ -612,6 +612,12 @@ claims = [
      "'TF32 available but not enabled' warning by setting 'highest' explicitly, with "
      "VLLM_FLOAT32_MATMUL_PRECISION=high to opt in; and dtype='auto' serves float32 "
      "checkpoints in bfloat16, where TF32 does not apply at all"),
+    ("NVIDIA_TF32_OVERRIDE=0 turns TF32 off and costs about 15 % speed (seed 000 §2.2.3)",
+     f"the variable is NVIDIA's (cuBLAS/cuDNN read it, whatever the framework asks); the cost "
+     f"is the float32 GEMMs' share of the time: on the H200 ({run['date']}) one 8192 GEMM ran "
+     f"{speed['tf32'] / speed['float32']:.1f}x faster in TF32 ({speed['tf32']:g} against "
+     f"{speed['float32']:g} TFLOP/s), so a float32 model loses up to that factor, not 15 %; a "
+     f"bfloat16 or float16 model has no float32 GEMM and loses nothing"),
     ("[1024.5] @ I = 1025 with TF32 (#53635, RTX 3090)",
      f"ties to even gives {by_rule(1024.5, 'ties to even'):g} (CPU emulation); H200 "
      f"({run['date']}): {ones['[16x16]']:g} from 16 rows up, {ones['[1x1] (as in #53635)']:g} "
@@ -649,9 +655,9 @@ for c, m in claims:
 # - *"Only the linear layers matter."* The LM head is a float32 matmul too, and on this
 #   model it carries a large part of TF32's KL.
 # - *"TF32 explains large output changes."* On this model it moves KL by a few 1e-6 nats
-#   and flips top-1 tokens about once in a thousand positions (RESULTS: 99.92 % agreement
-#   over 2,560); large changes point elsewhere (dtype, KV cache, quantization: the other
-#   chapters).
+#   and flips top-1 tokens once or twice per thousand positions (section 2's table prints
+#   this run's count; `benchmarks/RESULTS.md`: 99.92 % agreement over 2,560); large
+#   changes point elsewhere (dtype, KV cache, quantization: the other chapters).
 #
 # ## Lab
 #

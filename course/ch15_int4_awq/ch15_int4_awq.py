@@ -264,9 +264,9 @@ fig
 # table across channels, and the line under the table says how many times the scale alone
 # cuts the output error on the calibration window and on the held-out one: where the two
 # cuts are alike, the salient channels are a property of the layer, not of one text. The
-# clip search, fitted to 64 calibration rows, is a second-order refinement (the same line
-# gives its change on the held-out window), which is why the cached checkpoint below leaves
-# it out.
+# clip search, fitted to 64 calibration rows, is a second-order change (here +7.2 %, i.e.
+# worse, on the held-out window: the same line prints it), which is why the cached
+# checkpoint below leaves it out.
 #
 # ## 4. The whole model: RTN against AWQ, from a cached checkpoint
 #
@@ -275,15 +275,16 @@ fig
 # minute on an idle 2-core machine (`benchmarks/RESULTS.md`: 68 s), longer than this
 # chapter's whole budget. This chapter uses the scale search alone (`clip=False`, the
 # part section 3 showed first) on 1,024 calibration tokens (`make quantized` builds it:
-# 115 s of CPU time on one thread, measured 2026-12-02); the engine's default is
+# about two minutes of CPU time when it was built); the engine's default is
 # measured in `benchmarks/RESULTS.md` and section 6.
 # Either way the checkpoint is built **once** with
 # `LLM.save_quantized` and cached beside the converted model: `cached_quantized` keys it
 # by a sha256 of the source weights, the quantization config, the calibration token ids
 # and the quantizer's code, rebuilds it when any of them changes, and checks every file's
 # hash before handing out the path (a tampered file is refused with a message). `LLM(path)`
-# then loads the stored int4 tensors, with no search. The next cell says whether it
-# built or found the checkpoint.
+# then loads the stored int4 tensors, with no search. The time the next cell prints
+# shows whether it built the checkpoint (a build takes a minute or more) or found it (a
+# fraction of a second).
 #
 # RTN needs no calibration and quantizes on load. Three measures, each against the
 # float32 engine (as chapter 14): **KL** on prose windows (CI by resampling windows),
@@ -528,8 +529,8 @@ for i, c in enumerate(rows_):
 # %% [markdown]
 # What this sample shows (the lines above, which count it), and what the full set (176
 # questions, 24 tokens; `python benchmarks/qa_inversion.py`) adds. The sample has a few
-# dozen questions and a handful of lost items, so its counts can move with the CPU's
-# kernels and need not agree with the full set's:
+# dozen questions and 10-15 lost items (printed: 10 for RTN, 14 for AWQ), so its counts
+# can move with the CPU's kernels and need not agree with the full set's:
 #
 # 1. **Not the cut at 24 tokens.** Of the wrong answers on the full set, 1 of RTN's 56 and
 #    1 of AWQ's 71 contain the answer when the same engine may write 64 tokens.
@@ -596,7 +597,8 @@ for i, c in enumerate(rows_):
 # the first decoder layers. You write group-wise int4 quantization (bit for bit the
 # engine's), AWQ's scale search, and the quantizer that applies the scale; the grader
 # registers them as a calibrated quantization method and checks, on text you have not
-# seen, that your AWQ brings the KL against float32 under a threshold that RTN fails.
+# seen, that your AWQ cuts RTN's KL against float32 by at least a quarter on the same
+# positions.
 #
 # ## On real vLLM
 #
