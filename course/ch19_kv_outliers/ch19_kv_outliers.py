@@ -148,6 +148,12 @@ print(f"per layer, largest / smallest KV head's K amax: "
 # | per head | one per KV head | one per KV head | `"head"` |
 # | per channel (K; int8 here) | one per (KV head, dim) | one per layer | `"channel"`, beyond vLLM |
 # | dynamic (int8) | per token and head, from the values written | same | `kv_scale_type="dynamic"` |
+#
+# Which rows a vLLM deployment can use: the fp8 rows (per-tensor scales from a checkpoint
+# or `--calculate-kv-scales`, per-head scales in recent versions). The int8 rows are this
+# engine's: vLLM's `--kv-cache-dtype` lists `int8` only in some versions (`CacheDType` in
+# `vllm/config/cache.py`) and per-channel K scales in none, so a configuration this
+# chapter restores with int8 is a measurement of the format, not a deployable vLLM setting.
 
 # %%
 want = ref.score(windows, output="logits")

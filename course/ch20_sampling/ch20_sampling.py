@@ -345,5 +345,6 @@ print(f"\nchapter wall time: {time.perf_counter() - T0:.1f} s")
 # - *"Temperature is a small knob next to numerics."* Section 4: going from greedy to
 #   0.8 changes the next token far more often than int8 weights change the greedy token.
 #
-# Not in this chapter: `generation_config.json` defaults applied or not (lm-eval #3154,
-# NeMo-RL #3497; the engine does not read it yet) and `logprobs_mode`.
+# Not in this chapter: `generation_config.json` defaults applied or not (NeMo-RL #3497,
+# lm-eval #3154; the engine reads them with `generation_config="auto"`, and chapter 29
+# plants such a change) and `logprobs_mode`.

@@ -106,7 +106,9 @@ print(f"float32 weights: {w_ref['total'] / 1e6:.0f} MB ({w_ref['linear'] / 1e6:.
 # A scaled-down version of seed 003's story. The KV pool is a fixed number of bytes: here
 # the bytes of 32 blocks of 16 tokens in float16. Each request is a 40-token prompt plus
 # 24 generated tokens, 64 tokens or 4 blocks. In float16 that pool holds 8 such requests
-# at once. The team switches the cache to float32 for precision. Plan A is the seed's
+# at once. The team switches the cache to float32 for precision (possible in this
+# engine; `float32` is not a vLLM `--kv-cache-dtype`, and for a 16-bit model it stores the
+# same values: chapter 1, section 6). Plan A is the seed's
 # arithmetic ("+30 % memory": 8 / 1.3 → 6 concurrent); plan B counts the bytes. Both run
 # 8 requests through an engine whose pool is the same bytes in float32.
 
@@ -229,7 +231,8 @@ for name, style in (("bf16 KV", "C0"), ("fp8 KV", "C3")):
 ax.set_xscale("log", base=2)
 ax.set_xlabel("batch (sequences of ~2,064 tokens)")
 ax.set_ylabel("decode step (ms)")
-ax.set_title("Llama-3-8B shape on an H200: fp8 KV halves the bytes, not the time")
+ax.set_title("Llama-3-8B shape on an H200, this engine's Triton kernels: fp8 KV halves "
+             "the bytes, not the time", fontsize=9)
 ax.legend(fontsize=7)
 fig
 
@@ -241,8 +244,11 @@ fig
 # its inner loop and reads K/V at about 45 % of copy bandwidth, where the bf16 kernel
 # reaches 91-107 %. The fp8 cache still buys **capacity** (twice the tokens per byte,
 # section 2), which is often what a serving team wants from it; it does not buy step
-# time until a kernel reads fp8 at full speed. (The engine's fp8 **weights** are an
-# emulation that dequantizes to float32, so no GPU speed is claimed for them at all.)
+# time until a kernel reads fp8 at full speed. That is a property of **this engine's**
+# kernel, not of fp8 KV: vLLM's fp8 paths on Hopper and Blackwell (FlashAttention 3,
+# FlashInfer, FlashMLA) read the fp8 bytes natively, which is what turns halved bytes
+# into a shorter decode step. (The engine's fp8 **weights** are an emulation that dequantizes to
+# float32, so no GPU speed is claimed for them at all.)
 #
 # ## 5. The choice under an SLA
 #

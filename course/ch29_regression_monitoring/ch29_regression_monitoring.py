@@ -30,11 +30,17 @@
 # 测试集"); seed 002 §五 releases only after regression tests, with a rollback; seed 003
 # §1.1 adds monitoring and alerting. Two public incidents show why both are needed:
 #
-# - **lm-evaluation-harness #3154** (https://github.com/EleutherAI/lm-evaluation-harness/issues/3154)
-#   and **NeMo-RL #3497**: vLLM switched its default to `generation_config="auto"`, so a
-#   model's `generation_config.json` (temperature, top_p, repetition_penalty) silently
-#   became the default sampling parameters. Scores moved; no error, no changed weight, no
-#   changed kernel. Only the *sampled* distribution shows it.
+# - **NeMo-RL #3497** (2026-08-05, https://github.com/NVIDIA-NeMo/RL/issues/3497): vLLM's
+#   server fills every sampling parameter a request leaves unset from the model's
+#   `generation_config.json` (vLLM's `generation_config="auto"`), so an omitted `top_p` or
+#   `repetition_penalty` silently took a model-specific value, and RL log-probs with it.
+# - **lm-evaluation-harness #3154** (2025-07-17,
+#   https://github.com/EleutherAI/lm-evaluation-harness/issues/3154), the mirror image:
+#   lm-eval builds its own `SamplingParams`, so Qwen2.5-Coder-7B-Instruct's
+#   `repetition_penalty: 1.1` was *not* applied under vLLM while HF applied it, and the two
+#   backends scored differently on gsm8k. A model's defaults apply only where the client
+#   leaves a field unset. Either way scores moved with no error, no changed weight and no
+#   changed kernel: only the *sampled* distribution shows it.
 # - **vllm #5543** (https://github.com/vllm-project/vllm/issues/5543): an accuracy drop
 #   (a block-table bug with prefix caching) noticed by users, not by a test.
 #
@@ -123,7 +129,8 @@ print(f"worst token: {tok.decode(seqs[worst_seq][worst_pos + 1:worst_pos + 2])!r
 #
 # - **fp8 KV**: `kv_cache_dtype="fp8_e4m3"`, no scales (chapter 18);
 # - **penalty default**: the same engine whose generation config gained
-#   `repetition_penalty: 1.3` (lm-eval #3154's shape: a default that changed under you);
+#   `repetition_penalty: 1.3` (the shape of both incidents: a default that changed under
+#   you);
 # - **benign**: `block_size=32, max_num_seqs=4`, the batch composition and KV layout
 #   change, the arithmetic does not.
 
@@ -145,8 +152,8 @@ V = {v.label: v for v in gate.verdicts}
 # Read the penalty row: its mean KL is **zero**. Teacher-forced scoring runs the model on
 # fixed tokens and never samples, so no sampling setting can move it. Only generation
 # under the *served* defaults shows the change, and the report names the field that
-# changed. That is the whole of lm-eval #3154: a KL test suite, however careful, would
-# have passed it.
+# changed. That is the shape of NeMo-RL #3497 and lm-eval #3154: a KL test suite, however
+# careful, would have passed it.
 #
 # Why intervals and a noise floor, and not "mean KL > threshold"? A mean is carried by a
 # few sequences (an fp8 cache hurts some windows far more than others), and with a
@@ -388,7 +395,8 @@ rows = [
     ("golden snapshots with per-dtype tolerances (CS336-style)",
      f"float32 noise {noise_check.max_abs_error:.1e} nats vs tolerance 1e-3; same engine "
      f"{same.max_abs_error:.1e}; fp8 KV {bad.max_abs_error:.2f} (fails)"),
-    ("lm-eval #3154: a generation_config change is visible only in sampled outputs",
+    ("a sampling default applied or not (NeMo-RL #3497, lm-eval #3154) is visible only in "
+     "sampled outputs",
      f"confirmed: penalty default KL {pen.drift.mean_kl:.1e}, top-1 "
      f"{100 * pen.drift.top1_agreement:.0f}%, but default-sampling agreement "
      f"{100 * pen.default_agreement:.0f}%"),
