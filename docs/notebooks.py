@@ -50,13 +50,42 @@ def cached_path(src: Path) -> Path:
     return CACHE_DIR / f"{Path(src).stem}.ipynb"
 
 
+# a tqdm text bar as it ends up in a stream output: "desc:  40%|████      | 4/10 [00:01<...]"
+PROGRESS_LINE = re.compile(r"^.*\d+%\|.*\|\s*\d+(?:\.\d+)?[kMG]?/\S+")
+
+
+def strip_progress(text: str) -> str:
+    """A stream's text without tqdm bars: of each line, what a terminal would show (the
+    last non-empty carriage-return segment); lines that are progress bars are dropped,
+    other text kept."""
+    kept = []
+    for line in text.split("\n"):
+        segments = [seg for seg in line.split("\r") if seg.strip()]
+        shown = segments[-1] if segments else line
+        if not PROGRESS_LINE.match(shown):
+            kept.append(shown)
+    return "\n".join(kept)
+
+
 def drop_widgets(nb) -> None:
     """Remove widget outputs (tqdm progress bars, e.g. transformers' "Loading weights"):
-    a static page shows them frozen at 0 %, and their state is most of a page's weight."""
+    a static page shows them frozen at 0 %, and their state is most of a page's weight.
+    Text progress bars in stderr streams ("quantizing (...): 0%|...") go too, for the same
+    reason; any other stderr text (warnings) is kept."""
     for cell in nb.cells:
-        if cell.cell_type == "code":
-            cell.outputs = [o for o in cell.get("outputs", [])
-                            if "application/vnd.jupyter.widget-view+json" not in o.get("data", {})]
+        if cell.cell_type != "code":
+            continue
+        outs = []
+        for o in cell.get("outputs", []):
+            if "application/vnd.jupyter.widget-view+json" in o.get("data", {}):
+                continue
+            if o.get("output_type") == "stream" and o.get("name") == "stderr":
+                text = strip_progress(o.get("text", ""))
+                if not text.strip():
+                    continue
+                o["text"] = text
+            outs.append(o)
+        cell.outputs = outs
     nb.metadata.pop("widgets", None)
 
 

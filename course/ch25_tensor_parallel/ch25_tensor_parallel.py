@@ -50,10 +50,13 @@
 # (`distributed_executor_backend="mp"`), each holding its shard and the KV cache of its
 # own heads, and the ranks' partial sums meet in a real gloo all-reduce; the embedding
 # and LM head are vocab-parallel there (49152 / 3 = 16384 rows per rank; a gather moves
-# values without changing any), while the emulation keeps them whole. What real NCCL
-# would add on GPUs (ring, tree or one-shot custom-kernel orders chosen by message size,
-# orders that depend on **arrival**: the source of run-to-run variation, vllm #2742) is
-# emulated in section 4.
+# values without changing any), while the emulation keeps them whole. What real
+# collectives add on GPUs is a **choice of order**: NCCL's ring and tree, and vLLM's
+# one-stage or two-stage custom all-reduce, each add the ranks' partials in a fixed order
+# (the same on every rank, accumulating in float32), so a fixed algorithm gives fixed
+# bits; but which one runs, and with how many channels, is chosen by message size, and
+# the message size follows the batch. Section 4 emulates orders, including a random one
+# per call as a thought experiment.
 #
 # Everything below is measured when the notebook runs, on the embedded
 # SmolLM2-135M-Instruct, on this machine's CPU.
@@ -208,8 +211,10 @@ print(f"bfloat16 tp=3 run twice: bit-identical {torch.equal(tp16, tp16_again)}")
 #
 # - **ring-like**: NCCL's ring reduce-scatter cuts the vector into tp chunks and starts
 #   chunk c at rank c + 1, so different hidden units are summed in different orders;
-# - **arrival order**: the partials added in the order they "arrive", a random order per
-#   call (seeded here so the notebook is reproducible; on real hardware it is the timing).
+# - **arrival order**: the partials added in a random order per call (seeded here so the
+#   notebook is reproducible). A thought experiment: neither NCCL nor vLLM's custom
+#   all-reduce adds in arrival order; it stands for "a different order on each call",
+#   which is what a batch-size-dependent choice of algorithm amounts to across requests.
 
 # %%
 def all_reduce_ring(partials):
@@ -279,8 +284,10 @@ fig
 # about as much as going from tp = 1 to tp = 3, or from float32 to bfloat16 in the first
 # place. The fp32 curve sits orders of magnitude lower. Fixed order, fixed bits; a
 # different order, different bits; an order that changes from call to call, different
-# bits **from run to run**: vllm #2742's symptom, which disabling the custom all-reduce
-# (whose one-shot kernel adds in a different, launch-dependent way) made stable.
+# bits **from run to run**: vllm #2742's symptom. That thread shows the symptom and the
+# workaround (`--disable-custom-all-reduce`), not the mechanism; the plausible ones are a
+# switch between one- and two-stage kernels or NCCL algorithms with the message size
+# (which follows the batch), or a bug, not an arrival order.
 #
 # ## 5. The layout bug: contiguous `gate_up` shards (vllm #3775)
 #
@@ -401,8 +408,8 @@ print("| vllm #2891: TP=1 vs TP=4 greedy outputs differ, probably reduction orde
 #   Compare in float32: a reduction-order effect shrinks to ~1e-11 nats (section 3), a
 #   layout bug does not.
 # - *"Greedy decoding is deterministic, so runs must agree."* Only if every reduction
-#   happens in the same order every time. A collective whose order depends on arrival or
-#   on the message size breaks that (vllm #2742).
+#   happens in the same order every time. A collective whose algorithm (and so order)
+#   depends on the message size, and so on the batch, breaks that (vllm #2742's symptom).
 # - *"Sharding a fused weight is just `chunk(tp)`."* Only for a single matrix. A fused
 #   weight (`gate_up`, QKV) must be cut per component (vllm #3775 / PR #3869).
 # - *"With 3 KV heads and tp = 6 some rank has no KV head."* Each KV head is replicated

@@ -16,8 +16,10 @@
 # In chapter 25 the emulated tp = 3 engine with the **contiguous** `gate_up` layout of
 # vllm #3775 (the fused `[gate; up]` weight cut into three contiguous pieces) moved KL
 # against tp = 1 by tens of nats in float32, while the right layout stayed at float32's
-# noise floor. An all-reduce whose order follows the partials' arrival gave different
-# bits from run to run (vllm #2742). This lab starts from that **broken configuration**:
+# noise floor. An all-reduce whose order changes from call to call (the chapter's
+# arrival-order thought experiment, standing for an algorithm chosen by message size)
+# gave different bits from run to run, vllm #2742's symptom. This lab starts from that
+# **broken configuration**:
 # `minivllm.parallel.emulated_tp.shard_contiguous` and an arrival-order sum. You write
 # the three functions the emulation takes (`emulate_tensor_parallel(llm, tp,
 # shard_qkv_fn=..., shard_merged_column_fn=..., all_reduce_fn=...)`).
