@@ -126,6 +126,15 @@ print(f"captured sizes {graphs.sizes} in {time.perf_counter() - T0:.1f} s "
 # buffers the graph reads (token ids, positions, slot mapping, sequence lengths, block
 # tables). A padding row gets token 0 at position 0, **slot -1** (its K/V is written
 # nowhere that a sequence reads) and **sequence length 0** (it attends to nothing).
+#
+# This is the whole-batch decode graph of vLLM's V0 engine, which this engine emulates.
+# vLLM V1 pads the number of scheduled **tokens** of a step (not of sequences) up to a
+# captured size, and its `cudagraph_mode` decides what the graph holds: `PIECEWISE`
+# captures the pieces between attention calls and runs attention outside the graph,
+# `FULL` captures attention too, `FULL_AND_PIECEWISE` uses full graphs for pure decode
+# steps and piecewise ones for mixed prefill/decode steps. The numerical question this
+# chapter asks (do the real rows get the same bits in a padded shape?) is the same in
+# both; which kernels see the padded shape differs.
 
 # %%
 print("capture_sizes(256):", capture_sizes(256))
@@ -420,10 +429,14 @@ print(f"| a planted fault leaves the graph steps' log-probs unchanged | with the
 print(f"| padded rows (slot -1, length 0) are harmless | padding rows finite: {pad_finite}; "
       f"real rows equal an eager forward at the padded shape: {replay_eq}; a length-0 row "
       f"over NaN keys: NaN without the guard ({bool(raw[1].isnan().any())}), 0 with it |")
+_lin_inv = all(d == 0 for d in m_dep['float32, oneDNN packed (engine default)'])
 print(f"| packed oneDNN fp32 is M-invariant, so padding has no numeric effect by default | "
-      f"linear row 0 bit-identical for M in {Ms}: "
-      f"{all(d == 0 for d in m_dep['float32, oneDNN packed (engine default)'])}; engine "
-      f"graphs, alone vs padded batch: max |dlogit| {packed_diff:.3g} |")
+      f"linears: row 0 bit-identical for M in {Ms}: {_lin_inv}; whole engine graphs, alone vs "
+      f"padded batch: max |dlogit| {packed_diff:.3g}: "
+      + ("confirmed, no numeric effect" if packed_diff == 0 else
+         "the padded batch still moves the logits, so another kernel of the step depends on "
+         "the batch's shape (the linears " + ("do not" if _lin_inv else "do too")
+         + "; not isolated here)") + " |")
 print(f"| with PACK_CPU_WEIGHTS=False, MKL fp32 F.linear depends on M | row 0 differs from "
       f"M=1 by up to {max(m_dep['float32, MKL F.linear (PACK_CPU_WEIGHTS=False)']):.2g} "
       f"(first M with a difference: "
