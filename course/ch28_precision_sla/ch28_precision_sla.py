@@ -138,20 +138,27 @@ for plan, n in plans.items():
     outs = llm.generate(reqs, sp_cap, use_tqdm=False)
     st = llm.stats
     peak = max(h[1] for h in st.history)
+    # tokens the model computed, less the useful ones (every prompt token once, each
+    # generated token but the last): what preemption recomputed
+    recomputed = int(sum(h[4] for h in st.history)) - len(reqs) * (PROMPT + NEW - 1)
     cap_runs[plan] = dict(max_num_seqs=n, preemptions=st.num_preemptions, peak_running=peak,
-                          steps=st.num_steps, tokens=[o.outputs[0].token_ids for o in outs])
+                          steps=st.num_steps, recomputed=recomputed,
+                          tokens=[o.outputs[0].token_ids for o in outs])
     print(f"{plan:22s} max_num_seqs={n}: {st.num_preemptions} preemptions, at most {peak} "
-          f"running, {st.num_steps} engine steps")
+          f"running, {st.num_steps} engine steps, {recomputed} tokens recomputed")
     del llm
 same_tokens = cap_runs[PLAN_A]["tokens"] == cap_runs[PLAN_B]["tokens"]
 print(f"same greedy tokens in both plans (float32, preemption recomputes): {same_tokens}")
 
 # %% [markdown]
-# Plan A admits 6 requests because their prompts fit (3 blocks each), then runs out of
-# blocks as they grow and preempts (the scheduler frees a running request's blocks and
-# recomputes it later, chapter 8). In float32 the recompute gives the same tokens, so the
-# damage is time: wasted prefill and more steps. Plan B, sized from the bytes, never
-# preempts. At seed 003's scale (32 concurrent in fp16) the real number is 16, not 24.
+# Plan A's `max_num_seqs` lets in more requests than the float32 pool holds at their full
+# length: their prompts fit (3 blocks each), then they run out of blocks as they grow, and
+# the scheduler preempts (frees a running request's blocks and recomputes it later,
+# chapter 8). The lines above print what that cost here: the preemptions and the tokens
+# recomputed (the step count need not change: a recompute is folded into a later step).
+# In float32 the recompute gives the same tokens, so the damage is work, not answers.
+# Plan B, sized from the bytes, should show no preemption. At seed 003's scale (32
+# concurrent in fp16) the real number is 16, not 24.
 #
 # ## 3. Quality: which part of the seed's fp8 story is weights, which is KV
 #
@@ -306,7 +313,8 @@ print("|---|---|")
 print(f"| seed 003: fp32 KV is +30 % memory, 32 -> 24 concurrent | 2x the bytes per token "
       f"({kv_bytes['float32']} vs {kv_bytes['float16']}); the same pool holds {seqs32} instead "
       f"of {seqs16}; the +30 % plan ({plans[PLAN_A]} concurrent) preempted "
-      f"{cap_runs[PLAN_A]['preemptions']} times, the byte plan {cap_runs[PLAN_B]['preemptions']} |")
+      f"{cap_runs[PLAN_A]['preemptions']} times ({cap_runs[PLAN_A]['recomputed']} tokens "
+      f"recomputed), the byte plan {cap_runs[PLAN_B]['preemptions']} |")
 print(f"| seed 000: FP8 W + FP8 KV loses most through the KV cache (92 -> 89 %, 91.5 % with "
       f"FP16 KV) | KL fp8 W + fp8 KV {q['fp8 W + fp8 KV']['kl']:.1e}, fp8 W + fp16 KV "
       f"{q['fp8 W + fp16 KV']['kl']:.1e}, fp8 KV alone {q['fp8 KV']['kl']:.1e}: here the "
