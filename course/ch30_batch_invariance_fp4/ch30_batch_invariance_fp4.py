@@ -138,19 +138,26 @@ DISTINCT = {n: sum(len(set(c)) for c in o.values()) for n, o in served.items()}
 COST = speed["default"] / speed["batch_invariant"]
 print(f"distinct completions summed over the 3 prompts: default {DISTINCT['default']}, "
       f"batch_invariant {DISTINCT['batch_invariant']} (3 is the minimum); cost {COST:.2f}x")
+REPRODUCED = DISTINCT["default"] > len(PROMPTS) and DISTINCT["batch_invariant"] == len(PROMPTS)
+print("the incident: " + ("reproduced here (more than one text per prompt by default, one "
+                          "with the mode)" if REPRODUCED else
+                          "not reproduced in this small sample (the default engine gave one "
+                          "text per prompt too); chapter 5 shows the same mechanism on this "
+                          "machine at the level of logits and of longer generations"))
 
 # %% [markdown]
-# **What this shows.** With the default engine the same prompt, at temperature 0, can
-# come back as more than one text (the count above), only because of who shared its
-# decode steps; with `batch_invariant=True` every copy of a prompt gives one completion.
-# (It is also the *alone* completion: chapter 5 checked that the mode's logits equal the
-# default engine's logits for a request alone, bit for bit.) Nine requests and ten
-# tokens are a small sample: Thinking Machines' 80 came from 1000 requests of much longer
+# **What this shows.** With the default engine the same prompt, at temperature 0, *can*
+# come back as more than one text, only because of who shared its decode steps; with
+# `batch_invariant=True` every copy of a prompt gives one completion. The last line above
+# says whether this run caught it. (The mode's completion is also the *alone* completion:
+# chapter 5 checked that the mode's logits equal the default engine's logits for a
+# request alone, bit for bit.) Nine requests and ten tokens are a small sample: Thinking Machines' 80 came from 1000 requests of much longer
 # completions, and the number of distinct texts grows with both (every near-tie that a
 # low-bit difference can flip is another chance).
 #
-# The mechanism is chapter 5's: in bfloat16 on this CPU the one batch-dependent step is
-# decode attention over keys padded to the longest sequence in the group. The mode runs
+# The mechanism is chapter 5's: decode attention over keys padded to the longest sequence
+# in the group, and on some CPUs the GEMMs as well (chapter 5, section 4, prints which on
+# yours; section 2 below measures the float32 ones). The mode runs
 # each sequence's attention over its own keys, every linear and the LM head one row at a
 # time, so no reduction sees the batch.
 
@@ -227,10 +234,11 @@ with torch.inference_mode():
         print(f"{gname:<34} rows differing from alone, by M: {GEMM_ROWS[gname]}")
 
 # %% [markdown]
-# Torch's GEMM changes every row's bits as soon as M >= 2. The engine's packed oneDNN
-# GEMM gave the same bits at every M tried here: on this CPU and these shapes it is
-# invariant *by accident*, nothing in its contract says so, and another CPU or library
-# version may differ. (Chapter 5's section 4 measured the engine's `float_linear` with
+# Read the two lines above: a GEMM whose row count is 0 at every M kept each row's bits
+# whatever the batch; any other count is M-dependence. Which of the two libraries keeps
+# its bits depends on the CPU and the library version (chapter 5 measured both on AVX2
+# and AMX kernels): where the engine's packed oneDNN GEMM shows 0s, it is invariant *by
+# accident*, nothing in its contract says so. (Chapter 5's section 4 measured the engine's `float_linear` with
 # autograd enabled, where it falls back to `F.linear`; that is the M-dependence it
 # found for float32.) The lab's engine check therefore uses `F.linear` as the broken
 # linear, and your matmul as the fix.
@@ -542,7 +550,8 @@ n_over = len(over)
 rows = [
     ("80 distinct completions -> 1 with batch invariance (Thinking Machines, 1000 requests, "
      "Qwen3)",
-     f"here 9 requests x 10 tokens, 3 prompts: {DISTINCT['default']} distinct default, "
+     ("reproduced in miniature: " if REPRODUCED else "not reproduced in this small sample: ")
+     + f"9 requests x 10 tokens, 3 prompts: {DISTINCT['default']} distinct default, "
      f"{DISTINCT['batch_invariant']} batch_invariant (3 = one per prompt)"),
     ("Batch invariance costs ~1.6x", f"{COST:.2f}x this run (CPU, bf16); RESULTS.md: 1.54x CPU, "
      "11.8x / 10.5x H200 bf16 / fp32 (graphs off, LM head per row)"),
