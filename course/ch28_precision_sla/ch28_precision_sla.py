@@ -313,7 +313,7 @@ print("|---|---|")
 print(f"| seed 003: fp32 KV is +30 % memory, 32 -> 24 concurrent | 2x the bytes per token "
       f"({kv_bytes['float32']} vs {kv_bytes['float16']}); the same pool holds {seqs32} instead "
       f"of {seqs16}; the +30 % plan ({plans[PLAN_A]} concurrent) preempted "
-      f"{cap_runs[PLAN_A]['preemptions']} times ({cap_runs[PLAN_A]['recomputed']} tokens "
+      f"{cap_runs[PLAN_A]['preemptions']} time(s) ({cap_runs[PLAN_A]['recomputed']} tokens "
       f"recomputed), the byte plan {cap_runs[PLAN_B]['preemptions']} |")
 print(f"| seed 000: FP8 W + FP8 KV loses most through the KV cache (92 -> 89 %, 91.5 % with "
       f"FP16 KV) | KL fp8 W + fp8 KV {q['fp8 W + fp8 KV']['kl']:.1e}, fp8 W + fp16 KV "
