@@ -453,13 +453,15 @@ fig
 # %% [markdown]
 # The full-model numbers follow the per-layer ones. With AutoGPTQ's defaults GPTQ is not
 # better than RTN end to end (its KL and answer-KL intervals overlap RTN's), although
-# every one of its 120 layers fitted its calibration inputs better than RTN could; damped
+# it fits its calibration inputs better than RTN (the two layers above; `benchmarks/RESULTS.md`:
+# 2-6x lower calibration error over all layers); damped
 # and in act-order it is clearly better on both KLs.
 #
-# The weak configuration is also *unstable*. Its checkpoint built on 2026-12-02 with one
-# CPU thread gave KL 0.745 [0.576, 0.914] and answer KL 0.46 on these windows and
-# prompts; rebuilt with two threads (a different summation order for the Hessian, nothing
-# else changed) it gives the numbers above. The damped checkpoint gave 0.384 both times.
+# The weak configuration is also *unstable*. When this chapter was written, its
+# checkpoint built with one CPU thread gave KL 0.745 [0.576, 0.914] and answer KL 0.46 on
+# these windows and prompts; rebuilt with two threads (a different summation order for
+# the Hessian, nothing else changed) it gives the numbers above. The damped checkpoint
+# moved far less between builds (the current one's KL is printed above).
 # Weak damping leaves the Hessian's inverse ill-conditioned, so rounding noise in `H`
 # moves the codes; IST-DASLab/gptq #1 saw the same across GPUs. (To see it: `OMP_NUM_THREADS=1
 # python -m minivllm.quantization.checkpoint gptq '{"group_size": 128, "symmetric": true,

@@ -55,8 +55,8 @@
 #
 # **What this model does on its own, said up front.** SmolLM2 has a *massive activation*:
 # at the first token of every sequence, the input of layer 11's `down_proj` reaches about
-# 2,800-3,000 (layers 28 and 29: about 2,400 and 480), while every other linear input of
-# every token stays below ~110. e4m3's largest value is 448. So a missing scale *does*
+# 2,800-3,000 (layers 28 and 29: about 2,400 and 460, printed below), while every other
+# linear input of every token stays below ~110. e4m3's largest value is 448. So a missing scale *does*
 # saturate on this model, naturally, at one token per sequence: no planted weights are
 # needed. The missing scale itself is planted through the step registry
 # (`faults.input_scale_dropped`, on the `"fp8.linear"` step), since the engine delivers

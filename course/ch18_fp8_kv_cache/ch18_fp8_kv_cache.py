@@ -55,7 +55,7 @@
 #   loses long-range retrieval beyond 16K tokens. Section 5 answers both.
 #
 # **What this model does on its own, said up front.** SmolLM2's K and V never exceed
-# about 21 in magnitude (measured in section 1 and in `benchmarks/RESULTS.md`), far
+# about 20 in magnitude (19.0 on section 1's text, 21.2 in `benchmarks/RESULTS.md`), far
 # below e4m3's 448. So scale 1.0, the value an engine falls back to when a checkpoint
 # ships none, **never saturates here**: the sgl-cookbook failure does not happen on this
 # model by itself. What we can show, and what the TensorRT-LLM report is about, is

@@ -172,9 +172,10 @@ for qn, a, b in changed[:3]:
 
 # %% [markdown]
 # The doubled token does not break this model: it still answers. What it does is
-# systematic: the loss of **every** answer goes up (the KL is far above float32's noise
-# floor of ~1e-11 nats, which is what this engine measures for identical ids: exactly 0),
-# while greedy answers change rarely, if at all (the count above). On a 135M model answering one-line questions this is
+# a shift of the whole distribution: the mean loss of the answers goes up (the printed
+# NLL), and the KL is far above float32's noise floor of ~1e-11 nats (for identical ids
+# this engine measures exactly 0), while greedy answers change rarely, if at all (the
+# count above). On a 135M model answering one-line questions this is
 # a small effect; on Llama-3.3-70B and GSM8K (long chains of reasoning, where one changed
 # token can derail the rest) it was 14 points. Missing the generation prompt is a far
 # larger change: the model is not told that the assistant speaks next, so it first
@@ -348,9 +349,10 @@ print(f"| a missing add_generation_prompt | answer NLL {bos_table[1][0]:.3f} -> 
 # - *"The BOS is added by the tokenizer, always."* Some tokenizers add one (Llama-3),
 #   some do not (SmolLM2), and chat templates usually write it themselves. Look at the
 #   ids, not at the config: `tok.encode("Hello")` and the first ids of a rendered chat.
-# - *"A doubled BOS would be obvious."* The answers stay fluent; on this model most are
-#   unchanged. It shows up as a systematic rise in loss on every item and a few flipped
-#   answers, which on a benchmark becomes points lost, not an error message.
+# - *"A doubled BOS would be obvious."* The answers stay fluent; on this model the greedy
+#   answers hardly change (section 2 prints how many did). It shows up as a rise in the
+#   answers' loss, which on a benchmark with long answers becomes points lost, not an
+#   error message.
 # - *"`max_model_len` truncates long prompts."* It refuses them (ValueError offline,
 #   400 in the server). Truncation happens only when asked (`truncate_prompt_tokens`).
 # - *"`truncate_prompt_tokens=-1` makes any prompt work."* It keeps as much prompt as

@@ -202,7 +202,7 @@ for name, q in quality.items():
 # weights** (W8A8: the activations are quantized too) cost more KL than the fp8 KV
 # cache, the reverse of the seed's attribution, and int8 weight-only is cheaper than
 # both. Which one dominates depends on the model (SmolLM2's K/V stay below 21, its MLP
-# inputs reach 2,824: chapters 17-18), so measure it on yours.
+# inputs reach about 2,900: chapters 17-18 print both), so measure it on yours.
 #
 # ## 4. Latency: the cost model, and a GPU where fp8 KV is slower
 #

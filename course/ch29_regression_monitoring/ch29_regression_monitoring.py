@@ -286,8 +286,9 @@ fig
 # The penalty default moves the requests' statistics off the baseline (by more than one
 # standard deviation of the spread between requests; section 5 prints it), and the CUSUM passes
 # its threshold after the number of requests printed above. The fp8 cache does not: its
-# KL (section 2) moves a request's mean sampled log-prob by a tenth of the spread
-# between requests (different questions differ far
+# KL (section 2) moves a request's mean sampled log-prob by a fraction of the spread
+# between requests (the `fp8 KV ... sd` value of section 5: about a third here; different
+# questions differ far
 # more than one KV cache from another), so a CUSUM with `allowance` 0.5 sd ignores it by
 # design. A monitor that watches only the sampled tokens cannot see every precision
 # regression; it sees the ones that change what is sampled.

@@ -171,7 +171,8 @@ print("the incident: " + ("reproduced here (more than one text per prompt by def
 # Why the price differs so much between machines: on this CPU the mode computes every
 # linear and the LM head one row at a time and each sequence's decode attention on its
 # own, and the measured ratio is what that adds at these batch sizes (a handful of
-# rows). On the H200 the recorded cost is an order of magnitude larger,
+# rows). On the H200 the recorded cost (RESULTS.md: 11.8x bf16, 10.5x fp32) is several
+# times the ratio printed here,
 # because the mode there turns CUDA graphs off and runs the LM head one row at a time
 # (RESULTS.md says so and leaves a batch-invariant LM head through
 # `minivllm_kernels/batch_invariant.py` as the next step). vLLM's ~1.6x is for kernels written to
@@ -588,12 +589,12 @@ for c, m in rows:
 #   batch history is the load (section 1).
 # - *"Batch invariance costs ~1.6x."* That is a number for kernels tuned to be both fast
 #   and invariant. A mode that gets invariance by running rows one at a time or by
-#   turning CUDA graphs off costs what it costs: 1.5x on this CPU, over 10x on the H200
-#   (section 2).
+#   turning CUDA graphs off costs what it costs: the ratio section 2 prints on this CPU
+#   (RESULTS.md: 1.54x on a 2-core CPU), over 10x on the H200.
 # - *"Invariance is about GPUs and atomics."* Everything here is deterministic and on a
 #   CPU; the problem is reduction orders chosen from the shape.
-# - *"4 bits are 4 bits."* MXFP4 and NVFP4 differ by 0.25 bits per weight and by about a
-#   factor of two in KL; the scale's format (power of two vs 3-bit mantissa) and the block
+# - *"4 bits are 4 bits."* MXFP4 and NVFP4 differ by 0.25 bits per weight and by a
+#   factor of two or more in KL (printed above); the scale's format (power of two vs 3-bit mantissa) and the block
 #   size matter more than the element format.
 # - *"FP4 means FP4 arithmetic."* On this CPU, and on GPUs before Blackwell, FP4 is a
 #   storage format: weights are expanded to 16 or 32 bits for the GEMM. Which dtype they
