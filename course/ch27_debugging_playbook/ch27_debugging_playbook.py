@@ -190,7 +190,7 @@ del bad_llm
 # `mystery(seed)` draws a fault, a layer, a bad configuration (four of the six harmless
 # keys changed) and the trigger among them. We pretend not to know any of it.
 #
-# Which faults can hide in a mystery? Of the fault library's 24 planted faults
+# Which faults can hide in a mystery? Of the fault library's planted faults
 # (`minivllm/precision/faults.py`), a mystery needs one that changes a float32 prefill
 # in **one** layer, enough to leave a KL above the threshold and a first jump at that
 # layer. Sampling faults leave teacher-forced scoring untouched; preemption,
@@ -302,9 +302,9 @@ rows = [
      f"revealed {answer['layer']} ({answer['block']}); the largest error is at layer {worst}"),
     ("course plan: bisect dtype, kv_cache_dtype, chunked prefill, prefix caching, "
      "quantization, batch size",
-     "run here: kv_cache_dtype, chunked prefill, prefix caching, max_num_seqs, block_size, "
-     "enforce_eager; dtype and quantization are keys like the others for `minivllm bisect` "
-     "but not run here (a bfloat16 engine is ~3x slower on a CPU)"),
+     "run here: " + ", ".join(sorted(set(res.diff) | set(mres.diff))) + "; dtype and "
+     "quantization are keys like the others for `minivllm bisect` but not run here (each "
+     "adds engines to build and score on a CPU)"),
     ("course plan: remove the fault, KL back to the noise floor",
      f"culprit reverted: KL {kl_fixed:.1e} (bad {kl_bad:.1e})"),
 ]
