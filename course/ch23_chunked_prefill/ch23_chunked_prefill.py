@@ -338,7 +338,8 @@ print(f"| seqlen_k = full length reads unwritten slots: wrong results | nano-vll
       f"{found[507, 'bug (a) seqlen_k full']} |")
 print(f"| chunks that ignore earlier chunks lose the needle, only past some length "
       f"(imp: from 1100 tokens, 512-token chunks) | kekzl/imp #114/#117 | planted, 64-token "
-      f"chunks: mean KL {klb:.2f} nats (chunk 0 exact); passkey found at 507 tokens: "
+      f"chunks: mean KL {klb:.2f} nats (chunk 0: max KL "
+      f"{sweep['no_past', 64][0][:64].max():.1g}); passkey found at 507 tokens: "
       f"{found[507, 'bug (b) no past chunks']}, at 1011: "
       f"{found[1011, 'bug (b) no past chunks']} |")
 print(f"| enable-chunked-prefill and max-num-batched-tokens are performance settings "
@@ -361,7 +362,7 @@ print(f"| enable-chunked-prefill and max-num-batched-tokens are performance sett
 #   The request's whole length is known to the metadata builder, which is what makes bug
 #   (a) so easy to write; it reads positions that are not written yet.
 # - *"The first chunk is right, so chunking is right."* Both bugs leave the unchunked
-#   prefill exact, bug (b) even leaves chunk 0 exact; and short prompts, or a budget larger
+#   prefill exact, bug (b) even leaves chunk 0 right (to rounding); and short prompts, or a budget larger
 #   than the prompt, never chunk at all (nano-vllm's bug hid that way). Test with prompts
 #   several chunks long, with the fact in an early chunk.
 # - *"Passkey found = chunking works."* Decode steps read the whole cache, so bug (b) still
