@@ -44,7 +44,7 @@
 # **What runs here.** Quality (KL against a float32 engine) and the capacity runs are
 # measured live on the embedded SmolLM2-135M-Instruct, on this CPU, with a float32 model
 # so that only the KV cache and the weight format change. Wall-clock time on a shared CPU
-# is noise (chapter 2 saw 5-52 tok/s), so latency comes from the bytes-moved cost model
+# is noise (it moves with whatever else runs), so latency comes from the bytes-moved cost model
 # and from an H200 run of `benchmarks/precision_sla.py` (its numbers are quoted in
 # section 4 with the command; they were not measured by this notebook).
 

@@ -100,8 +100,9 @@ print("same engine again:    ", same.to_markdown())
 # %% [markdown]
 # The float32 tolerance, 1e-3 nats, is more than 20 times the float32 noise printed above.
 # The float16 and bfloat16 tolerances (0.1 and 0.5) come from the same measurement on
-# float16 and bfloat16 engines, which is not run here because bfloat16 matmuls are about
-# 3x slower on a CPU: `python benchmarks/golden_tolerances.py` prints, on this model
+# float16 and bfloat16 engines, which is not run here to keep the chapter short (16-bit
+# matmuls are slower than float32 on a CPU without 16-bit units, chapter 12 prints how
+# fast they are on yours): `python benchmarks/golden_tolerances.py` prints, on this model
 # (6 windows of 64 tokens), a largest change of 0.030 nats for float16 and 0.28 for
 # bfloat16 under a reordered reduction, and 0.58-0.82 for an fp8 e4m3 KV cache on top
 # of each dtype. So each tolerance sits between its dtype's noise and an fp8 cache.
