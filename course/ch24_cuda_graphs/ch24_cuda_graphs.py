@@ -412,7 +412,7 @@ print(f"float32 SDPA, keys padded to 41 vs {MAX_LEN} (same real keys): max |d ou
 # | a hook or a patch added after capture is not run by a replay | `can_run` runs the step eagerly while a forward hook is registered; `suspended()` around any other patch (`LLM.swap_step`, the planted faults) | hook ran on every step (section 3); graph engine under the fault equal to eager bit for bit |
 # | a padding row writes or reads someone's K/V, or gives NaN | slot -1 written nowhere a sequence reads; length 0 attends to nothing; the fully-masked-row guard | padding rows finite; real rows equal eager at the padded shape bit for bit (section 4) |
 # | inputs written into a new tensor instead of the static buffer | write in place (`_fill_inputs`: NumPy views of the buffers, `copy_`) | the lab's `write_static` (a new tensor leaves the replay reading the last step's inputs) |
-# | last-bit differences from the padded shape | M-invariant kernels (oneDNN-packed fp32 here; on the GPU the fixed-split decode kernel); or compare with a tolerance | section 5 |
+# | last-bit differences from the padded shape | M-invariant kernels (oneDNN-packed fp32 linears here, though on some CPUs another kernel of the step still depends on the shape: section 5; on the GPU the fixed-split decode kernel); or compare with a tolerance | section 5 |
 #
 # ## 7. Claim vs measurement
 

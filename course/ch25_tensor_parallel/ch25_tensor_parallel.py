@@ -324,8 +324,9 @@ print(f"'The capital of France is' ->\n  tp=1:           {good_text!r}\n  contig
 # 2 all-reduces per layer plus one for the embedding, and an all-gather for the logits
 # (`minivllm/parallel/multiproc_executor.py`, `tensor_parallel.py`). On a 2-core machine,
 # three processes share two cores: each worker gets `max(1, cores // 3)` = 1 thread, and
-# every collective waits for the slowest rank, so this is slower than tp = 1, not faster.
-# The point here is the numbers, not the speed.
+# every collective waits for the slowest rank, so expect it to be slower than tp = 1, not
+# faster (this notebook times only the tp = 3 run). The point here is the numbers, not
+# the speed.
 
 # %%
 from minivllm.precision.faults import tp_gate_up_contiguous  # noqa: E402

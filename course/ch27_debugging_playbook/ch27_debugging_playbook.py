@@ -134,7 +134,7 @@ print(f"{real_builds} engines built, {real_time:.1f} s")
 # The fp8 KV cache is the only key that changes the numbers; the other four are the
 # noise-free layout changes of section 1. A sweep that tries each key alone on the good
 # configuration would have built one engine per key (plus good and bad); the binary
-# search needs about 2 log2(n) + 3.
+# search needs at most about 2 log2(n) + 3 (the line above prints how many it measured).
 #
 # ## 3. Minimal reproduction: the shortest prefix that flips top-1
 #
