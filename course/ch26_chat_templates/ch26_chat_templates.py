@@ -325,10 +325,16 @@ print(f"| a double BOS costs accuracy (vllm PR #16976; GSM8K 0.90 -> 0.76 on "
       f"answer NLL {bos_table[1][0]:.3f} -> {bos_table[2][0]:.3f} nats/token "
       f"({d_nll:+.0f}%), KL {bos_table[2][1]:.1e} nats, greedy QA {acc1}/{N_QA} -> "
       f"{acc2}/{N_QA}; a small model on one-line answers, not GSM8K: the size of the "
-      f"70B drop is not reproduced here, its direction and systematic nature are |")
+      f"70B drop is not reproduced here"
+      + (", its direction is (the answers' loss rises)" if d_nll > 0 else
+         ", nor its direction (the answers' loss does not rise)")
+      + ("" if acc2 < acc1 else "; no answer flips") + " |")
+_nll_0, _nll_1 = bos_table[0][0], bos_table[1][0]
 print(f"| removing the double BOS: +6 MMLU points (retaining-by-doing #5) | not measured "
-      f"(no MMLU here); removing the template's own start token also costs: 0 start tokens "
-      f"NLL {bos_table[0][0]:.3f}, KL {bos_table[0][1]:.1e} |")
+      f"(no MMLU here); removing the template's own start token moves the distribution "
+      f"(KL {bos_table[0][1]:.1e}) at answer NLL {_nll_0:.3f} against {_nll_1:.3f} with it "
+      + ("(higher)" if _nll_0 > _nll_1 * 1.01 else "(lower)" if _nll_0 < _nll_1 * 0.99
+         else "(about the same)") + " |")
 print(f"| max-model-len is not auto-truncation (seed 002) | yes: a {len(long_ids[0])}-token "
       f"prompt raises ValueError at max_model_len={MAX_LEN} (400 in the server) |")
 print(f"| truncate_prompt_tokens keeps the last k tokens (vLLM) | yes: k={room} kept the "
