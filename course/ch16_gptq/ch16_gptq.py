@@ -39,8 +39,8 @@
 #   `damp_percent=0.01`) on 4,096 chat calibration tokens *loses* to plain RTN at 4 bits,
 #   groups of 128: perplexity ratio 1.75 against 1.57, greedy QA 25.6 % against 46.0 %,
 #   although each layer's calibration error falls 2-6x. With act-order and
-#   `percdamp=1.0` (the engine's defaults since) it wins: KL 0.303 against 0.588, QA
-#   53.4 % against 46.0 %.
+#   `percdamp=1.0` (the engine's defaults since) it wins on KL, 0.303 against 0.588, and
+#   is ahead on QA, 53.4 % against 46.0 % (intervals overlapping).
 # - **AutoGPTQ/AutoGPTQ #650** (2024-04,
 #   [link](https://github.com/AutoGPTQ/AutoGPTQ/issues/650)): Llama-3-8B quantized with
 #   GPTQ on c4 gave wikitext2 perplexity 17.5 where the paper reports 6.5; calibrated on
@@ -350,7 +350,7 @@ for label, x in sets.items():
 # windows (CI by resampling windows) and **answer KL** at the answer positions of QA
 # prompts followed by float32's own greedy answer (CI by resampling questions). Greedy
 # **QA accuracy** needs a generation per model, the most expensive measure on a CPU, and
-# a sample small enough for this notebook has CIs some 50 points wide; so its column is
+# a sample small enough for this notebook has CIs some 40-50 points wide; so its column is
 # the full set measured by `python benchmarks/quantization.py` (`benchmarks/RESULTS.md`,
 # 176 questions, 24 tokens, 2026-11-30), with 95 % intervals computed here (Wilson).
 
@@ -467,7 +467,8 @@ fig
 # python -m minivllm.quantization.checkpoint gptq '{"group_size": 128, "symmetric": true,
 # "act_order": false, "percdamp": 0.01}' --rebuild`, then run this section again.)
 # On greedy QA (the full set, RESULTS.md) the weak configuration loses to RTN with
-# non-overlapping intervals and the damped one wins; the other RESULTS.md rows at g128:
+# non-overlapping intervals and the damped one is ahead on the point estimate (53.4 %
+# against RTN's 46.0 %, intervals overlapping); the other RESULTS.md rows at g128:
 # act-order with damp 0.01 30.7 %, damp 0.1 38.6 %, and perplexity ratios 1.57 (RTN),
 # 1.75 (AutoGPTQ defaults), 1.44, 1.41, 1.28 (damp 1.0) (chapter 15 found that RESULTS.md's AWQ
 # g128 accuracy did not reproduce with later code, 47.7 % then and 59.7 % with
@@ -477,7 +478,7 @@ fig
 # apart (`python benchmarks/qa_inversion.py`): answers flip at float32's own near-ties,
 # mostly in the opening words, on a set built from questions float32 answers, so a
 # greedy score reads a few coin tosses that KL does not order. For GPTQ at g128 the full
-# set does not invert (damped GPTQ wins on KL and on QA); at g64 it does (RESULTS.md:
+# set does not invert (damped GPTQ wins on KL and is ahead on QA); at g64 it does (RESULTS.md:
 # damped GPTQ g64 46.0 % against RTN sym g64 65.3 %, with less than half the KL). Read
 # such a difference paired (the same questions, lost against gained, with a sign test,
 # as `benchmarks/qa_inversion.py` does), not as two percentages.

@@ -381,9 +381,10 @@ print(f"QA on {len(qa)} questions, missing scale against dynamic: the CIs "
 # Dynamic per-token scales have a lower KL than the calibrated static scale (on these
 # 144 positions the CIs may touch; on the benchmark's 2,560 they are apart: 0.0241
 # [0.022, 0.0262] against 0.0292 [0.0277, 0.0306]). Each token gets the grid that fits
-# it, while a static scale is set by the largest token of the calibration set. Here that is the first-token outlier, so in `down_proj` of layers
-# 11 and 28 every other token is quantized on a grid stretched to about 3,000, and most
-# of its values land in the subnormals (section 2's table: the calibrated static row).
+# it, while a static scale is set by the largest token of the calibration set. Here that
+# is the first-token outlier, so in layer 11's `down_proj` every other token is quantized
+# on a grid stretched to about 3,000 (layer 28's, to about 2,400), and most of its values
+# land in the subnormals (section 2's table: the calibrated static row).
 # Per-channel weight scales do not help here (`benchmarks/RESULTS.md`, 2,560 positions:
 # 0.0254 [0.0233, 0.0275] against 0.0241 [0.022, 0.0262] per tensor). The missing scale
 # shows in KL, most of it at the first positions; in a chat the first token is

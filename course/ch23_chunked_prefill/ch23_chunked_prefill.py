@@ -69,7 +69,7 @@ torch.manual_seed(0)
 T0 = time.perf_counter()
 MODEL = "smollm2-135m-instruct"
 N_SWEEP = 300     # teacher-forced sequence for the KL sweep (corpus text)
-N_BF16 = 96       # bfloat16 is slow on this CPU (no bf16 matmul units): a shorter one
+N_BF16 = 96       # bfloat16 is slow on CPUs without bf16 matmul units: a shorter one
 CHUNKS = (64, 128, 256)
 
 llm = LLM(MODEL, dtype="float32", max_model_len=1100, max_num_batched_tokens=2048,
