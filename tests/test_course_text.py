@@ -28,14 +28,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = sorted([*(ROOT / "course").glob("ch*/ch*.py"), *(ROOT / "labs" / "source").glob("ch*/ch*_lab.py")])
 STRAY_HEADING = re.compile(r"^#\s+#[^ #]")
-INTERNAL_REFERENCE = re.compile(
-    r"INCIDENTS|incidents\.md|(?i:syllabus|planning notes|\[(?:syllabus )?est\.?\]|\[RESULTS\])"
-    r"|(?i:\bissues? \d)")
+# tags and the project's issue numbers, in any case
+_INTERNAL_TAGS = r"planning notes|\[(?:syllabus )?est\.?\]|\[RESULTS\]|\bissues? \d"
+INTERNAL_REFERENCE = re.compile(rf"INCIDENTS|incidents\.md|(?i:syllabus|{_INTERNAL_TAGS})")
 # the site's pages and the README: the same, but "syllabus" (the site's own page) is allowed
 DOCS = sorted([*(ROOT / "docs").rglob("*.md"), ROOT / "README.md"])
 DOC_INTERNAL_REFERENCE = re.compile(
-    r"INCIDENTS|incidents\.md|SYLLABUS\.md|shared/SYLLABUS|"
-    r"(?i:planning notes|\[(?:syllabus )?est\.?\]|\[RESULTS\]|\bissues? \d)")
+    rf"INCIDENTS|incidents\.md|SYLLABUS\.md|shared/SYLLABUS|(?i:{_INTERNAL_TAGS})")
 
 
 def stray_headings(text: str) -> list[str]:
@@ -104,7 +103,8 @@ BOXED = [p for p in SOURCES if p.parent.parent.name == "course" and int(p.stem[2
 @pytest.mark.parametrize("path", BOXED, ids=[p.stem for p in BOXED])
 def test_chapter_has_an_on_real_vllm_box(path):
     text = path.read_text()
-    assert ON_REAL_VLLM.search(text), f"{path.relative_to(ROOT)}: no '## On real vLLM' section"
-    box = text[ON_REAL_VLLM.search(text).end():].split("# %%")[0]
+    heading = ON_REAL_VLLM.search(text)
+    assert heading, f"{path.relative_to(ROOT)}: no '## On real vLLM' section"
+    box = text[heading.end():].split("# %%")[0]
     assert "vllm" in box.lower() and box.count("\n# - ") >= 3, (
         f"{path.relative_to(ROOT)}: the 'On real vLLM' box needs at least three bullets")

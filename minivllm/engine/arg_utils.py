@@ -510,9 +510,7 @@ def kv_cache_budget_bytes(total_memory_bytes: int, gpu_memory_utilization: float
         ValueError: an argument out of range, or nothing left for the cache (vLLM: "No
             available memory for the cache blocks").
     """
-    if not isinstance(total_memory_bytes, int) or isinstance(total_memory_bytes, bool) \
-            or total_memory_bytes <= 0:
-        raise ValueError(f"total_memory_bytes must be a positive int, got {total_memory_bytes!r}")
+    _positive_int("total_memory_bytes", total_memory_bytes)
     if not _is_real(gpu_memory_utilization) or not 0.0 < gpu_memory_utilization <= 1.0:
         raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], "
                          f"got {gpu_memory_utilization!r}")
