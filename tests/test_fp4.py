@@ -3,6 +3,7 @@ scales, and the engine's quantization="mxfp4" / "modelopt_fp4" methods."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -148,3 +149,66 @@ def test_byte_table_decodes_every_byte_like_the_codes():
     assert torch.equal(got, want)
     assert torch.equal(torch.signbit(got), torch.signbit(want))
     assert int(torch.signbit(want).sum()) == 256  # half of the 512 codes are >= 8
+
+
+def _nvfp4_act_brute_force(row: list[float], g: float) -> list[float]:
+    """One row, block by block, element by element: the E4M3 block scale (saturating at
+    448) from the block's amax, then each element to the nearest E2M1 value."""
+    f32 = np.float32
+    out = []
+    for b in range(0, len(row), 16):
+        block = [f32(v) for v in row[b:b + 16]]
+        s = float(torch.tensor(min(float(max(abs(v) for v in block) / f32(6) / f32(g)), 448.0))
+                  .to(torch.float8_e4m3fn).float())
+        d = f32(s) * f32(g)  # float32 arithmetic, as the quantizer computes it
+        out += [float(f32(_nearest_even(float(v / d))) * d) if s > 0 else 0.0 for v in block]
+    return out
+
+
+def test_nvfp4_activations_match_a_brute_force_block_quantizer():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 64, generator=g) * torch.tensor([0.01, 1, 30, 300, 3])[:, None]
+    x[1, 16:32] = 0.0                                       # a zero block stays zero
+    x[2, 5] = 4000.0                                        # one outlier in a block
+    input_scale = fp4.nvfp4_input_scale(x.abs().max())
+    got = fp4.fake_quantize_nvfp4_activations(x, input_scale)
+    want = torch.tensor([_nvfp4_act_brute_force(r.tolist(), float(input_scale)) for r in x])
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    assert torch.equal(got, want)
+    assert bool((got[1, 16:32] == 0).all())
+    # the block's largest element maps to 6 within the E4M3 scale's rounding (3 mantissa bits)
+    blk = got[2, :16]
+    assert abs(float(blk.abs().max()) - 4000.0) / 4000.0 < 1 / 16 + 1e-6
+    # a row quantized alone equals the same row inside the batch (static per-tensor scale)
+    assert torch.equal(fp4.fake_quantize_nvfp4_activations(x[3:4], input_scale), got[3:4])
+    # leading dimensions are kept
+    assert torch.equal(fp4.fake_quantize_nvfp4_activations(x.reshape(5, 1, 64), input_scale),
+                       got.reshape(5, 1, 64))
+
+
+def test_nvfp4_activations_saturate_above_the_calibrated_amax():
+    x = torch.full((1, 16), 3.0)
+    x[0, 0] = 100.0
+    input_scale = fp4.nvfp4_input_scale(10.0)   # calibrated on amax 10, the run sees 100
+    got = fp4.fake_quantize_nvfp4_activations(x, input_scale)
+    top = 6 * 448 * float(input_scale)          # 10: block scale 448, element 6
+    assert torch.isfinite(got).all()
+    assert float(got[0, 0]) == pytest.approx(top, rel=1e-6)
+    assert float(got.abs().max()) == pytest.approx(top, rel=1e-6)
+
+
+@pytest.mark.parametrize("x, scale, match", [
+    (torch.ones(2, 24), 1.0, "multiple of 16"),
+    (torch.tensor([[float("nan")] * 16]), 1.0, "NaN"),
+    (torch.ones(2, 16), 0.0, "input_scale"),
+    (torch.ones(2, 16), float("inf"), "input_scale"),
+])
+def test_nvfp4_activation_errors(x, scale, match):
+    with pytest.raises(ValueError, match=match):
+        fp4.fake_quantize_nvfp4_activations(x, scale)
+
+
+def test_nvfp4_input_scale_is_amax_over_6_times_448():
+    assert float(fp4.nvfp4_input_scale(2688.0)) == 1.0
+    with pytest.raises(ValueError, match="amax"):
+        fp4.nvfp4_input_scale(0.0)

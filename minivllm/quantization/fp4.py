@@ -24,7 +24,9 @@ Two ways to scale a block of E2M1 values, both along the input dimension:
 
 Here both are weight-only and emulated: the layer dequantizes its weight and runs a float
 GEMM (``LinearMethod.apply``). vLLM's ``modelopt_fp4`` also quantizes activations (W4A4)
-on Blackwell GPUs and falls back to weight-only elsewhere.
+on Blackwell GPUs and falls back to weight-only elsewhere; :func:`fake_quantize_nvfp4_activations`
+emulates that activation quantizer (blocks of 16 along the input dimension, E4M3 block
+scales computed at run time, a calibrated per-tensor ``input_scale``), for experiments.
 """
 
 from __future__ import annotations
@@ -146,3 +148,55 @@ def dequantize_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor,
                      global_scale: torch.Tensor) -> torch.Tensor:
     """(packed [out, in / 2], e4m3 [out, in / 16], float32 []) -> float32 [out, in]."""
     return _dequantize_blocks(packed, block_scale.float() * global_scale.float())
+
+
+def nvfp4_input_scale(amax: torch.Tensor | float) -> torch.Tensor:
+    """The per-tensor activation scale of an NVFP4 W4A4 layer from a calibrated amax:
+    ``input_scale = amax / (6 * 448)`` (float32 [], ModelOpt's checkpoint name; vLLM's
+    ``ModelOptNvFp4LinearMethod`` hands ``1 / input_scale`` to the activation quantizer).
+
+    Raises:
+        ValueError: amax not finite and > 0.
+    """
+    a = torch.as_tensor(amax, dtype=torch.float32).reshape(())
+    if not bool(torch.isfinite(a)) or float(a) <= 0:
+        raise ValueError(f"nvfp4_input_scale: amax must be finite and > 0, got {float(a)}")
+    return a / (E2M1_MAX * E4M3_MAX)
+
+
+def fake_quantize_nvfp4_activations(x: torch.Tensor, input_scale: torch.Tensor | float
+                                    ) -> torch.Tensor:
+    """NVFP4 activations (the A4 of W4A4), quantized and dequantized in float32.
+
+    What Blackwell's activation quantizer computes (vLLM's ``scaled_fp4_quant(x,
+    1 / input_scale)``), emulated: along the last dimension, blocks of 16 elements; per
+    block an FP8 E4M3 scale ``s = e4m3(amax(block) / 6 / input_scale)``, computed at run
+    time from the block and saturating at 448; elements ``E2M1(x / (s * input_scale))``,
+    saturating at +-6. The result is ``E2M1 * s * input_scale``. Only ``input_scale`` is
+    static (calibrated, :func:`nvfp4_input_scale`); an activation above the calibrated
+    amax saturates (block scale 448, elements 6) instead of overflowing. Every block is
+    a function of its own 16 values and ``input_scale``: a row's result does not depend
+    on the other rows of the batch.
+
+    Args:
+        x: float tensor [..., K], K a multiple of 16, finite.
+        input_scale: the per-tensor scale, a positive float or 0-d tensor.
+    Returns:
+        float32 tensor of x's shape.
+    Raises:
+        ValueError: K not a multiple of 16, non-finite x, or input_scale not finite > 0.
+    """
+    if x.shape[-1] % NVFP4_BLOCK:
+        raise ValueError(f"fake_quantize_nvfp4_activations: the last dimension "
+                         f"({x.shape[-1]}) must be a multiple of {NVFP4_BLOCK}")
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError("fake_quantize_nvfp4_activations: x has NaN or infinite values")
+    g = torch.as_tensor(input_scale, dtype=torch.float32, device=x.device).reshape(())
+    if not bool(torch.isfinite(g)) or float(g) <= 0:
+        raise ValueError(f"fake_quantize_nvfp4_activations: input_scale must be finite "
+                         f"and > 0, got {float(g)}")
+    xb = x.float().reshape(*x.shape[:-1], x.shape[-1] // NVFP4_BLOCK, NVFP4_BLOCK)
+    s = (xb.abs().amax(-1) / E2M1_MAX / g).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn).float()
+    denom = (s * g)[..., None]
+    scaled = torch.where(denom > 0, xb / torch.where(denom > 0, denom, 1.0), 0.0)
+    return (e2m1_values(e2m1_codes(scaled)) * denom).reshape(x.shape)
