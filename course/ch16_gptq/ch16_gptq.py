@@ -562,6 +562,26 @@ for c, m in claims:
 # error, then choose the settings; the grader plugs your GPTQ into the engine as a
 # calibrated quantization method and checks, on prose you have not seen, that it beats
 # RTN where the weak-damping configuration does not.
+#
+# ## On real vLLM
+#
+# - Serve a GPTQ checkpoint as it is: vLLM reads its `quantization_config` and, where it
+#   can, converts it to the `gptq_marlin` kernel at load ("The model is convertible to
+#   gptq_marlin during runtime"); an explicit `--quantization gptq` forces the older
+#   kernel (its log: "however you specified quantization=gptq explicitly, so forcing
+#   gptq"). Two kernels can round differently: compare them on `prompt_logprobs` KL,
+#   with short and long prompts (vllm #10656 failed on short prompts only).
+# - The settings of this chapter live in the checkpoint, not in vLLM: AutoGPTQ's and
+#   GPTQModel's `quantize_config` carry `damp_percent` (often 0.01) and `desc_act`
+#   (act-order); llm-compressor's `GPTQModifier` has `dampening_frac` and `actorder`.
+#   Read them before serving a checkpoint someone else made.
+# - Gate on text that was not the calibration set: `prompt_logprobs` KL and answer KL
+#   against the 16-bit model on held-out prompts, as section 5 does (vLLM's INT8 W8A8
+#   guide: calibration data should closely match your deployment data).
+# - Checked against vLLM's `gptq_marlin.py` log lines (v0.6.3 and v0.11.0), its
+#   quantization docs and llm-compressor's `GPTQModifier` reference (0.7). This engine
+#   runs its own GPTQ (`percdamp=1.0`, `act_order=True` by default), caches the
+#   checkpoint and multiplies by the dequantized weight: no Marlin kernel.
 
 # %%
 print(f"chapter 16 ran in {time.perf_counter() - T0:.0f} s")
