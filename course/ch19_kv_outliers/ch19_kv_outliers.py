@@ -544,6 +544,23 @@ for c, m in claims:
 # because a static scale is set by the largest value seen in calibration while a
 # per-token scale fits each token. The lab's anchor is therefore the cache's own
 # unmodified per-tensor KL.)
+#
+# ## On real vLLM
+#
+# - vLLM's fp8 KV cache takes one scale per tensor, or one per KV head from an
+#   llm-compressor calibration (FlashAttention backend only; quantized KV-cache docs).
+#   There is no per-channel K scale: against an outlier channel like section 3's, per
+#   head is the finest static choice there.
+# - Recent main-branch builds add `--kv-cache-dtype int8_per_token_head` (and
+#   `fp8_per_token_head`, `int4_per_token_head`): scales per token and KV head, this
+#   chapter's dynamic int8 cache. v0.16's list has none of them; check `vllm serve
+#   --help` on the version you run.
+# - `--kv-cache-dtype-skip-layers` (layer indices, or `sliding_window`) keeps chosen
+#   layers in 16 bits: the remedy when the outliers sit in a few layers, as the planted
+#   one does. Find them first: per-channel max |K| per layer on your traffic, section 1.
+# - Checked against `vllm/config/cache.py` (v0.16 docs and the 2026 main branch) and the
+#   quantized KV-cache docs. This engine offers per-tensor, per-head and per-channel (K)
+#   static scales and dynamic per-token scales for both fp8 and int8, emulated on CPU.
 
 # %%
 print(f"chapter 19 ran in {time.perf_counter() - T0:.0f} s")
