@@ -379,6 +379,24 @@ print(f"| enable-chunked-prefill and max-num-batched-tokens are performance sett
 # parameters, then plugs your step into the engine: on fresh passkey prompts in 16-token
 # chunks, chunked greedy must equal unchunked greedy and find the key, while each planted
 # bug fails the same check.
+#
+# ## On real vLLM
+#
+# - In v1 chunked prefill is always on; `--max-num-batched-tokens` is the per-step token
+#   budget, and the scheduler fills it with the running decodes **first**, then with
+#   prefill chunks. A prompt's chunks therefore follow the load: section 2's chunk-size
+#   dependence becomes a dependence on how many other requests were decoding.
+# - `--long-prefill-token-threshold` caps the tokens one long prompt takes per step;
+#   `--max-num-partial-prefills` and `--max-long-partial-prefills` cap how many prompts
+#   are mid-prefill at once. The startup log states the budget ("Chunked prefill is
+#   enabled with max_num_batched_tokens=...").
+# - To test as section 5 does: a `--max-num-batched-tokens` at least as long as the
+#   longest prompt keeps it in one step; compare `prompt_logprobs` and greedy output
+#   against a small budget, with a fact only an early chunk holds.
+# - Checked against vLLM's optimization guide and `vllm/config/scheduler.py`
+#   (2025-2026). This engine has the same two knobs (`enable_chunked_prefill`, default
+#   on, and `max_num_batched_tokens`); a chunk's mask and read slots are the
+#   `"prefill_chunk"` step, which the faults replace.
 
 # %%
 print(f"chapter 23 ran in {time.perf_counter() - T0:.0f} s")
