@@ -433,6 +433,25 @@ print("| vllm #2891: TP=1 vs TP=4 greedy outputs differ, probably reduction orde
 # grader checks the shards on fresh shapes, then plugs all three into the emulated tp = 3
 # engine on fresh text: KL against tp = 1 within float32's noise floor and the same bits
 # whatever the arrival order, while the contiguous layout fails the same check.
+#
+# ## On real vLLM
+#
+# - `--tensor-parallel-size` must split the attention heads evenly; the all-reduce after
+#   `o_proj` and `down_proj` is vLLM's custom all-reduce where it applies, NCCL
+#   otherwise; `--disable-custom-all-reduce` forces NCCL (the workaround in vllm #2742).
+# - NCCL chooses its algorithm and protocol from the message size, among other things
+#   (an NCCL maintainer in NVIDIA/nccl #754), and the size follows the batch.
+#   `NCCL_ALGO` (e.g. `Ring`) and `NCCL_PROTO` (e.g. `Simple`) pin them: an A/B for a
+#   suspected reduction-order effect, not a production setting.
+# - `VLLM_BATCH_INVARIANT=1` under tensor parallelism keeps the custom all-reduce with a
+#   fixed order (the one-stage kernel, large inputs in fixed-size chunks) and turns off
+#   the FlashInfer, AITER and QuickReduce all-reduces and sequence parallelism. Its docs
+#   warn that all-reduces whose size is not a multiple of 16 bytes can still switch
+#   between NCCL and the custom kernel with the batch size.
+# - Checked against vLLM's batch invariance docs, `ParallelConfig`
+#   (`disable_custom_all_reduce`) and NCCL's environment-variable docs (2025-2026). This
+#   engine reduces over gloo on CPU (section 6) and emulates every order in one process
+#   (sections 3-5); it has no custom all-reduce.
 
 # %%
 print(f"chapter 25 ran in {time.perf_counter() - T0:.0f} s")
