@@ -385,6 +385,26 @@ print(f"| a missing add_generation_prompt | answer NLL {bos_table[1][0]:.3f} -> 
 # to 0, and on fresh long chats every prompt must start with its system prompt and give
 # the greedy answers of the grader's truncation by turns, where the left cut keeps the
 # system prompt in none of them.
+#
+# ## On real vLLM
+#
+# - `--chat-template` (a file or a string) replaces the tokenizer's template. In a chat
+#   request `add_special_tokens` defaults to false ("the chat template takes care of
+#   adding the special tokens") and `add_generation_prompt` to true; setting
+#   `add_special_tokens: true` on a BOS-adding tokenizer is vllm PR #16976's doubled BOS.
+# - Check the ids, not the text: the server's `/tokenize` endpoint takes `messages` too
+#   and returns what a chat request becomes; count the start tokens.
+# - `--max-model-len` rejects a longer prompt; `truncate_prompt_tokens=k` keeps the last
+#   k tokens, which drops the system prompt first (section 4). Trim whole turns before
+#   sending, as section 5 does.
+# - Evaluations: vLLM's quantization guides tell lm-eval users to pass
+#   `add_bos_token=True` (lm-eval does not add a BOS by default), the setting whose
+#   change doubled the BOS in tpu-inference PR #1380: check whether the template already
+#   writes one before you pass it.
+# - Checked against vLLM's OpenAI-server docs and the request protocol
+#   (`ChatCompletionRequest`, `TokenizeChatRequest`), 2025-2026. Here the chat and
+#   truncation steps are `"prompt.chat_template"` and `"prompt.truncate"` on the step
+#   registry, which the faults replace.
 
 # %%
 print(f"chapter 26 ran in {time.perf_counter() - T0:.0f} s")
