@@ -343,6 +343,24 @@ for c, v in rows:
 # engine's). The grader runs them on fresh seeded mysteries: the culprit key and the
 # layer must be exact, and the bad configuration must fail the KL check that the
 # configuration with your culprit reverted passes.
+#
+# ## On real vLLM
+#
+# - Read the logs and the configuration first: `vllm collect-env` prints the software
+#   and hardware, the startup log line "Initializing a V1 LLM engine (v...) with config:
+#   ..." the resolved configuration (diff it between the good and the bad deployment),
+#   and `VLLM_LOGGING_LEVEL=DEBUG` adds detail.
+# - Keys that remove a whole code path make good bisection steps: `--max-num-seqs 1`
+#   (vllm #5898), `--no-enable-prefix-caching`, `--enforce-eager`, `--kv-cache-dtype
+#   auto`, `--attention-backend` (`VLLM_ATTENTION_BACKEND` in older versions) and
+#   `VLLM_BATCH_INVARIANT=1`.
+# - The number to bisect on: `prompt_logprobs` over fixed prompts (`--max-logprobs -1`
+#   for the whole vocabulary) against a `--dtype float32` reference, with
+#   `--logprobs-mode raw_logprobs` so no sampling setting enters the KL.
+# - Checked against vLLM's docs and `vllm/envs.py` (2025-2026). vLLM has no layer-dump
+#   flag like this engine's layer diff (`minivllm.precision.layer_diff`) or its
+#   `minivllm bisect`; hooks on the model, or the same weights in transformers with
+#   `output_hidden_states=True`, give the per-layer states.
 
 # %%
 print(f"chapter 27 ran in {time.perf_counter() - T0:.0f} s")
