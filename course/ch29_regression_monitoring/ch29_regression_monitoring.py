@@ -458,6 +458,24 @@ for c, v in rows:
 # candidates with your functions, then plugs your monitor into the engine on fresh
 # prompts: it must alarm within a few requests of each planted regression and never over
 # benign traffic, where the too-tight configuration fails the same check.
+#
+# ## On real vLLM
+#
+# - `--generation-config auto` (the default) fills every sampling field a request leaves
+#   unset from the model's `generation_config.json`; `--generation-config vllm` uses
+#   vLLM's own defaults; `--override-generation-config '{"temperature": 0.7}'` merges
+#   over either. Run the gate's generation check under the server's flags, not only
+#   under `SamplingParams` you built yourself (NeMo-RL #3497, lm-eval #3154).
+# - vLLM exports no precision metric. Build the drift monitor of section 3 from the
+#   responses (`logprobs=1` gives each sampled token's log-prob), and alert on
+#   `vllm:corrupted_requests` (counted with `VLLM_COMPUTE_NANS_IN_LOGITS=1`).
+# - Pin what the golden snapshot depends on: `vllm --version`, `vllm collect-env`, the
+#   model revision and the flags; `VLLM_BATCH_INVARIANT=1` lowers the noise floor the
+#   tolerances are set from (chapter 5).
+# - Checked against `ModelConfig` (`generation_config`, `override_generation_config`)
+#   and vLLM's OpenAI-server docs (2025-2026). This engine adds the gate
+#   (`minivllm regress`) and the monitor's `minivllm:precision_monitor_*` gauges, which
+#   vLLM does not have.
 
 # %%
 print(f"chapter 29 ran in {time.perf_counter() - T0:.0f} s")
