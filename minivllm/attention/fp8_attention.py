@@ -143,67 +143,81 @@ def fp8_attention_ref(q: torch.Tensor, k_fp8: torch.Tensor, v_fp8: torch.Tensor,
         raise ValueError(f"acc_mantissa_bits must be None or an int in 1..23, "
                          f"got {acc_mantissa_bits!r}")
     g = H // Hkv
-    ks = _per_kv_head(k_scale, Hkv, "k_scale").repeat_interleave(g)      # [H]
-    vs = _per_kv_head(v_scale, Hkv, "v_scale").repeat_interleave(g)
-    qs = _per_kv_head(q_scale, Hkv, "q_scale").repeat_interleave(g)
+    ks = _per_kv_head(k_scale, Hkv, "k_scale")[:, None, None]            # [Hkv, 1, 1]
+    vs = _per_kv_head(v_scale, Hkv, "v_scale")[:, None, None]
+    qs = _per_kv_head(q_scale, Hkv, "q_scale")[:, None, None]
     sm = D ** -0.5 if softmax_scale is None else float(softmax_scale)
 
-    qh = q.float().transpose(0, 1)                                         # [H, n, D]
+    # query head h = kv_head * g + j: rows of kv head c are (j, i) pairs, [Hkv, g * n, D]
+    qh = q.float().transpose(0, 1).reshape(Hkv, g * n, D)
     if quantize_q:
-        qh = to_e4m3(qh / qs[:, None, None])
+        qh = to_e4m3(qh / qs)
         descale = qs * ks
     else:
         descale = ks
-    k8 = k_fp8.float().repeat_interleave(g, dim=1).transpose(0, 1)         # [H, L, D]
-    v8 = v_fp8.float().repeat_interleave(g, dim=1).transpose(0, 1)
-    scale_log2 = (sm * math.log2(math.e)) * descale                         # [H]
-    scale_log2 = scale_log2[:, None]                                        # [H, 1]
+    k8 = k_fp8.float().transpose(0, 1)                                     # [Hkv, L, D]
+    v8 = v_fp8.float().transpose(0, 1)
+    scale_log2 = ((sm * math.log2(math.e)) * descale)[..., 0]              # [Hkv, 1]
     narrow = (FloatFormat(f"acc_m{acc_mantissa_bits}", 8, acc_mantissa_bits, 127,
                           (2 - 2.0 ** -acc_mantissa_bits) * 2.0 ** 127, 2.0 ** -126,
                           2.0 ** (-126 - acc_mantissa_bits), True, "IEEE")
               if acc_mantissa_bits is not None else None)
 
-    qpos = torch.arange(L - n, L)                                           # [n]
-    m = torch.full((H, n), -math.inf)
-    row_sum = torch.zeros(H, n)
-    acc = torch.zeros(H, n, D)
-    flushed_p = torch.zeros(H, n)           # float32 P (at its tile's max) that became 0
-    flushed_count = torch.zeros(H, n)
+    qpos = torch.arange(L - n, L).repeat(g)                                 # [g * n]
+    R = g * n
+    m = torch.full((Hkv, R), -math.inf)
+    row_sum = torch.zeros(Hkv, R)
+    acc = torch.zeros(Hkv, R, D)
+    flushed_p = torch.zeros(Hkv, R)         # float32 P (at its tile's max) that became 0
+    flushed_count = torch.zeros(Hkv, R)
     num_tiles = -(-L // block_n)
     for t in reversed(range(num_tiles)):
         lo, hi = t * block_n, min(L, (t + 1) * block_n)
-        s = qh @ k8[:, lo:hi].transpose(1, 2)                               # [H, n, T] fp32
-        if causal:
-            keep = torch.arange(lo, hi)[None, :] <= qpos[:, None]           # [n, T]
+        s = torch.bmm(qh, k8[:, lo:hi].transpose(1, 2))                    # [Hkv, R, T] fp32
+        if causal and hi - 1 > L - n:                                      # a key after a query
+            keep = torch.arange(lo, hi)[None, :] <= qpos[:, None]          # [R, T]
             s = s.masked_fill(~keep, -math.inf)
         m_new = torch.maximum(m, s.amax(-1))
         m_use = torch.where(m_new == -math.inf, torch.zeros_like(m_new), m_new)
-        alpha = torch.exp2((torch.where(m == -math.inf, m_use, m) - m_use) * scale_log2)
-        p = torch.exp2(s * scale_log2[..., None]
-                       - (m_use * scale_log2 - max_offset)[..., None])      # [H, n, T]
-        row_sum = row_sum * alpha + p.sum(-1)
-        flushed_p = flushed_p * alpha
+        if t == num_tiles - 1:
+            alpha = None
+        else:
+            alpha = torch.exp2((torch.where(m == -math.inf, m_use, m) - m_use) * scale_log2)
+        s.mul_(scale_log2[..., None]).sub_((m_use * scale_log2 - max_offset)[..., None])
+        p = s.exp2_()                                                      # [Hkv, R, T]
+        if alpha is None:
+            row_sum = p.sum(-1)
+        else:
+            row_sum = row_sum * alpha + p.sum(-1)
+            flushed_p = flushed_p * alpha
         if quantize_p:
             p8 = to_e4m3(p)
-            lost = (p8 == 0) & (p > 0)
-            flushed_p = flushed_p + (p * lost).sum(-1)
-            flushed_count = flushed_count + lost.sum(-1)
+            if return_stats:
+                lost = (p8 == 0) & (p > 0)
+                flushed_p = flushed_p + (p * lost).sum(-1)
+                flushed_count = flushed_count + lost.sum(-1)
         else:
             p8 = p
-        pv = p8 @ v8[:, lo:hi]                                              # [H, n, D] fp32
+        pv = torch.bmm(p8, v8[:, lo:hi])                                    # [Hkv, R, D] fp32
+        if alpha is not None:
+            acc = acc * alpha[..., None]
         if narrow is None:
-            acc = acc * alpha[..., None] + pv
+            acc = acc + pv
         elif two_level:
-            acc = acc * alpha[..., None] + round_to_format(pv, narrow)
+            acc = acc + round_to_format(pv, narrow)
         else:
-            acc = round_to_format(round_to_format(acc * alpha[..., None], narrow)
+            acc = round_to_format(round_to_format(acc, narrow)
                                   + round_to_format(pv, narrow), narrow)
         m = m_new
     empty = row_sum == 0
     inv = torch.where(empty, torch.zeros_like(row_sum), 1.0 / row_sum)
-    out = (acc * (inv * vs[:, None])[..., None]).transpose(0, 1).contiguous()   # [n, H, D]
+    out = acc * (inv[..., None] * vs)                                       # [Hkv, R, D]
+    out = out.reshape(H, n, D).transpose(0, 1)                              # [n, H, D]
+
+    def per_query(x):                                                       # [Hkv, R] -> [n, H]
+        return x.reshape(H, n).transpose(0, 1)
     if not return_stats:
         return out
-    stats = {"flushed_mass": (flushed_p * inv).transpose(0, 1).contiguous(),
-             "flushed_count": flushed_count.transpose(0, 1).contiguous()}
+    stats = {"flushed_mass": per_query(flushed_p * inv),
+             "flushed_count": per_query(flushed_count)}
     return out, stats
