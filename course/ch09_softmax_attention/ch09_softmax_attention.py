@@ -249,7 +249,8 @@ print(f"corrupted requests counted by the engine (vllm:corrupted_requests): {cor
 # order keeps the unmodified fp16 model's KL against float32, the eager order gives NaN
 # from the layer the survey predicts, and the engine reports those requests as corrupted
 # (`finish_reason="error"`) instead of sampling from NaN, which is what prints "!!!!" in
-# an engine that does not check (the argmax of a NaN row is a fixed token id). The fix
+# an engine that does not check (the argmax of a NaN row is a fixed token id: chapter 12,
+# section 3, prints which). The fix
 # llama.cpp shipped is the engine's order: accumulate KQ in F32 (section 7).
 #
 # ## 4. A softmax without max subtraction, on the unmodified model

@@ -130,6 +130,17 @@ print(f"peak of the residual stream: {peak:.0f} = {100 * peak / FP16_MAX:.0f} % 
 print(f"that peak is on token 0 (the first token): max over the other tokens is "
       f"{float(rest.max()):.0f}")
 print(f"layer 11's MLP output on token 0: {float(mlp11[0]):.0f} (one matmul writes it)")
+grab = []
+handle = f32.llm_engine.model_runner.model.layers[11].register_forward_hook(
+    lambda m, a, o: grab.append(o.detach()[0].abs()))
+try:
+    f32.score(seqs[:1])
+finally:
+    handle.remove()
+top = grab[-1].topk(3)
+print(f"token 0 after layer 11: dims {top.indices.tolist()} hold "
+      f"{', '.join(f'{v:,.0f}' for v in top.values.tolist())}; median |x| of that row "
+      f"{float(grab[-1].median()):.3g}")
 print("layers whose stream passes |x| = 255.9 on token 0: "
       f"{[i for i in range(len(tok0)) if tok0[i] > SQ_MAX]}")
 print("| layer | 0 | 1 | 2 | 8 | 10 | 11 | 20 | 27 | 28 | 29 |")
@@ -163,7 +174,7 @@ fig
 # %% [markdown]
 # The peak is a **massive activation** (Sun et al. 2024, "Massive Activations in Large
 # Language Models"): on the first token, concentrated in very few hidden dimensions
-# (chapter 12 prints them: dimension 507 dominates), written by layer 11's MLP in one
+# (the dimensions printed above), written by layer 11's MLP in one
 # step and carried by the stream almost to the end, while the other tokens stay in the
 # hundreds. It stays well inside float16's range (the percentage above), so the
 # unmodified model does **not** overflow float16. Note the plot's "every other token"
