@@ -12,13 +12,15 @@ padded key length (a few 1e-8 in the attention output).
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 from minivllm import LLM, EngineArgs, SamplingParams
 from minivllm.precision.faults import stale_cuda_graph_capture, wrong_rope_theta
 from minivllm.worker.cuda_graph import (EmulatedCUDAGraph, EmulatedCUDAGraphRunner,
-                                        capture_sizes)
+                                        capture_sizes, on_default_stream)
 
 LOGPROB_TOL_F32 = 1e-4
 PROMPTS = [[5, 9, 13, 21, 34, 55, 89], [3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8, 1, 8, 2]]
@@ -56,6 +58,50 @@ def test_emulated_graph_replays_the_capture_not_the_python():
         f"replay vs eager max |diff| {(out - want).abs().max().item():.3g}"
     assert calls == [], "a replay must not call a hook registered after capture"
     assert not torch.equal(out, torch.tanh(lin(x)).sum(-1).detach())
+
+
+def test_ops_on_the_default_stream_are_not_replayed():
+    """on_default_stream() (vllm #2147): the enclosed ops run during capture but are not
+    recorded. A replay after the input changed then reads what they left, both a static
+    workspace they wrote in place and a tensor they made, as the capture left them (stale),
+    while the recorded ops around them are recomputed; the same step without the block
+    (PR #2318's fix: launch on the capturing stream) replays equal to eager. Outside a
+    capture the block changes nothing."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(6, 5)
+    first, second = torch.randn(4, 6), torch.randn(4, 6)
+    x = first.clone()
+    workspace = torch.zeros(4, 5)  # allocated before capture, like a kernel's buffer
+
+    def make_step(off: bool):
+        def step():
+            h = torch.relu(x)  # recorded
+            with on_default_stream() if off else contextlib.nullcontext():
+                workspace.copy_(lin(h))  # in place into a static tensor
+                made = lin(h) + 1  # a tensor made by the uncaptured ops
+            return workspace * 2, made * 3, h.sum(-1)
+        return step
+
+    with torch.inference_mode():
+        with on_default_stream():  # eager: nothing to skip
+            assert torch.equal(lin(x), lin(x))
+        for off in (True, False):
+            x.copy_(first)
+            workspace.zero_()
+            graph = EmulatedCUDAGraph()
+            outs = graph.capture(make_step(off))
+            at_capture = [t.clone() for t in outs]
+            x.copy_(second)
+            graph.replay()
+            want = make_step(False)()
+            if off:
+                assert torch.equal(outs[0], at_capture[0]), "the workspace was recomputed"
+                assert torch.equal(outs[1], at_capture[1]), "the made tensor was recomputed"
+                assert not torch.equal(outs[0], want[0]) and not torch.equal(outs[1], want[1])
+                assert torch.equal(outs[2], want[2]), "a recorded op must be replayed"
+            else:
+                for got, w in zip(outs, want):
+                    assert torch.equal(got, w), f"max |diff| {(got - w).abs().max().item():.3g}"
 
 
 def test_capture_sizes_and_padding_rows(engines):

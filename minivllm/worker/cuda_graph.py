@@ -230,6 +230,42 @@ _HOST_ONLY_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_
                   torch.ops.aten.equal.default}
 
 
+# Depth of on_default_stream() blocks: while > 0, an EmulatedCUDAGraph capture runs ops
+# without recording them.
+_OFF_CAPTURE_DEPTH = 0
+
+
+@contextlib.contextmanager
+def on_default_stream():
+    """Run the enclosed ops as a kernel launched on a stream the capture does not follow,
+    for the CPU emulation below (course chapter 24; not a vLLM API).
+
+    vllm #2147 (2023-12): the exllama GPTQ kernels were launched with
+    ``kernel<<<grid, block>>>``, on CUDA's legacy default stream instead of PyTorch's
+    current stream, which is the one a ``torch.cuda.graph`` capture records. During
+    capture they ran once and were left out of the graph; each replay then read their
+    output memory without anything writing it (the fix, vllm PR #2318 (2024-01), launched
+    them on the current stream). Inside this block an :class:`EmulatedCUDAGraph` capture
+    runs the ops (the capture's own outputs are right) but does not record them, and the
+    tensors they make count, for the recording, as tensors from outside the capture: a
+    replay reads their contents as they are at that moment and never recomputes them. An
+    in-place write into a static tensor made here is not replayed either.
+
+    What the emulation cannot show: on a GPU the uncaptured kernel's output may sit in
+    memory the graph's pool hands to other tensors, so a replay can read anything (in
+    float16, the inf/nan of vllm #2147). Here the recording holds such a tensor, so a
+    replay reads the last values written into it: stale, finite rows.
+
+    Outside a capture (eager steps, real CUDA graphs) it changes nothing. Nestable.
+    """
+    global _OFF_CAPTURE_DEPTH
+    _OFF_CAPTURE_DEPTH += 1
+    try:
+        yield
+    finally:
+        _OFF_CAPTURE_DEPTH -= 1
+
+
 class EmulatedCUDAGraph:
     """A CPU stand-in for ``torch.cuda.CUDAGraph``: :meth:`capture` runs a function once
     and records every ATen op it dispatches (a ``TorchDispatchMode``); :meth:`replay`
@@ -242,6 +278,8 @@ class EmulatedCUDAGraph:
     decided during capture is frozen: which module ran, a forward hook (or its absence),
     a patched function or step, a branch on a host value (``int(t.min()) > 0``), shapes.
     So a hook registered, or a step patched, after capture is never run by a replay.
+    Ops run inside :func:`on_default_stream` during capture are not recorded (a kernel
+    launched on a stream the capture does not follow, vllm #2147).
 
     The outputs are static too: a replay copies its results into the tensors the
     captured function returned (as a CUDA graph writes into its captured outputs).
@@ -330,6 +368,8 @@ class _Tape(TorchDispatchMode):
 
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if _OFF_CAPTURE_DEPTH:  # on_default_stream(): run, do not record
+            return out
         single = isinstance(out, torch.Tensor)
         out_leaves = [out] if single else (list(out) if isinstance(out, (tuple, list)) else [out])
         if func in _HOST_ONLY_OPS and not any(isinstance(t, torch.Tensor) for t in out_leaves):
