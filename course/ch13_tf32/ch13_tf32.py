@@ -66,7 +66,7 @@ from matplotlib.figure import Figure
 
 from minivllm import LLM, SamplingParams
 from minivllm.layers.linear import linear_ref
-from minivllm.numerics import FORMATS, round_to_fp16, round_to_tf32, tf32_linear
+from minivllm.numerics import FORMATS, round_to_tf32, tf32_linear
 from minivllm.precision import evalsets, metrics, plots
 from minivllm.precision.noise import permuted_mlp_reduction
 from minivllm.steps import reference
@@ -137,24 +137,10 @@ for x in [1024.5, 1025.5, 1024.25, 1024.75, -1024.5, 1 + 2**-11]:
 #
 # **The seed's "far less mantissa than FP16".** TF32 and float16 both keep 10 mantissa
 # bits, so they have the same relative spacing; what TF32 keeps from float32 is the
-# exponent, i.e. the range:
-
-# %%
-print(f"{'format':9} {'exp bits':>8} {'mantissa bits':>13} {'epsilon':>9} {'max':>10}")
-for name in ["float32", "tf32", "float16", "bfloat16"]:
-    f = FORMATS[name]
-    print(f"{name:9} {f.exponent_bits:>8} {f.mantissa_bits:>13} {f.eps:>9.3g} "
-          f"{f.max_normal:>10.3g}")
-probe = torch.tensor([1.0001, 3.14159265, 70000.0, 1e-6])
-print("\nvalue        tf32            float16")
-for v, a, b in zip(probe.tolist(), round_to_tf32(probe).tolist(), round_to_fp16(probe).tolist()):
-    print(f"{v:<12.9g} {a:<15.9g} {b:.9g}")
-
-# %% [markdown]
-# Same digits where both formats hold the value (1.0001 rounds to 1 in both, pi to
-# 3.140625 in both); float16 overflows at 70000 and represents 1e-6 only as a coarse
-# subnormal, TF32 keeps both. The seed's sentence contradicts itself: 10 bits is not "far
-# fewer" than 10.
+# exponent, i.e. the range. Chapter 3 (section 2.1) checks it on the grids: over
+# float16's normal range, rounding to TF32 and rounding to float16 give the same value bit
+# for bit, and outside it float16 overflows or goes subnormal where TF32 does not. The
+# seed's sentence contradicts itself: 10 bits is not "far fewer" than 10.
 #
 # ## 2. The incident, measured on the embedded model
 #
