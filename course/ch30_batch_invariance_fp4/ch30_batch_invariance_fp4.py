@@ -14,8 +14,8 @@
 # # Chapter 30. Batch-invariant kernels and deterministic inference; FP4 formats (MXFP4, NVFP4)
 #
 # Two frontier topics share this chapter: **deterministic serving** (the same request gives
-# the same bits whatever else the server is doing, and the same log-probs a trainer would
-# compute) and **4-bit floating point** (E2M1 elements with block scales: the formats of
+# the same bits whatever else the server is doing; for RL, also the question whether
+# those bits are what a trainer computes) and **4-bit floating point** (E2M1 elements with block scales: the formats of
 # gpt-oss and of NVIDIA's Blackwell checkpoints, for weights and, on Blackwell, for
 # activations too).
 #
@@ -120,8 +120,8 @@ print("engines ready: bfloat16 default, bfloat16 batch_invariant=True")
 # tensor-parallel size between sampler and trainer is one more source, Zhang, Ding et al.,
 # "Deterministic Inference across Tensor Parallel Sizes", arXiv 2511.17826, 2025-11).
 # In vLLM the numbers the sampler returns are chosen by the engine argument
-# `logprobs_mode`: `raw_logprobs`
-# (the default: log-softmax of the model's logits before any logits processor),
+# `logprobs_mode`: `raw_logprobs` (the default: log-softmax of the model's logits before
+# any logits processor),
 # `processed_logprobs` (after all processors, temperature and top-k/top-p included: the
 # distribution the token was actually drawn from), or `raw_logits` / `processed_logits`
 # (vLLM's `ModelConfig.logprobs_mode`, checked in `vllm/config/model.py` and the engine-
@@ -204,13 +204,14 @@ print("batch_invariant=True: busy == alone bit for bit: "
 # mode need not remove it: the last line says whether it did here, and the per-token
 # probability ratio it leaves, which is what an importance-sampling correction would
 # have to absorb. Thinking Machines' "true on-policy" run made the *trainer's* forward
-# pass use the same batch-invariant kernels as the sampler; the engine here would need
-# its prefill and decode attention to reduce in the same order for the same.
+# pass use the same batch-invariant kernels as the sampler.
 #
 # The mechanism of the first pair is chapter 5's. The mode runs each sequence's decode
 # attention over its own keys and every linear and the LM head one row at a time, so no
-# reduction sees the batch; its prefill attention is still a different kernel from its
-# decode attention.
+# reduction sees the batch. Its prefill and decode paths still differ in the attention
+# kernel (one causal attention over the whole sequence against one query row at a time
+# over the cached keys); for the trainer pairs to vanish, those two would have to
+# reduce in the same order.
 
 # %% [markdown]
 # ## 2. What `VLLM_BATCH_INVARIANT=1` requires in vLLM, and what it costs
@@ -259,10 +260,10 @@ print("batch_invariant=True: busy == alone bit for bit: "
 # mode"; ABBA rounds and medians, not one sample).
 #
 # Why the price differs so much between machines: on the H200 the recorded cost
-# (RESULTS.md: 11.8x bf16, 10.5x fp32) is several times the CPU ratio because the mode
-# there turns CUDA graphs off and runs the LM head one row at a time (RESULTS.md says so
-# and leaves a batch-invariant LM head through `minivllm_kernels/batch_invariant.py` as
-# the next step). vLLM's ~1.6x is for kernels written to be fast *and* invariant (fixed
+# (RESULTS.md: 11.8x bf16, 10.5x fp32) is several times RESULTS.md's CPU ratio (1.54x)
+# because the mode there turns CUDA graphs off and runs the LM head one row at a time
+# (RESULTS.md says so and leaves a batch-invariant LM head through
+# `minivllm_kernels/batch_invariant.py` as the next step). vLLM's ~1.6x is for kernels written to be fast *and* invariant (fixed
 # tiles, no split-K, fixed-split attention). The H200 GPU suite also records
 # `"attn_batch_invariant": true`: `minivllm_kernels/paged_attention.py` splits the keys in
 # fixed 512-token splits merged in order, so its decode attention is invariant by
