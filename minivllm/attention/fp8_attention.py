@@ -30,9 +30,10 @@ Dao-AILab/flash-attention ``hopper/`` (``flash_fwd_kernel_sm90.h``, ``softmax.h`
    ``acc = acc · exp2((m_old - m_new) · scale_log2) + P8 · V8`` in float32.
 5. ``out = acc · v_scale / row_sum``.
 
-So a weight flushes to zero when ``P · 2^-max_offset <= 2^-10 · 2^-max_offset``, i.e.
-when it is at most ``2^-(10 + max_offset)`` of its row's running maximum (``2^-10`` is
-half of e4m3's smallest subnormal ``2^-9``; values in between round up to ``2^-9``). With
+So a weight flushes to zero when ``P <= 2^-10``, i.e. when ``exp(s - m)``, the weight
+relative to its row's running maximum, is at most ``2^-(10 + max_offset)`` (``2^-10`` is
+half of e4m3's smallest subnormal ``2^-9`` and rounds to even, 0; values between round up
+to ``2^-9``). With
 ``max_offset = 0`` (a kernel that casts ``P`` in ``[0, 1]`` straight to fp8) the
 threshold is ``2^-10``.
 
