@@ -472,9 +472,9 @@ fig
 # unit-tested against a brute-force block quantizer in `tests/test_fp4.py`): each linear
 # of the NVFP4 engine rounds its input, then runs the same dequantized-weight GEMM as
 # W4A16, so the difference between the two NVFP4 rows is the activations alone. Each
-# linear's `input_scale` is calibrated the way ModelOpt does it, from the largest |input|
-# the float32 model shows on 256 tokens of the bundled conversations (not the scored
-# text).
+# linear's `input_scale` comes from max calibration (ModelOpt's default algorithm): the
+# largest |input| the float32 model shows on 256 tokens of the bundled conversations
+# (not the scored text).
 #
 # The intervals are cluster-bootstrap 95 % intervals over the windows
 # (`metrics.bootstrap_ci`); with two windows the bootstrap can only resample two
@@ -482,9 +482,10 @@ fig
 # RESULTS.md row for each weight-only scheme (5 windows, 2,560 positions,
 # `python benchmarks/quantization.py --schemes int4-asym-g32 int4-sym-g32 mxfp4 "nvfp4
 # (modelopt_fp4)"`) is printed beside it, with int4-asym g32 from the same run (not
-# rebuilt here, to keep the notebook short; section 4 compared it on a layer). The last
-# column is one real layer: section 4's layer-10 down_proj, fed the inputs it received
-# while the float32 model scored the two windows, its output error relative to float32.
+# rebuilt here, to keep the notebook short; section 4 compared it on a layer). The
+# "layer-10 out err" column is one real layer: section 4's layer-10 down_proj, fed the
+# inputs it received while the float32 model scored the two windows, its output error
+# relative to float32.
 
 # %%
 t_s5 = time.perf_counter()
