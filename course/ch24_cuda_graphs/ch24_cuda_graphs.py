@@ -18,21 +18,30 @@
 # 1. say what a CUDA graph records and what it does not: the kernels and the buffers
 #    they read, not the Python that launched them; so inputs live in **static buffers
 #    written in place**, a batch is **padded** up to a captured size, and a hook or a
-#    patch added after capture is **not** run by a replay unless the runner checks;
+#    patch added after capture is **not** run by a replay unless the runner checks, and a
+#    kernel launched on a stream the capture does not record (vllm #2147) is not replayed
+#    at all: the replay reads whatever its output memory holds;
 # 2. pad a decode batch the way vLLM does (capture sizes 1, 2, 4, 8, 16, ...; padding
 #    rows with slot -1 and sequence length 0) and check that padding rows change nothing
 #    and produce no NaN;
 # 3. tell the two classes of graph-versus-eager differences apart: **correctness** (a
-#    stale capture, a buffer not written in place: wrong results) and **numerics** (a
-#    kernel whose bits depend on the padded shape: last-bit differences).
+#    stale capture, a buffer not written in place, a kernel outside the capture: wrong
+#    results, while eager is right) and **numerics** (a kernel whose bits depend on the
+#    padded shape: last-bit differences);
+# 4. find which op makes a row depend on the batch size, by comparing every layer's output
+#    row alone and in a padded batch (hooks on an eager forward at each shape), and check
+#    the finding against the kernel alone.
 #
 # **The incidents.**
 #
 # - **vllm #2147** "GPTQ models don't support CUDA graph" (2023-12-17):
 #   Mixtral-8x7B-GPTQ in float16 failed in the sampler with "probability tensor contains
-#   inf/nan" under CUDA graphs, and was fine with `--enforce-eager`. The exllama kernels
-#   launched on the default stream instead of the capturing stream. PR #2154 forced eager
-#   for GPTQ; PR #2318 (2024-01-02) launched them on the current stream.
+#   inf/nan" under CUDA graphs, and was fine with `--enforce-eager`. A contributor found
+#   the cause (issue comment of 2024-01-01): the exllama kernels were launched without a
+#   stream argument, so on CUDA's default stream instead of the stream being captured,
+#   and the graph did not contain them. PR #2154 (2023-12-17) forced eager mode for GPTQ
+#   models; PR #2318 (2024-01-02) launched the kernels on the current stream and turned
+#   graphs back on.
 # - **vllm #5569 / bitsandbytes #1308** (2024-08): `dequantize_4bit` gave different
 #   weights under graph capture, so the output was nonsense; vLLM forced eager for
 #   bitsandbytes (PR #6846) until bitsandbytes shipped a fix.
@@ -49,13 +58,17 @@
 # an engine option that is **not vLLM's**; `minivllm/worker/cuda_graph.py`,
 # `EmulatedCUDAGraphRunner`): the same capture sizes, static buffers and padding as the
 # CUDA runner, and a replay that re-executes the ATen ops recorded at capture and nothing
-# else, so Python changes made after capture are not seen, as on a GPU. It gives no
+# else, so Python changes made after capture are not seen, as on a GPU; ops run inside
+# `on_default_stream()` during capture are executed but not recorded, as a kernel on
+# another stream is left out of a CUDA graph (section 4). It gives no
 # speed-up; the speed numbers below are the H200's, measured elsewhere (section 1 says by
 # which command). Everything else is measured when the notebook runs, on the embedded
 # SmolLM2-135M-Instruct in float32 with minivllm on this machine's CPU.
 
 # %%
 # %matplotlib inline
+import contextlib
+import math
 import time
 from types import SimpleNamespace
 
@@ -67,7 +80,8 @@ import minivllm.layers.linear as linear_mod
 from minivllm import LLM, SamplingParams
 from minivllm.attention.backends.torch_ref import decode_attention_ref
 from minivllm.precision import faults
-from minivllm.worker.cuda_graph import EmulatedCUDAGraphRunner, capture_sizes
+from minivllm.worker.cuda_graph import (EmulatedCUDAGraphRunner, capture_sizes,
+                                        on_default_stream)
 
 torch.manual_seed(0)
 T0 = time.perf_counter()
@@ -115,7 +129,7 @@ print(f"captured sizes {graphs.sizes} in {time.perf_counter() - T0:.1f} s "
 # (M = 8): the kernels did not change with M there. Batch-1 cost, prefill included:
 # 1.73 ms per token with graphs against 20.46 eagerly (bfloat16), 1.96 against 19.81
 # (float32). Whether cuBLAS keeps its kernel for every M, model and GPU is not promised;
-# section 5 shows on this CPU a library that does not.
+# section 6 shows on this CPU a library that does not.
 
 # %% [markdown]
 # ## 2. Capture sizes and padded rows
@@ -131,8 +145,10 @@ print(f"captured sizes {graphs.sizes} in {time.perf_counter() - T0:.1f} s "
 # vLLM V1 pads the number of scheduled **tokens** of a step (not of sequences) up to a
 # captured size, and its `cudagraph_mode` decides what the graph holds: `PIECEWISE`
 # captures the pieces between attention calls and runs attention outside the graph,
-# `FULL` captures attention too, `FULL_AND_PIECEWISE` uses full graphs for pure decode
-# steps and piecewise ones for mixed prefill/decode steps. The numerical question this
+# `FULL` captures attention too, `FULL_AND_PIECEWISE` (the default in
+# `vllm/config/compilation.py`, late 2025) uses full graphs for pure decode steps and
+# piecewise ones for mixed prefill/decode steps, `FULL_DECODE_ONLY` full graphs for
+# decode steps and none for mixed ones, `NONE` no graphs. The numerical question this
 # chapter asks (do the real rows get the same bits in a padded shape?) is the same in
 # both; which kernels see the padded shape differs.
 
@@ -260,9 +276,112 @@ print(f"stale runner: max |diff| on decode steps {stale_vs_eager:.3g}; "
 # engine. Nothing fails loudly. That is the shape of vllm #2147 and #5569 too: what the
 # graph ran was not what the eager code path would have run (a kernel on the wrong
 # stream, a dequantization captured in a different state), and only the eager comparison
-# showed it.
+# showed it. Section 4 reproduces the first of those mechanisms.
 #
-# ## 4. Padded rows and real rows
+# ## 4. A kernel outside the capture: vllm #2147, reproduced
+#
+# A CUDA graph records the kernels launched on the stream being captured. The exllama
+# GPTQ kernels of vllm #2147 were launched on CUDA's default stream: during capture they
+# ran once (on the capture's dummy inputs) and were left out of the graph, so every
+# replay read their output memory without anything having written it for this step.
+#
+# The emulation expresses this with `on_default_stream()`: ops run inside it during a
+# capture are executed and not recorded, and a replay reads the tensors they wrote as
+# they are at that moment. `DefaultStreamLinear` below is such a kernel: it wraps layer 0's
+# `down_proj` and writes its result into a workspace of its own, allocated when the layer
+# is built (outside the graph's static buffers), like a kernel that keeps a scratch
+# buffer. In an eager step it computes exactly what the wrapped layer computes. We swap it
+# into the graph engine's model, capture the graphs again (the engine's own graphs were
+# captured without it), and generate 6 greedy tokens for the 3 prompts of section 3
+# (`ignore_eos`, log-probs kept). Then the two fixes: the same kernel launched on the
+# capturing stream (what PR #2318 did), and the broken capture with every step run eagerly
+# (`suspended()`, what PR #2154's forced eager mode did for GPTQ models). The workspace's
+# version counter counts the writes into it, replays included.
+
+# %%
+T4 = time.perf_counter()
+
+
+class DefaultStreamLinear(torch.nn.Module):
+    """`inner`'s result written into `self.workspace` [rows, out_features] (allocated
+    here, once) and returned as a view of it. `default_stream=True`: the write is launched
+    on a stream the capture does not record (`on_default_stream()`); False: on the
+    capturing stream. Either way an eager step gets the same bits as `inner(x)`."""
+
+    def __init__(self, inner, rows, default_stream):
+        super().__init__()
+        self.inner, self.default_stream = inner, default_stream
+        self.workspace = torch.zeros(rows, inner.weight.shape[0])
+
+    def forward(self, x):
+        n = x.shape[0]
+        with on_default_stream() if self.default_stream else contextlib.nullcontext():
+            self.workspace[:n].copy_(self.inner(x))
+        return self.workspace[:n]
+
+
+graph_clean = run(graph_llm)  # the engine's own graphs, for comparison
+down0 = model.layers[0].mlp.down_proj
+ds_out, ds_writes = {}, {}
+for variant in ("default stream", "capturing stream"):
+    layer = DefaultStreamLinear(down0, 256, variant == "default stream")  # 256 > any step
+    model.layers[0].mlp.down_proj = layer
+    try:
+        with torch.inference_mode():
+            recaptured = EmulatedCUDAGraphRunner(model, 4, MAX_LEN, bsz, torch.device("cpu"))
+        runner.cuda_graphs = recaptured
+        v0 = layer.workspace._version
+        ds_out[variant] = run(graph_llm)
+        ds_writes[variant] = layer.workspace._version - v0
+        if variant == "default stream":  # the fix of PR #2154: no graphs for this model
+            v0 = layer.workspace._version
+            with recaptured.suspended():
+                ds_out["forced eager"] = run(graph_llm)
+            ds_writes["forced eager"] = layer.workspace._version - v0
+    finally:
+        runner.cuda_graphs = graphs
+        model.layers[0].mlp.down_proj = down0
+del recaptured
+broken = ds_out["default stream"]
+ds_tokens_eq = sum(x.token_ids == y.token_ids for x, y in zip(broken, clean))
+ds_first = max_diff(broken, clean, first=1)
+ds_fixed_eq = (max_diff(ds_out["capturing stream"], graph_clean) == 0.0 and all(
+    x.token_ids == y.token_ids for x, y in zip(ds_out["capturing stream"], graph_clean)))
+ds_eager_eq = (max_diff(ds_out["forced eager"], clean) == 0.0 and all(
+    x.token_ids == y.token_ids for x, y in zip(ds_out["forced eager"], clean)))
+ds_finite = all(math.isfinite(step[t].logprob) for o in broken
+                for t, step in zip(o.token_ids, o.logprobs))
+n_steps = ds_writes["forced eager"]  # eager: one write per step
+print(f"{prompts[0]!r} -> eager: {clean[0].text!r}; graphs with the default-stream "
+      f"kernel: {broken[0].text!r}")
+print(f"default stream: greedy tokens equal to eager for {ds_tokens_eq}/{len(prompts)} "
+      f"prompts; the first decode step's chosen log-prob moves by up to {ds_first:.3g}; "
+      f"chosen log-probs finite: {ds_finite}")
+print(f"workspace written in {ds_writes['default stream']} of the {n_steps} steps with the "
+      f"default-stream kernel, {ds_writes['capturing stream']} of {n_steps} with it on the "
+      f"capturing stream, {n_steps} of {n_steps} eagerly")
+print(f"fix 1, kernel on the capturing stream (PR #2318): equal to the engine's own graphs "
+      f"bit for bit: {ds_fixed_eq}")
+print(f"fix 2, graphs off for this model (PR #2154): equal to the eager engine bit for bit: "
+      f"{ds_eager_eq}")
+print(f"section 4 took {time.perf_counter() - T4:.1f} s")
+
+# %% [markdown]
+# What the counts say: a step that runs eagerly (here the prefill, and every step with
+# graphs off) writes the workspace; a replay of the broken capture does not, because the
+# write was never recorded. Each decode step's replay therefore read, as layer 0's MLP
+# output, the first rows of whatever the last eager step left in the workspace: rows
+# the prefill computed for other tokens. No error was raised: the run finished, with the
+# tokens and log-probs printed above. On a GPU the memory that an uncaptured kernel
+# wrote can be handed by the graph's memory pool to other tensors, so a replay reads
+# whatever was last put there; in vllm #2147 (float16) the sampler's `torch.multinomial`
+# then found inf/nan in the probabilities. The emulation keeps the workspace alive, so
+# it shows the stale-row form of the same fault (`on_default_stream`'s docstring), and
+# the same two fixes: record the kernel (launch it on the capturing stream, so each
+# replay writes the buffer the next op reads) or run the model eagerly.
+
+# %% [markdown]
+# ## 5. Padded rows and real rows
 #
 # We teacher-force 3 sequences of 8 tokens through the graphs one decode step at a time
 # (each step writes the position's K/V, then attends to it). Two checks per step: the
@@ -309,37 +428,183 @@ print(f"a padding row (length 0) whose keys hold NaN: SDPA alone gives NaN "
 # guard") was decided once, at capture, and the guard runs on every replay. A real CUDA
 # graph cannot branch on a host value at all; the GPU path always runs the guard.
 #
-# ## 5. Does padding change the real rows' numbers?
+# ## 6. Does padding change the real rows' numbers?
 #
 # Padding changes the row count M of every matmul. A GEMM library may pick another
 # kernel, tile or summation order for another M, so a real row can come out with other
 # bits ("cuBLAS may pick a different kernel for M=8 than for M=5",
-# `worker/cuda_graph.py`). First at the level of one linear layer: row 0 of
-# `x[:M] @ W.T` for the embedded model's layer-0 `gate_up_proj` weight, against M = 1.
+# `worker/cuda_graph.py`; chapter 5, section 4, shows how a CPU GEMM's blocking follows
+# the instruction set and M). We start from the result a user sees: the same 3 sequences
+# replayed one at a time (size-1 graph, M = 1) against all 3 together (size-4 graph,
+# M = 4, 1 padding row), with the engine's default oneDNN-packed float32 weights.
 
 # %%
-W = model.layers[0].mlp.gate_up_proj.weight.detach()
+T6 = time.perf_counter()
+alone = torch.cat([teacher_force(graphs, [i])[0] for i in range(3)])
+packed_diff = (alone - batch3).abs().max().item()
+print(f"packed float32: alone vs in a padded batch of 3 (size 4): max |dlogit| {packed_diff:.3g} "
+      f"(bit for bit: {torch.equal(alone, batch3)})")
+
+# %% [markdown]
+# Which op makes a row depend on the batch? A replay's rows equal an eager forward at the
+# same padded shape bit for bit (section 5), so we can look inside with hooks on an eager
+# forward (the runner's `_forward`, the ops the graph replays): sequence 0 at its last
+# position, alone (M = 1) and in the padded batch (M = 4), and every intermediate row in
+# the order the model computes it: embedding, RMSNorm, `qkv_proj`, attention (rotary, K/V
+# store, SDPA: the input of `o_proj`), `o_proj`, residual add, RMSNorm, `gate_up_proj`,
+# SiLU(gate) * up (the input of `down_proj`), `down_proj`, and so on through 30 layers,
+# the final norm and the LM head. Both forwards read the same cached keys for the earlier
+# positions. The first row that differs was made by an op whose inputs were all still
+# bit-identical: that op is the source.
+
+# %%
+def row0_trace(idx):
+    """[(label, row 0)] of every intermediate of one eager forward of sequences idx at
+    their last position, at the padded shape of their graph, in execution order."""
+    trace = []
+
+    def keep(label, pre):
+        def pre_hook(mod, args):
+            trace.append((label, args[0][0].clone()))
+
+        def post_hook(mod, args, out):
+            trace.append((label, out[0].clone()))
+        return pre_hook if pre else post_hook
+
+    spots = [(model.embed_tokens, "embedding", False)]
+    for i, lay in enumerate(model.layers):
+        if i:
+            spots.append((lay.input_layernorm, f"layers.{i - 1} residual add (MLP)", True))
+        spots += [(lay.input_layernorm, f"layers.{i}.input_layernorm", False),
+                  (lay.self_attn.qkv_proj, f"layers.{i}.self_attn.qkv_proj", False),
+                  (lay.self_attn.o_proj, f"layers.{i} attention (rotary, SDPA)", True),
+                  (lay.self_attn.o_proj, f"layers.{i}.self_attn.o_proj", False),
+                  (lay.post_attention_layernorm, f"layers.{i} residual add (attention)", True),
+                  (lay.post_attention_layernorm, f"layers.{i}.post_attention_layernorm", False),
+                  (lay.mlp.gate_up_proj, f"layers.{i}.mlp.gate_up_proj", False),
+                  (lay.mlp.down_proj, f"layers.{i} SiLU(gate) * up", True),
+                  (lay.mlp.down_proj, f"layers.{i}.mlp.down_proj", False)]
+    spots += [(model.norm, f"layers.{len(model.layers) - 1} residual add (MLP)", True),
+              (model.norm, "norm", False)]
+    handles = [m.register_forward_pre_hook(keep(lab, True)) if pre
+               else m.register_forward_hook(keep(lab, False)) for m, lab, pre in spots]
+    try:
+        with torch.inference_mode():
+            bs = graphs._fill_inputs(step_reqs(idx, N_POS - 1), tables)
+            logits, _ = graphs._forward(bs)
+    finally:
+        for h in handles:
+            h.remove()
+    return trace + [("LM head", logits[0].clone())]
+
+
+tr_alone, tr_batch = row0_trace([0]), row0_trace(range(3))
+assert [lab for lab, _ in tr_alone] == [lab for lab, _ in tr_batch]
+first_diff = next(((k, lab, (a - b).abs().max().item())
+                   for k, ((lab, a), (_, b)) in enumerate(zip(tr_alone, tr_batch))
+                   if not torch.equal(a, b)), None)
+if first_diff is None:
+    print(f"all {len(tr_alone)} intermediate rows of sequence 0 are bit-identical alone "
+          f"and in the padded batch")
+else:
+    k, lab, d = first_diff
+    print(f"{k} of {len(tr_alone)} intermediate rows bit-identical alone and in the padded "
+          f"batch ({', '.join(lab for lab, _ in tr_alone[:k])}); the first that differs: "
+          f"{lab} (max |d| {d:.2g}); the LM head's row then differs by "
+          f"{(tr_alone[-1][1] - tr_batch[-1][1]).abs().max().item():.2g}")
+
+# %% [markdown]
+# Then the kernel alone, with the engine's packed weights: row 0 of `x[:M] @ W.T` for
+# each linear of layer 0 and the LM head, on random inputs, at M = 2, 4, 8 against M = 1.
+# And an engine-level check of the same thing: if only M = 1 is special, a single
+# sequence replayed in the size-2 graph (one padding row, M = 2) gets the bits it gets in
+# the size-4 graph. The runner's `sizes` decides which graph a batch pads to; we leave out
+# size 1 for this run.
+
+# %%
+engine_linears = {"qkv_proj": model.layers[0].self_attn.qkv_proj.weight,
+                  "o_proj": model.layers[0].self_attn.o_proj.weight,
+                  "gate_up_proj": model.layers[0].mlp.gate_up_proj.weight,
+                  "down_proj": model.layers[0].mlp.down_proj.weight,
+                  "LM head": model.embed_tokens.weight}  # tied embedding
+
+
+def packed_row0(xs, w):
+    """Row 0 of the engine's float32 linear (`float_linear`: oneDNN-packed weight, the
+    engine's own packed copy, kept on the weight)."""
+    return linear_mod.packed_cpu_linear(xs.contiguous(), w, None, w)[0]
+
+
+lin_m1, lin_m2 = {}, {}  # name -> [row 0 at M = 2, 4, 8 bit-identical to M = 1], [4, 8 to M = 2]
+with torch.inference_mode():
+    for name, w in engine_linears.items():
+        xs = torch.randn(8, w.shape[1])
+        rows = {m: packed_row0(xs[:m], w) for m in (1, 2, 4, 8)}
+        lin_m1[name] = [torch.equal(rows[m], rows[1]) for m in (2, 4, 8)]
+        lin_m2[name] = [torch.equal(rows[m], rows[2]) for m in (4, 8)]
+        print(f"{name:12s} ({w.shape[1]:4d} -> {w.shape[0]:5d}): row 0 at M = 2, 4, 8 "
+              f"bit-identical to M = 1: {lin_m1[name]}; at M = 4, 8 to M = 2: {lin_m2[name]}")
+
+graphs.sizes = [2, 4]  # no size-1 graph: a single sequence runs padded to 2 rows
+try:
+    alone_m2 = torch.cat([teacher_force(graphs, [i])[0] for i in range(3)])
+finally:
+    graphs.sizes = capture_sizes(4)
+m2_eq = torch.equal(alone_m2, batch3)
+print(f"each sequence alone in the size-2 graph (M = 2) vs in the padded batch (M = 4): "
+      f"max |dlogit| {(alone_m2 - batch3).abs().max().item():.3g} (bit for bit: {m2_eq})")
+print(f"section 6 so far: {time.perf_counter() - T6:.1f} s")
+
+# %%
+_m1_special = [n for n, same in lin_m1.items() if not all(same)]
+if torch.equal(alone, batch3):
+    print("Verdict: on this CPU the padded batch left every real row's bits unchanged; "
+          "no op needed isolating.")
+else:
+    print("Verdict: on this CPU the rows of a sequence alone (M = 1) and in the padded batch "
+          f"differ, starting at {first_diff[1] if first_diff else 'no hooked row'}; the "
+          "packed linears whose row 0 changes between M = 1 and M > 1: "
+          f"{_m1_special or 'none'}; a single sequence padded to M = 2 matches the batch "
+          + ("bit for bit, so M = 1 alone is special here." if m2_eq else
+             "only approximately, so M > 1 is not one path either."))
+
+# %% [markdown]
+# How to read this. oneDNN picks the kernel of a packed float32 linear from the
+# instruction set it finds and from the shape (chapter 5, section 4). If the first row
+# that differs in the trace is a linear's output, every row before it (its input
+# included) kept its bits, so that linear is where the batch size enters, and every layer
+# after it carries the difference on to the logits. If the kernel sweep then shows that
+# linear's row 0 changing only between M = 1 and M > 1, and a single sequence padded to
+# 2 rows matches the padded batch bit for bit, a single row evidently takes its own path
+# through that kernel (its dot products come out with other rounding, so they are summed
+# in another order over the K inputs) and every M > 1 shares one. The verdict above says which of these this CPU showed; under AVX2 kernels
+# (`make course-isa`) the packed linears may keep their bits at every M, and then alone
+# and padded are bit-identical and the trace finds no differing row.
+#
+# Then the same comparison with MKL: a second set of graphs captured on the same model
+# after setting `PACK_CPU_WEIGHTS = False` (plain MKL `F.linear`). Note that the switch
+# only affects graphs captured *after* it: the first runner's graphs recorded the packed
+# calls and keep replaying them. The sweep below is over more M for one layer,
+# `gate_up_proj` (576 -> 3072), and `down_proj` packed, for comparison; against M = 1.
+
+# %%
+W = model.layers[0].mlp.gate_up_proj.weight
+Wd = model.layers[0].mlp.down_proj.weight
 x = torch.randn(64, W.shape[1])
+xd = torch.randn(64, Wd.shape[1])
 Ms = [1, 2, 3, 4, 5, 8, 16, 33, 64]
-
-
-class _Owner:
-    pass
-
-
-owner = _Owner()
 row0 = {
-    "float32, oneDNN packed (engine default)":
-        lambda m: linear_mod.packed_cpu_linear(x[:m].contiguous(), W, None, owner)[0],
-    "float32, MKL F.linear (PACK_CPU_WEIGHTS=False)": lambda m: F.linear(x[:m].contiguous(), W)[0],
-    "bfloat16 F.linear": lambda m: F.linear(x[:m].bfloat16(), W.bfloat16())[0].float(),
+    "float32, oneDNN packed, gate_up_proj (default)": lambda m: packed_row0(x[:m], W),
+    "float32, oneDNN packed, down_proj (default)": lambda m: packed_row0(xd[:m], Wd),
+    "float32, MKL F.linear, gate_up_proj (no packing)": lambda m: F.linear(x[:m].contiguous(), W)[0],
+    "bfloat16 F.linear, gate_up_proj": lambda m: F.linear(x[:m].bfloat16(), W.bfloat16())[0].float(),
 }
 m_dep = {}
 with torch.inference_mode():
     for name, f in row0.items():
         ref = f(1)
         m_dep[name] = [(f(m) - ref).abs().max().item() for m in Ms]
-        print(f"{name:48s} max |row0(M) - row0(1)|: "
+        print(f"{name:49s} max |row0(M) - row0(1)|: "
               + " ".join(f"{d:.1e}" if d else "0" for d in m_dep[name]))
 
 fig = Figure(figsize=(7.5, 2.8), layout="constrained")
@@ -353,18 +618,7 @@ ax.set_ylabel("max |row 0 - row 0 at M=1|\n(1e-9 = bit-identical)")
 ax.legend(fontsize=7)
 fig
 
-# %% [markdown]
-# Now in the engine's graphs: the same 3 sequences replayed one at a time (size-1 graph,
-# M = 1) against all 3 together (size-4 graph, M = 4, 1 padding row). With the default
-# oneDNN-packed float32 weights, then with a second set of graphs captured on the same
-# model after setting `PACK_CPU_WEIGHTS = False` (plain MKL `F.linear`). Note that the
-# switch only affects graphs captured *after* it: the first runner's graphs recorded the
-# packed calls and keep replaying them.
-
 # %%
-alone = torch.cat([teacher_force(graphs, [i])[0] for i in range(3)])
-packed_diff = (alone - batch3).abs().max().item()
-
 linear_mod.PACK_CPU_WEIGHTS = False
 try:
     mkl_graphs = EmulatedCUDAGraphRunner(model, 4, MAX_LEN, bsz, torch.device("cpu"))
@@ -375,8 +629,6 @@ finally:
     linear_mod.PACK_CPU_WEIGHTS = True
 mkl_diff = (mkl_alone - mkl_batch).abs().max().item()
 mkl_top1 = (mkl_alone.argmax(-1) == mkl_batch.argmax(-1)).float().mean().item()
-print(f"packed float32: alone vs in a padded batch of 3 (size 4): max |dlogit| {packed_diff:.3g} "
-      f"(bit for bit: {torch.equal(alone, batch3)})")
 print(f"MKL float32:    alone vs in a padded batch of 3 (size 4): max |dlogit| {mkl_diff:.3g}, "
       f"top-1 agreement {100 * mkl_top1:.0f}% of {mkl_batch.shape[0] * N_POS} positions")
 print(f"first graphs replayed after PACK_CPU_WEIGHTS=False: unchanged "
@@ -391,7 +643,7 @@ del mkl_graphs
 # CPU gives other bits for another padded key length.
 
 # %%
-graph_out = run(graph_llm)
+graph_out = graph_clean  # the engine's graphs, run in section 4
 e2e = max_diff(graph_out, clean, first=1)
 e2e_tokens = sum(x.token_ids == y.token_ids for x, y in zip(graph_out, clean))
 qa = torch.randn(4, 9, 64)
@@ -405,16 +657,17 @@ print(f"engine, graph vs eager: greedy tokens equal for {e2e_tokens}/{len(prompt
 print(f"float32 SDPA, keys padded to 41 vs {MAX_LEN} (same real keys): max |d out| {sdpa_l:.3g}")
 
 # %% [markdown]
-# ## 6. The fix, measured
+# ## 7. The fix, measured
 #
 # | failure | fix | measured here |
 # |---|---|---|
 # | a hook or a patch added after capture is not run by a replay | `can_run` runs the step eagerly while a forward hook is registered; `suspended()` around any other patch (`LLM.swap_step`, the planted faults) | hook ran on every step (section 3); graph engine under the fault equal to eager bit for bit |
-# | a padding row writes or reads someone's K/V, or gives NaN | slot -1 written nowhere a sequence reads; length 0 attends to nothing; the fully-masked-row guard | padding rows finite; real rows equal eager at the padded shape bit for bit (section 4) |
+# | a padding row writes or reads someone's K/V, or gives NaN | slot -1 written nowhere a sequence reads; length 0 attends to nothing; the fully-masked-row guard | padding rows finite; real rows equal eager at the padded shape bit for bit (section 5) |
 # | inputs written into a new tensor instead of the static buffer | write in place (`_fill_inputs`: NumPy views of the buffers, `copy_`) | the lab's `write_static` (a new tensor leaves the replay reading the last step's inputs) |
-# | last-bit differences from the padded shape | M-invariant kernels (oneDNN-packed fp32 linears here, though on some CPUs another kernel of the step still depends on the shape: section 5; on the GPU the fixed-split decode kernel); or compare with a tolerance | section 5 |
+# | a kernel outside the capture (launched on another stream, vllm #2147): the replay reads a buffer nothing wrote this step | launch it on the capturing stream (PR #2318), or run that model eagerly (PR #2154) | section 4 prints both fixes against the engine's own graphs and the eager engine (bit for bit or not) and how many steps wrote the buffer |
+# | last-bit differences from the padded shape | M-invariant kernels (on the GPU the fixed-split decode kernel; on this CPU, section 6 prints which packed float32 linears keep a row's bits at every M, and whether a sequence padded to 2 rows matches the batch); or compare with a tolerance | section 6 |
 #
-# ## 7. Claim vs measurement
+# ## 8. Claim vs measurement
 
 # %%
 print("| claim | what we measured here |")
@@ -429,18 +682,35 @@ print(f"| a planted fault leaves the graph steps' log-probs unchanged | with the
 print(f"| padded rows (slot -1, length 0) are harmless | padding rows finite: {pad_finite}; "
       f"real rows equal an eager forward at the padded shape: {replay_eq}; a length-0 row "
       f"over NaN keys: NaN without the guard ({bool(raw[1].isnan().any())}), 0 with it |")
-_lin_inv = all(d == 0 for d in m_dep['float32, oneDNN packed (engine default)'])
+_mkl = m_dep["float32, MKL F.linear, gate_up_proj (no packing)"]
+_ds_reproduced = (ds_tokens_eq < len(prompts) or ds_first > 1e-3) and ds_eager_eq
+print("| vllm #2147: a kernel outside the capture gives wrong output with graphs, eager is "
+      "fine | " + ("reproduced" if _ds_reproduced else "not reproduced")
+      + f" with the emulation (layer 0's down_proj writing its workspace on a stream the "
+      f"capture does not record): greedy tokens equal to eager for {ds_tokens_eq}/"
+      f"{len(prompts)} prompts, first decode log-prob moved by up to {ds_first:.3g}, "
+      f"chosen log-probs finite: {ds_finite}"
+      + (" (no NaN here: the emulation reads stale rows, not reused memory)" if ds_finite
+         else "") + f"; workspace written in "
+      f"{ds_writes['default stream']} of {n_steps} steps; the same engine with graphs "
+      f"off equal to eager bit for bit: {ds_eager_eq} |")
+print(f"| the fixes restore eager's output (PR #2318: launch on the current stream; PR "
+      f"#2154: enforce eager) | kernel recorded: equal to the engine's own graphs bit for "
+      f"bit: {ds_fixed_eq}; graphs off: equal to the eager engine bit for bit: "
+      f"{ds_eager_eq} |")
+_lin_inv = [n for n, same in lin_m1.items() if all(same)]
 print(f"| packed oneDNN fp32 is M-invariant, so padding has no numeric effect by default | "
-      f"linears: row 0 bit-identical for M in {Ms}: {_lin_inv}; whole engine graphs, alone vs "
-      f"padded batch: max |dlogit| {packed_diff:.3g}: "
-      + ("confirmed, no numeric effect" if packed_diff == 0 else
-         "the padded batch still moves the logits, so another kernel of the step depends on "
-         "the batch's shape (the linears " + ("do not" if _lin_inv else "do too")
-         + "; not isolated here)") + " |")
+      f"alone vs padded batch, engine graphs: max |dlogit| {packed_diff:.3g}; "
+      + ("confirmed on this CPU: no row changed, and every hooked intermediate row was "
+         "bit-identical" if packed_diff == 0 and first_diff is None else
+         "not on this CPU: " + (f"the first intermediate row that differs is {first_diff[1]}"
+                                if first_diff else "no hooked row differs")
+         + f"; packed linears whose row 0 changes between M = 1 and M = 2, 4, 8: "
+         f"{_m1_special or 'none'} (M-invariant: {_lin_inv or 'none'}); one sequence "
+         f"padded to M = 2 equals the batch bit for bit: {m2_eq}") + " |")
 print(f"| with PACK_CPU_WEIGHTS=False, MKL fp32 F.linear depends on M | row 0 differs from "
-      f"M=1 by up to {max(m_dep['float32, MKL F.linear (PACK_CPU_WEIGHTS=False)']):.2g} "
-      f"(first M with a difference: "
-      f"{next((m for m, d in zip(Ms, m_dep['float32, MKL F.linear (PACK_CPU_WEIGHTS=False)']) if d), None)}); "
+      f"M=1 by up to {max(_mkl):.2g} (first M with a difference: "
+      f"{next((m for m, d in zip(Ms, _mkl) if d), None)}); "
       f"engine graphs alone vs padded: max |dlogit| {mkl_diff:.3g}, top-1 {100 * mkl_top1:.0f}% |")
 print(f"| graph and eager give the same numbers (the enforce-eager check) | not bit for bit "
       f"in float32 on this CPU: decode log-probs differ by up to {e2e:.3g} (SDPA's key "
@@ -461,7 +731,7 @@ print("| on a GPU, padding to a capture size changes the logits' last bits | not
 #   branches on host values and new tensors are all frozen at capture.
 # - *"`--enforce-eager` and graphs must agree bit for bit, or there is a bug."* Not
 #   necessarily: padding changes shapes, and a shape can change a kernel's summation
-#   order (section 5). A bug looks different: a hook that ran once, a fault that did not
+#   order (section 6). A bug looks different: a hook that ran once, a fault that did not
 #   apply, NaN in the sampler (vllm #2147), nonsense (vllm #5569).
 # - *"Padding rows are wasted but harmless."* Only if they are written nowhere (slot -1
 #   really skipped: the CPU store needed a spare slot) and attend to nothing without
@@ -469,6 +739,16 @@ print("| on a GPU, padding to a capture size changes the logits' last bits | not
 # - *"If the logits are finite, the capture is fine."* The stale runner's logits were
 #   finite and plausible: only the comparison with the eager engine under the same change
 #   showed the fault was missing.
+# - *"Whatever my forward pass computes during capture is in the graph."* Only the
+#   kernels launched on the stream being captured are. A kernel launched on another
+#   stream (vllm #2147's exllama kernels) runs once, at capture, and never again; the ops
+#   after it read its output buffer as it happens to be (section 4). Eager mode launches
+#   it every step, so the fault shows only with graphs: that asymmetry is the signature
+#   of a capture bug.
+# - *"A sequence alone and in a padded batch differ because attention sees the padding."*
+#   Inside these graphs the padding rows attend to nothing and every row's keys are
+#   padded to `max_model_len` in both cases; section 6's trace prints which op the
+#   difference starts at on this CPU, and the kernel sweep whether that op depends on M.
 #
 # ## Lab
 #
@@ -480,6 +760,37 @@ print("| on a GPU, padding to a capture size changes the logits' last bits | not
 # them on fresh batch sizes, then plugs them into the engine's emulated graphs: the real
 # rows' logits must equal eager ones (`torch.equal`) with no NaN, and the stale-buffer
 # and replay-skips-patch faults must be caught.
+#
+# ## On real vLLM
+#
+# - `--enforce-eager` (`LLM(..., enforce_eager=True)`) turns off both torch.compile and
+#   CUDA graphs in V1; `-O.cudagraph_mode=NONE` (`compilation_config={"cudagraph_mode":
+#   "NONE"}`) turns off graphs only and `-O.mode=0` compilation only (vLLM's
+#   `docs/design/debug_vllm_compile.md`), so a difference can be pinned on the graphs
+#   rather than on the compiler.
+# - Which graphs are captured: `compilation_config={"cudagraph_mode":
+#   "FULL_AND_PIECEWISE", "cudagraph_capture_sizes": [1, 2, 4, 8]}` (an explicit list),
+#   or `max_cudagraph_capture_size` (CLI `--max-cudagraph-capture-size`, also
+#   `--cudagraph-capture-sizes`; vllm PR #26016, 2025-10, renamed `max_capture_size`):
+#   the default list is 1, 2, 4, multiples of 8 below 256, then multiples of 16 up to
+#   that maximum, which defaults to min(2 x `max_num_seqs`, 512). V0's
+#   `max_seq_len_to_capture` (longer sequences ran eagerly) was removed with V0 (vllm
+#   PR #25543, 2025-09).
+# - To compare graph and eager on a deployment: two servers of the same model and
+#   version, one with `--enforce-eager` (or `-O.cudagraph_mode=NONE`), the same prompts
+#   at `temperature=0` with `logprobs`, one at a time and then concurrently (other
+#   padded sizes). Last-bit log-prob differences and late greedy divergences are
+#   numerics (section 6); NaN, a sampler error, or text that breaks at the first decode
+#   step only with graphs is a capture bug of the vllm #2147 kind (section 4).
+# - Checked against `vllm/config/compilation.py` (`CUDAGraphMode`, `CompilationConfig`,
+#   late 2025, v0.11-v0.12 era), `docs/design/debug_vllm_compile.md`, vllm issue #2147
+#   and vllm PRs #2154, #2318, #25543 and #26016.
+# - This engine differs: `emulate_cuda_graphs=True` is not a vLLM option but a CPU
+#   emulation of V0-style whole-batch decode graphs (padded by sequences, not tokens;
+#   no piecewise mode); a replay re-executes the recorded ATen ops from Python, so it
+#   is no faster; `on_default_stream()` models a kernel left out of the capture but keeps
+#   its buffer alive, so a replay reads stale rows rather than memory reused by other
+#   tensors. vLLM's CPU backend does not use graphs.
 
 # %%
 print(f"chapter 24 ran in {time.perf_counter() - T0:.0f} s")
