@@ -5,9 +5,9 @@ option; ``minivllm/worker/cuda_graph.py``: ``EmulatedCUDAGraph``,
 Tolerances: a replay re-runs the ops captured at the padded shape, so its real rows equal
 an eager forward at that shape bit for bit (``torch.equal``). Against an ordinary eager
 step (no padding rows, keys padded only to the step's longest sequence), float32 greedy
-tokens are identical and per-token log-probs agree within 1e-4: the oneDNN-packed float32
-linears give a row the same bits at any row count, but float32 SDPA on CPU depends on the
-padded key length (a few 1e-8 in the attention output).
+tokens are identical and per-token log-probs agree within 1e-4: float32 SDPA on CPU
+depends on the padded key length (a few 1e-8 in the attention output), and a packed
+float32 linear may depend on the row count on some CPUs (course chapter 24, section 6).
 """
 
 from __future__ import annotations

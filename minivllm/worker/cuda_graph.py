@@ -447,8 +447,10 @@ class EmulatedCUDAGraphRunner(CUDAGraphRunner):
     bit for bit. Against an ordinary eager step it can differ where a kernel's bits
     depend on the shape: float32 SDPA on CPU depends on the padded key length (a few
     1e-8 in the attention output), MKL float32 ``F.linear`` on the row count M
-    (``PACK_CPU_WEIGHTS = False``); oneDNN-packed float32 linears do not (tests in
-    ``tests/test_cpu_graph_emulation.py``, course chapter 24).
+    (``PACK_CPU_WEIGHTS = False``), and oneDNN-packed float32 linears on some CPUs: on
+    an AVX-512/AMX Xeon, SmolLM2's ``down_proj`` (1536 inputs) gave a row other bits at
+    M = 1 than at any M > 1 while its 576-input linears kept them; capped at AVX2
+    kernels none changed (course chapter 24, section 6, measures the CPU at hand).
 
     Args: as :class:`CUDAGraphRunner`; ``device`` must be the CPU.
     """
