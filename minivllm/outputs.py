@@ -68,6 +68,14 @@ class RequestOutput:
         outputs: list with one CompletionOutput.
         finished: whether the request has finished.
         num_cached_tokens: prompt tokens served from the prefix cache.
+        metrics: "arrival_time", "first_token_time", "finish_time" (time.monotonic()
+            seconds or None), "num_preemptions" (int), and "spec_decode": this request's
+            speculative-decoding counts {"num_drafts": verifications, "num_draft_tokens":
+            draft tokens verified, "num_accepted_tokens": drafts accepted} (all 0 without
+            speculative decoding; vLLM reports per-request acceptance, in its own fields,
+            with ``--per-request-spec-decode-metrics``, under ``metrics.speculative_decoding``).
+            Acceptance rate = accepted / draft tokens; mean acceptance length = 1 +
+            accepted / drafts.
     """
 
     request_id: str

@@ -192,6 +192,14 @@ class Request:
         # model's distribution for random requests, else None (n-gram or greedy).
         self.spec_token_ids: list[int] = []
         self.draft_probs: Optional[torch.Tensor] = None
+        # This request's own verification counts (the engine-wide totals are
+        # ``EngineStats.spec_decode_*``): verifications run, draft tokens verified, draft
+        # tokens accepted. RequestOutput.metrics["spec_decode"] reports them (vLLM, in its
+        # own fields: ``--per-request-spec-decode-metrics``, the response's
+        # ``metrics.speculative_decoding``).
+        self.spec_num_drafts = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
 
     @property
     def params(self) -> SamplingParams:

@@ -358,6 +358,9 @@ class Scheduler:
             update.spec_decode_num_drafts += 1
             update.spec_decode_num_draft_tokens += len(req.spec_token_ids)
             update.spec_decode_num_accepted_tokens += len(tokens) - 1
+            req.spec_num_drafts += 1
+            req.spec_num_draft_tokens += len(req.spec_token_ids)
+            req.spec_num_accepted_tokens += len(tokens) - 1
             req.spec_token_ids, req.draft_probs = [], None
             if req.is_finished:  # finished with "error" above
                 continue

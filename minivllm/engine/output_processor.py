@@ -122,7 +122,10 @@ class OutputProcessor:
             cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
             logprobs=req.logprobs, finish_reason=finish, stop_reason=req.stop_reason)
         metrics = {"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
-                   "finish_time": req.finish_time, "num_preemptions": req.num_preemptions}
+                   "finish_time": req.finish_time, "num_preemptions": req.num_preemptions,
+                   "spec_decode": {"num_drafts": req.spec_num_drafts,
+                                   "num_draft_tokens": req.spec_num_draft_tokens,
+                                   "num_accepted_tokens": req.spec_num_accepted_tokens}}
         return RequestOutput(request_id=req.request_id, prompt=req.prompt,
                              prompt_token_ids=req.prompt_token_ids,
                              prompt_logprobs=req.prompt_logprobs, outputs=[comp],
