@@ -334,6 +334,18 @@ print(f"speed, this CPU (ATen kernels {torch.backends.cpu.get_cpu_capability()},
       f"matmul instructions: {cpu_16bit_units()}): bfloat16 scored "
       f"{speed_verdict('auto (bfloat16)')}, float16 {speed_verdict('float16')}")
 
+# %%
+fig = Figure(figsize=(6.5, 3.2), layout="constrained")
+ax = fig.add_subplot()
+names16 = ["auto (bfloat16)", "float16"]
+kls = [D2[n]["kl"] for n in names16]
+err = [[D2[n]["kl"] - D2[n]["kl_ci"][0] for n in names16], [D2[n]["kl_ci"][1] - D2[n]["kl"] for n in names16]]
+ax.bar(names16, kls, yerr=err, capsize=6, color=["C1", "C0"])
+ax.set_yscale("log")
+ax.set_ylabel("mean KL vs float32 (nats), 95% CI")
+ax.set_title(f"The two 16-bit formats on {sum(map(len, seqs))} scored positions")
+fig
+
 # %% [markdown]
 # Compare **float16 with bfloat16**, which is what `auto` picks: the KL ratio printed above
 # says how much closer to float32 float16 came on this model. Both are 16 bits, split
@@ -362,17 +374,15 @@ print(f"speed, this CPU (ATen kernels {torch.backends.cpu.get_cpu_capability()},
 # ## 3. The incident: a model whose activations do not fit float16
 #
 # On its own SmolLM2 stays inside float16's range by the factor printed in section 2 (its
-# peak against 65504). OLMo 2's float32
-# checkpoints did, and so do Gemma 3 and T5. To show the failure on this model without
-# inventing one, we make its residual stream bigger **without changing the function it
-# computes**: `faults.residual_scale_reparam(llm, c)` multiplies the embeddings and every
-# `o_proj` and `down_proj` output by c (through the step registry's "embedding" and
-# "linear" steps) and every RMSNorm's eps by c². RMSNorm(c·x; c²·eps) = RMSNorm(x; eps), so every attention, MLP and the LM head
-# see the numbers they saw before, while the residual stream is c times larger. With c a
-# power of two every scaling only moves exponents, so it is **exact** in float32, bfloat16
-# and float16, until a value passes the format's maximum. This is the shape of a model with
-# large activations (Gemma's embedding scale, T5's `wo`), documented here as a
-# reparametrization, not a property of SmolLM2. With c = 4:
+# peak against 65504). OLMo 2's float32 checkpoints did not, and neither do Gemma 3 and
+# T5. Chapter 10 (sections 1 and 3) finds where this model's peak comes from (a massive
+# activation written by layer 11's MLP on the first token) and introduces the exact
+# reparametrization used here, `faults.residual_scale_reparam(llm, c)`: the residual
+# stream c times larger, every norm, attention, MLP and the LM head seeing the same
+# numbers as before, exact in every format for c a power of two until a value passes the
+# format's maximum. Here it serves one purpose: a test model that does not fit float16,
+# on which to evaluate the dtype choice of section 4 (documented as a reparametrization,
+# not a property of SmolLM2). With c = 4:
 
 # %%
 C = 4
@@ -411,46 +421,10 @@ print(f"corrupted requests so far: float16 engine {fp16.llm_engine.stats.num_cor
 # and OLMo, id 0 is `"!"`, which is consistent with the `"!!!!!!!!"` of olmo-cookbook #60
 # (we did not run OLMo; the vocabulary fact is the tokenizers', the argmax is measured here).
 #
-# Where does it break? The per-layer peaks against each format's maximum:
-
-# %%
-fig = Figure(figsize=(7.5, 4), layout="constrained")
-ax = fig.add_subplot()
-for name, style in [("float32", "o-"), ("float32, residual x4", "s-")]:
-    ax.semilogy(RUNS[name]["peaks"].numpy(), style, ms=3, label=f"{name}: peak |residual|")
-ax.axhline(torch.finfo(F16).max, color="red", ls="--", label="float16 max (65504)")
-ax.axhline(torch.finfo(F16).max / 2, color="red", ls=":", label="float16 max / 2 (margin)")
-ax.set_xlabel("decoder layer")
-ax.set_ylabel("max |x| over the scored tokens")
-ax.set_title("Residual stream peaks (bfloat16's max, 3.4e38, is far off the chart)")
-ax.legend(fontsize=8)
-fig
-
-# %% [markdown]
-# The jump at layer 11 is a *massive activation*: one MLP writes a value about 10^4 times
-# the median |x| into one hidden dimension (507) of the first token (printed below), and
-# later layers carry it along. Which tokens and dimensions, on the first window (float32
-# engine, layer 11's output):
-
-# %%
-captured = []
-hook = fp32.llm_engine.model_runner.model.layers[11].register_forward_hook(
-    lambda m, a, out: captured.append(out.detach().abs().clone()))  # noqa: F821 (del below)
-try:
-    fp32.score(seqs[:1], output="logits")
-finally:
-    hook.remove()
-x = captured[-1]                                   # [tokens, hidden]
-per_token = x.amax(-1)
-print(f"layer 11 output: median |x| {float(x.median()):.3g}; per-token max, largest 4:")
-for i in per_token.argsort(descending=True)[:4].tolist():
-    top = x[i].topk(3)
-    print(f"  position {i:2d} {tok.convert_ids_to_tokens(seqs[0][i])!r:14} max {float(per_token[i]):8,.0f} "
-          f"in dims {top.indices.tolist()} ({', '.join(f'{v:,.0f}' for v in top.values.tolist())})")
-print(f"tokens with max |x| > 1000: {int((per_token > 1000).sum())} of {len(per_token)}")
-del captured, x
-
-# %% [markdown]
+# Where it breaks (the layer the table names) and why there: chapter 10's plot of the
+# per-layer peaks, with the c = 4 curve against float16's maximum, and its printout of the
+# massive activation's dimensions.
+#
 # One number per model decides float16's fate, and it is the peak, not the typical value.
 #
 # ## 4. The fix: choose the dtype from the checkpoint's statistics
