@@ -28,7 +28,10 @@
 #    that does not match the traffic, and a missing scale, by KL and QA accuracy with
 #    confidence intervals;
 # 5. answer the seed's claim that fp8 weights hurt less than an fp8 KV cache with this
-#    model's numbers.
+#    model's numbers;
+# 6. say when W8A8 makes a request's output depend on the other requests of its step: a
+#    per-tensor dynamic activation scale does, a per-token one does not, and what is
+#    left is the GEMM's accumulation (int32 exact, float32 not always).
 #
 # **The incidents, from public sources.**
 #
@@ -297,7 +300,8 @@ fig
 # - **static, per-tensor weights**: the checkpoint above, one calibrated `input_scale`
 #   per layer (`activation_scheme="static"`);
 # - **dynamic, per-tensor weights**: the same fp8 weights, input scales computed per
-#   token at run time (`activation_scheme="dynamic"`, vLLM's default). The per-tensor
+#   token at run time (`activation_scheme="dynamic"`; vLLM's online `quantization="fp8"`
+#   computes one dynamic scale per step instead, section 7). The per-tensor
 #   weight scale does not depend on calibration, so this is the static engine with the
 #   `"fp8.linear"` step given `x_scale=None` (`tests/test_fp8_input_scale.py` checks that
 #   this is bit for bit the engine built with `quantization="fp8"`);
@@ -455,7 +459,7 @@ print(f"chats-calibrated against prose-calibrated: the CIs {cal_overlap}")
 #
 # Seed 000 §2.4.3: FP8 weights + FP8 KV 92 → 89 %; FP8 weights with FP16 KV 91.5 %. In
 # other words the KV cache costs 2.5 points and the weights 0.5. Three engines here:
-# W8A8 fp8 alone (dynamic per-token activations, per-tensor weights: vLLM's
+# W8A8 fp8 alone (dynamic per-token activations, per-tensor weights: this engine's
 # `quantization="fp8"`), an fp8 e4m3 KV cache alone (`kv_cache_dtype="fp8_e4m3"`, float32
 # weights, scale 1.0: chapter 18), and both.
 
@@ -514,7 +518,130 @@ fig
 # part of the cost: an fp8 KV cache rounds K and V, which attention then averages,
 # while W8A8 rounds the input of every one of 120 matmuls.
 #
-# ## 7. Claim vs measurement
+# ## 7. Does W8A8 tie a request to its batch? Per-token against per-tensor scales
+#
+# **vllm #9567** "Models produce different output with different batch sizes"
+# (2024-10, closed): greedy completions on an H100 changed when the same prompts ran
+# batched; the investigation found the divergence early in the sequence, "larger than
+# just precision error", and compared float32 too. Chapter 5 measures the general
+# cause: a GEMM kernel may round a row differently at another row count M. Activation
+# quantization adds a question of its own: does a request's *scale* depend on the
+# others? A per-token scale, `amax(row) / qmax`, is computed from the row alone. A
+# dynamic per-tensor scale, `amax(step) / qmax`, is computed over every row of the step,
+# every request in it; that is what vLLM's online `--quantization fp8` does (its FP8
+# docs: "a dynamic per-tensor scale").
+#
+# This engine's W8A8 path is fp8 only, so the int8 scheme (vLLM's INT8 W8A8 page,
+# llm-compressor's `W8A8`: int8 weights with one scale per output channel, int8
+# activations with a dynamic scale per token) is computed here in a few lines, on the
+# real inputs of layer 11's `down_proj` from section 1. vLLM's CUTLASS W8A8 GEMM sums
+# int8 products in int32 and fp8 products in float32 (`ElementAcc` in
+# `csrc/quantization/cutlass_w8a8/c3x/scaled_mm.cuh`); both are computed here. Request A is
+# one row, window 0's token 10, as in a decode step; its batch-mates are windows 1 and 2
+# in prefill (96 rows, each starting with the first-token outlier). A's output row is
+# computed alone (M = 1) and inside the 97-row batch, and compared bit for bit.
+
+# %%
+t = time.perf_counter()
+L11 = "layers.11.mlp.down_proj"
+x11, n_win, a_row = X[L11], len(windows[0]), 10
+x_alone = x11[a_row:a_row + 1]                     # request A: one decode row
+x_batch = torch.cat([x_alone, x11[n_win:]])        # A first, then windows 1 and 2: 97 rows
+w11 = ref.llm_engine.model_runner.model.get_submodule(L11).weight.detach()
+y_true = x_alone @ w11.T                           # float32, unquantized
+w_q8, s_w8 = wq.quantize_int8(w11, "channel")      # int8 weights, [576, 1536], scales [576, 1]
+
+
+def int8_activation(x, per_token):
+    """Dynamic symmetric int8: scale amax / 127 per row, or one amax over all rows."""
+    amax = x.abs().amax(-1, keepdim=True) if per_token else x.abs().amax().reshape(1, 1)
+    s = (amax / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.round(x / s).clamp(-127, 127).to(torch.int8), s
+
+
+def w8a8_int8(x, per_token, accumulate):
+    """(y, codes, scales): y = (x_q @ w_q^T) * s_x * s_w, the integer products summed in
+    int32 or in float32."""
+    q, s = int8_activation(x, per_token)
+    if accumulate == "int32":
+        acc = (q.to(torch.int32) @ w_q8.to(torch.int32).T).to(torch.float32)
+    else:
+        acc = q.to(torch.float32) @ w_q8.to(torch.float32).T
+    return acc * s * s_w8.T, q, s
+
+
+def w8a8_fp8(x, per_token):
+    """(y, codes as bytes, scales): this engine's fp8 W8A8, dynamic per token, or one
+    dynamic scale for the whole step."""
+    s = None if per_token else (x.abs().amax() / wq.FP8_MAX).reshape(())
+    q, sx = wq.quantize_fp8_activation(x, s)
+    return fp8_linear_ref(x, lay.qweight, lay.weight_scale, s, None), q.view(torch.uint8), sx
+
+
+SCHEMES = {
+    "int8, per token, int32 sums (vLLM's INT8 W8A8)": lambda x: w8a8_int8(x, True, "int32"),
+    "int8, per token, float32 sums of the same integers": lambda x: w8a8_int8(x, True, "float32"),
+    "fp8, per token (this engine's dynamic)": lambda x: w8a8_fp8(x, True),
+    "int8, one dynamic scale per step": lambda x: w8a8_int8(x, False, "int32"),
+    "fp8, one dynamic scale per step (vLLM's online fp8)": lambda x: w8a8_fp8(x, False),
+}
+
+
+def rel(y):
+    return float((y - y_true).norm() / y_true.norm())
+
+
+def first_scale(sx):
+    return sx.reshape(-1)[:1]
+
+
+BATCH = {}
+print("| W8A8 scheme | A's scale alone | in the batch | A's scale and codes bit-identical | "
+      "A's output row bit-identical | error vs float32, alone | batched |\n"
+      "|---|---|---|---|---|---|---|")
+for label, fn in SCHEMES.items():
+    (y1, q1, s1), (yb, qb, sb) = fn(x_alone), fn(x_batch)
+    codes_same = torch.equal(first_scale(s1), first_scale(sb)) and torch.equal(q1[0], qb[0])
+    BATCH[label] = dict(same=torch.equal(y1[0], yb[0]), codes=codes_same,
+                        s1=float(first_scale(s1)), sb=float(first_scale(sb)),
+                        e1=rel(y1), eb=rel(yb[:1]))
+    b = BATCH[label]
+    print(f"| {label} | {b['s1']:.3g} | {b['sb']:.3g} | {codes_same} | {b['same']} | "
+          f"{b['e1']:.4f} | {b['eb']:.4f} |")
+q_all, _ = int8_activation(x_batch, True)
+bound = int((q_all.abs().double() @ w_q8.abs().double().T).max())  # exact in float64
+print(f"int8 per token: the largest sum of |products| in any output is {bound:,}; below 2^24 "
+      f"= {2 ** 24:,} (every partial sum an exact float32 integer, in any order): "
+      f"{bound < 2 ** 24}")
+s_step8 = BATCH["int8, one dynamic scale per step"]["sb"]
+zero8 = float((torch.round(x_alone / s_step8) == 0).float().mean())
+s_step_fp8 = BATCH["fp8, one dynamic scale per step (vLLM's online fp8)"]["sb"]
+s_own_fp8 = BATCH["fp8, one dynamic scale per step (vLLM's online fp8)"]["s1"]
+sub_own = float((x_alone.abs() < 2.0 ** -6 * s_own_fp8).float().mean())
+sub_step = float((x_alone.abs() < 2.0 ** -6 * s_step_fp8).float().mean())
+print(f"A with the step's scale: int8 stores {zero8:.0%} of A's values as 0; fp8 puts "
+      f"{sub_step:.0%} of them below 2^-6 · s (subnormal or 0), against {sub_own:.0%} with "
+      f"A's own scale  ({time.perf_counter() - t:.1f} s)")
+
+# %% [markdown]
+# Read the first three rows by their two "bit-identical" columns, the last two by their
+# scales. A per-token scale comes from A's row alone, so it and A's codes are the same
+# whether A runs alone or among 96 other rows. What can still differ is the GEMM. Sums
+# of int8 products in int32 are exact, so no tiling, split or order chosen for M = 97
+# can change them. Float32 sums of the same integers are exact too while every partial
+# sum stays below 2^24 (the line under the table checks that bound). The fp8 products
+# are summed in float32 by this CPU's GEMM, whose order may change with the row count
+# (chapter 5): that row's output column says what this CPU did. One dynamic scale per
+# step is different in kind: the batch-mates' first-token outliers (section 1) set A's
+# scale (the two scale columns), so A's codes and output change with its neighbours. What
+# that costs depends on the format: the second line under the table counts A's values
+# that int8 rounds to zero and that fp8 pushes below `2^-6 · s` with the step's scale,
+# and the error columns give the result. So per-token W8A8 by itself does not make a
+# request depend on its batch; a per-tensor dynamic scale does, by construction; and
+# where per-token W8A8 still moves, the cause is a float accumulation whose kernel
+# follows M, chapter 5's subject.
+#
+# ## 8. Claim vs measurement
 
 # %%
 r = RES
@@ -545,6 +672,24 @@ claims = [
      f"dynamic KL {r[DYN]['kl']:.3g}, below every static variant and independent of any "
      f"delivered scale (the lab restores the broken engine this way)"),
 ]
+_tok = [k for k in BATCH if "per token" in k]
+_step = [k for k in BATCH if "per step" in k]
+_int8_same = all(BATCH[k]["same"] for k in _tok[:2])
+claims += [
+    ("per-token dynamic W8A8 makes a request's output depend on its batch (vllm #9567's "
+     "symptom)",
+     ("no for int8: " if _int8_same else "the int8 rows differed here: ")
+     + "A's row alone and in a 97-row step bit-identical: "
+     + ", ".join(f"{k.split(' (')[0]} {BATCH[k]['same']}" for k in _tok)
+     + f"; A's scale and codes identical in all three: "
+     f"{all(BATCH[k]['codes'] for k in _tok)} (int8 sums exact: bound {bound:,} < 2^24 "
+     f"{bound < 2 ** 24}; a difference in the fp8 row comes from the float32 GEMM, chapter 5)"),
+    ("a dynamic per-tensor activation scale (vLLM's online fp8) ties a request to its batch",
+     ("yes" if all(not BATCH[k]["codes"] for k in _step) else "not here")
+     + ": A's scale grows " + ", ".join(
+         f"{BATCH[k]['sb'] / BATCH[k]['s1']:.0f}x ({k.split(',')[0]}: error "
+         f"{BATCH[k]['e1']:.3f} alone, {BATCH[k]['eb']:.3f} batched)" for k in _step)),
+]
 print("| claim | measured |\n|---|---|")
 for c, m in claims:
     print(f"| {c} | {m} |")
@@ -571,6 +716,10 @@ for c, m in claims:
 #   failures of chapter 18 apply to `input_scale` too. Test it: serve the checkpoint with
 #   a deliberately wrong scale (say 100x) and check that the output changes; or compare
 #   the first position's KL, which is where a missing activation scale shows first.
+# - *"Dynamic activation scales make outputs depend on the batch."* Only a scale shared
+#   by the step does. A per-token scale comes from the row alone; int8 products summed in
+#   int32 are exact; what can still move a row is a float accumulation whose kernel
+#   changes with the row count (section 7, chapter 5).
 # - *"Weight quantization is the safe part."* With W8A8 the activations are quantized
 #   too, at every linear layer; on this model that costs more than an fp8 KV cache
 #   (section 6).
@@ -587,6 +736,25 @@ for c, m in claims:
 # dynamic per-token scales, everything else keeping the missing static scale's 1.0: the
 # grader measures your choice against dynamic scales everywhere on fresh text (section 2's
 # saturation table is the place to look).
+#
+# ## On real vLLM
+#
+# - `--quantization fp8` on a 16-bit checkpoint quantizes online: weights to e4m3 with
+#   one scale per tensor, activations with a **dynamic per-tensor** scale computed from
+#   each forward pass (vLLM's FP8 W8A8 page). The tensor is the whole step, every request
+#   in it, so a request's activation scale depends on what it is batched with.
+# - llm-compressor's `FP8_DYNAMIC` scheme (the one vLLM's docs recommend) stores
+#   per-channel weight scales and quantizes activations per token at run time: no
+#   calibration data. A checkpoint with `activation_scheme: "static"` ships an
+#   `input_scale` per layer: calibrate it on text like your traffic (section 5).
+# - W8A8 runs on compute capability 8.9 and above (Ada, Hopper, Blackwell); older GPUs
+#   run FP8 checkpoints weight-only (W8A16, FP8 Marlin), where activations are not
+#   quantized and sections 2-5 do not apply. The startup log names the GEMM kernel
+#   picked for each module ("Selected ... for ...").
+# - Checked against vLLM's FP8 W8A8 and INT8 W8A8 docs (v0.5 to the main branch) and
+#   `quantization/fp8.py` (`ACTIVATION_SCHEMES = ['static', 'dynamic']`, v0.15). This
+#   engine emulates the e4m3 GEMM in float32 on CPU (exact products, float32 sums); its
+#   dynamic scheme is always per token, its static one per tensor.
 
 # %%
 print(f"chapter 17 ran in {time.perf_counter() - T0:.0f} s")
