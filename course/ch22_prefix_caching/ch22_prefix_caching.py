@@ -20,7 +20,8 @@
 #    the first, stopping at the first miss and always leaving the last token to compute;
 # 2. measure whether a prefix-cache hit changes the numbers, in float32 and bfloat16, by
 #    scoring the same rows with and without the hit (`LLM.score(...,
-#    use_prefix_cache=True)`);
+#    use_prefix_cache=True)`), and whether a step that mixes a hit with a miss (the
+#    batches of vllm #5543) gives each request the numbers it gets alone;
 # 3. say what the key must include (the whole prefix, through the chain; per-request
 #    inputs such as `cache_salt`; and, by resetting the cache, every engine-wide setting
 #    that changes K/V) and measure what a key that leaves something out does;
@@ -59,6 +60,7 @@ from matplotlib.figure import Figure
 
 from minivllm import LLM, SamplingParams
 from minivllm.core.kv_cache_manager import hash_block_tokens
+from minivllm.layers.linear import linear_ref
 from minivllm.precision import evalsets, faults, metrics
 
 torch.manual_seed(0)
@@ -147,8 +149,7 @@ t32 = time.perf_counter() - t
 t = time.perf_counter()
 llm_bf16 = LLM(MODEL, dtype="bfloat16", max_model_len=256, block_size=BS)
 res["bfloat16"] = hit_vs_miss(llm_bf16, 4)  # bfloat16 is ~3x slower on a CPU: 4 tokens
-del llm_bf16
-tbf = time.perf_counter() - t
+tbf = time.perf_counter() - t  # llm_bf16 is kept for the mixed step below
 print("| dtype | hit tokens (3 questions) | rows bit-identical | max abs logprob diff | "
       "mean KL (nats) | top-1 agreement | greedy tokens equal |")
 print("|---|---|---|---|---|---|---|")
@@ -186,12 +187,111 @@ print(f"(float32 {t32:.1f} s, bfloat16 with its engine {tbf:.1f} s)")
 # the column says True, and to rounding level elsewhere; what *can* change outputs by
 # more is reusing the wrong K/V, which is the key's job.
 #
+# On GPUs the public record shows both effects. In vLLM's first engine a request with
+# cached blocks ran its attention through a separate kernel, `context_attention_fwd`
+# (the "contexted-prefill" kernel named in vllm PR #3010, 2024-02). vLLM v1's FlashAttention
+# backend runs hits and misses through one kernel that reads every K/V through the block
+# table, but the linear layers still see other row counts (a miss computes all N tokens,
+# a hit only the tokens after the cached blocks): vllm PR #34046 (2026-02, closed
+# without merging) traced bfloat16 hit/miss differences to GEMM tiles chosen by that
+# count (chapter 5 measures this engine's GEMMs), and vllm #40896 (v0.19, H100) reports
+# a first request and its cached repeats giving different greedy text at temperature 0.
+#
+# **Hit and miss in the same step.** vllm #5543's server batched requests with and
+# without prefix hits together, and the bug fixed by vllm PR #7018 (2024-08-01) lived
+# exactly there: "some requests have cache hit but some don't", and the block tables of
+# the rows without a hit were built as zeros (chapter 7 plants that fault and measures
+# it). Here, with correct block tables: the cache holds the system prompt; one step
+# scores question 1 (48 tokens from the cache, 16 computed) beside a fresh 64-token text
+# (no hit, 64 computed), and each request's rows 48-63 are compared with the same
+# request scored **alone**, in both dtypes.
+
+# %%
+t = time.perf_counter()
+fresh = piece(5000, 64)  # text no earlier request contains: no block of it is cached
+
+
+def mixed_step(engine: LLM):
+    """(rows of [hit request, miss request] scored in one step, hit tokens, steps taken,
+    the hit request's rows alone, the miss request's rows alone) on `engine`."""
+    engine.reset_prefix_cache()
+    engine.generate([system + [13]], one)  # warm: the system prompt
+    h0, s0 = engine.stats.prefix_cache_hits, engine.stats.num_steps
+    both = engine.score([seqs[0], fresh], positions=[rows[0], rows[0]], use_prefix_cache=True)
+    n_hit, n_steps = engine.stats.prefix_cache_hits - h0, engine.stats.num_steps - s0
+    engine.reset_prefix_cache()
+    engine.generate([system + [13]], one)
+    hit_alone = engine.score(seqs[0], positions=rows[0], use_prefix_cache=True)
+    engine.reset_prefix_cache()
+    miss_alone = engine.score(fresh, positions=rows[0])  # nothing cached: all 64 computed
+    return both, n_hit, n_steps, hit_alone, miss_alone
+
+
+mixed = {"float32": mixed_step(llm), "bfloat16": mixed_step(llm_bf16)}
+del llm_bf16
+print("| dtype | hit tokens in the mixed step | engine steps | request | rows bit-identical "
+      "to alone | max abs logprob diff | mean KL (nats) | top-1 agreement |")
+print("|---|---|---|---|---|---|---|---|")
+mix = {}
+for dt, (both, n_hit, n_steps, hit_alone, miss_alone) in mixed.items():
+    for name, a, b in (("hit (question 1)", both[0], hit_alone),
+                       ("miss (fresh text)", both[1], miss_alone)):
+        same = torch.equal(a, b)
+        mix[dt, name.split()[0]] = (same, metrics.mean_kl(b, a), n_hit, n_steps)
+        print(f"| {dt} | {n_hit} | {n_steps} | {name} | {same} | "
+              f"{(a - b).abs().max().item():.3g} | {metrics.mean_kl(b, a):.3g} | "
+              f"{100 * metrics.top1_agreement(b, a):.0f}% |")
+mix_same = all(v[0] for v in mix.values())
+print(f"every request equal to itself alone, bit for bit: {mix_same}")
+# the same row counts on one linear layer alone: rows 0-15 (the hit's 16) and rows 16-79
+# (the miss's 64) computed on their own and inside one 80-row GEMM, as in the mixed step
+w_probe = llm.llm_engine.model_runner.model.get_submodule("layers.0.mlp.down_proj").weight
+x_probe = torch.randn(80, w_probe.shape[1], generator=torch.Generator().manual_seed(0))
+gemm_rows = {}
+with torch.inference_mode():  # as the model runner calls its layers (float32: packed weights)
+    for dt, tdt in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        w_, x_ = w_probe.detach().to(tdt), x_probe.to(tdt)
+        full = linear_ref(x_, w_, None)
+        gemm_rows[dt] = (torch.equal(linear_ref(x_[:16], w_, None), full[:16]),
+                         torch.equal(linear_ref(x_[16:], w_, None), full[16:]))
+print("one linear layer (layer 0's down_proj, random rows), bit-identical to the same rows "
+      "of an 80-row GEMM: " + "; ".join(f"{dt}: 16 rows {a}, 64 rows {b}"
+                                          for dt, (a, b) in gemm_rows.items())
+      + f"  ({time.perf_counter() - t:.1f} s)")
+
+# %% [markdown]
+# The engine-steps column says whether the two requests really shared one step (1), and
+# the hit column that the hit happened (48 tokens). What can still move a row is the
+# batch itself: the step's linear layers see 16 + 64 = 80 rows where the requests alone
+# give 16 and 64, and a CPU GEMM may round a row differently at another row count
+# (chapter 5). The last line puts exactly those row counts through one linear layer,
+# without any cache: where it says False for a dtype, the GEMM alone already moves those
+# rows, a batch-size effect, not a prefix-caching one. Wrong K/V would also move the
+# float32 rows, which are computed with the same block tables; and a wrong block table
+# is not at rounding level: chapter 7 measures KL of whole nats for the row without a
+# hit.
+#
 # ## 3. In-flight hits: blocks are findable only after they are written
 #
 # nano-vllm PR #209 registered a block when it was allocated. minivllm registers a block
 # in `Scheduler.update_after_step`, after the model wrote its K/V, so two identical
 # prompts submitted together cannot hit each other: the second one computes its prompt
 # too. A third copy, one step later, hits.
+#
+# Registering at allocation is not wrong in itself. vLLM v1 does it on purpose: a block
+# that is full when allocated goes into the cache at once, "so that the block can be
+# reused by other requests in the same batch" (the design note). That is safe there
+# because in one forward pass every attention layer first writes the step's K/V into the
+# cache (`reshape_and_cache_flash` in `v1/attention/backends/flash_attn.py`) and only
+# then runs attention through the block tables, so at each layer the second request
+# reads K/V the first request's tokens wrote moments before. nano-vllm's bug was the
+# bookkeeping around it (PR #209: over-counted `num_cached_tokens`, wrong scheduled
+# token counts, an `IndexError`). vLLM's first engine, whose attention did not read a
+# request's own prompt back from the cache that way, kept such blocks "uncomputed"
+# within their batch: otherwise "the rest sequences in the same batch will skip the
+# computation of this block and result in incorrect output" (vllm PR #7822). This engine
+# takes the simpler rule, and pays for it by computing the shared prompt twice in that
+# step.
 
 # %%
 dup = system + questions[0]
@@ -388,6 +488,16 @@ print("| bf16: may flip (course plan estimate) | "
       + f": KL {hbf[2]:.3g}, top-1 {100 * hbf[3]:.0f}%, greedy "
       f"{'identical' if hbf[4] else 'NOT identical'}; a GPU's prefill-with-context kernel is a "
       f"different kernel (not measured here) |")
+mix_kl = max(v[1] for v in mix.values())
+print("| a step that mixes prefix-cache hits and misses gives each request its own numbers "
+      "(vllm #5543; vllm PR #7018 fixed its block tables) | "
+      + ("yes, bit for bit" if mix_same else f"not bit for bit: largest KL {mix_kl:.3g} nats "
+         f"(a zeroed block table costs whole nats, chapter 7)")
+      + f": {mix['float32', 'hit'][2]} hit tokens in {mix['float32', 'hit'][3]} step(s); "
+      + ", ".join(f"{dt} {kind} {mix[dt, kind][0]}" for dt in ("float32", "bfloat16")
+                  for kind in ("hit", "miss"))
+      + "; one linear layer alone, 16 rows vs the same rows in an 80-row GEMM: "
+      + ", ".join(f"{dt} {a}" for dt, (a, _) in gemm_rows.items()) + " |")
 print(f"| minivllm is immune to in-flight hits by construction | yes: two identical "
       f"prompts in one step cached {[o.num_cached_tokens for o in outs_together]} tokens; "
       f"one step later {outs_later[0].num_cached_tokens} |")
@@ -412,6 +522,10 @@ print(f"| skipping the prefix-cache reset after recalibrating K/V scales reuses 
 # - *"A prefix-cache hit is an approximation."* It can be bit-identical (section 2's table
 #   says whether it was on your CPU). When hit and miss differ it is because different
 #   kernels or shapes ran, at rounding level; a large difference means wrong K/V.
+# - *"A batch that mixes cached and uncached requests is numerically special."* With
+#   right block tables each request's rows move only as any batch moves them (section
+#   2's mixed step prints whether they were bit-identical here); the large differences of
+#   vllm #5543 came from zeroed block tables (chapter 7).
 # - *"Equal blocks can share K/V."* A block's K/V depend on its position and on every
 #   token before it. Only equal *prefixes* can share, which is what the chain encodes.
 # - *"More hits means a better cache."* The unchained key had the most hits of all.
@@ -434,6 +548,25 @@ print(f"| skipping the prefix-cache reset after recalibrating K/V scales reuses 
 # engine's references, then plugs them into the engine through the step registry on
 # fresh reordered prompts: the cached engine must give the no-cache engine's logits and
 # hit counts, next to the broken engine failing the same check.
+#
+# ## On real vLLM
+#
+# - Prefix caching is on by default in v1 (`enable_prefix_caching=True` in
+#   `CacheConfig`); `--no-enable-prefix-caching` is the other arm of vllm #5543's A/B,
+#   compared on log-probs, not only on text.
+# - Watch `vllm:prefix_cache_queries` and `vllm:prefix_cache_hits` (counters; `_total`
+#   when scraped): more hits than the prompts share is the unchained-key signature of
+#   section 4. `LLM.reset_prefix_cache()` empties the cache after anything that changes
+#   K/V without changing the key (section 6).
+# - `--prefix-caching-hash-algo`: `sha256` (default), `sha256_cbor`, `xxhash`,
+#   `xxhash_cbor`; the config warns that the xxhash ones raise the collision risk in
+#   multi-tenant setups. Isolate tenants with the per-request `cache_salt`.
+# - Checked against `vllm/config/cache.py`, the automatic prefix caching design note and
+#   `v1/attention/backends/flash_attn.py` (2025-2026). v1 registers a full block when it
+#   is allocated, so requests in the same step hit it (safe: each layer writes the
+#   step's K/V before its attention reads them); a common prefix of at least 256 tokens
+#   shared by 8 or more requests can also switch FlashAttention to cascade attention,
+#   another kernel. This engine registers blocks after the step (section 3).
 
 # %%
 print(f"chapter 22 ran in {time.perf_counter() - T0:.0f} s")
