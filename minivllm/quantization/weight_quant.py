@@ -198,6 +198,47 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.to(torch.float32) * _check_scale_tensor(scale, "scale", q.shape[0])
 
 
+
+def quantize_int8_group(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 with one scale per output row and group of ``group_size`` input
+    columns (the int8 form of GPTQ/AWQ's groups; compressed-tensors' ``strategy="group"``).
+
+    Args:
+        w: ``[out, in]`` float weight (any float dtype; computed in float32).
+        group_size: input columns per group; when it does not divide ``in`` the last group
+            is shorter (576 = 4 x 128 + 64).
+
+    Returns:
+        ``q``: torch.int8 ``[out, in]``; ``scale``: float32 ``[out, ceil(in / group_size)]``.
+
+    Formula per group: ``scale = amax / 127`` (1.0 where that is 0),
+    ``q = clamp(round_half_even(w / scale), -127, 127)``. Storage: ``out * in`` bytes of
+    codes plus ``4 * out * ceil(in / group_size)`` bytes of scales. A group as wide as the
+    row gives quantize_int8(w, "channel")'s codes and scales (as ``[out, 1]``).
+
+    Raises:
+        ValueError: w not a finite non-empty 2-D float tensor; group_size not a positive int.
+    """
+    w32 = _float32_matrix(w, "w")
+    _check_group_size(group_size, w32.shape[1])
+    scale = _absmax_scale(_grouped(w32, group_size).abs().amax(dim=-1), INT8_QMAX)
+    q = torch.round(w32 / _per_column(scale, group_size, w32.shape[1]))
+    return q.clamp(-INT8_QMAX, INT8_QMAX).to(torch.int8), scale
+
+
+def dequantize_int8_group(q: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``q * scale`` per group -> float32 ``[out, in]`` (inverse of quantize_int8_group).
+
+    Raises:
+        ValueError: q not 2-D int8; group_size not a positive int; scale not float
+            ``[out, ceil(in / group_size)]``.
+    """
+    if not isinstance(q, torch.Tensor) or q.dtype != torch.int8 or q.ndim != 2:
+        raise ValueError("q must be a 2-D torch.int8 tensor [out_features, in_features]")
+    n_groups = _check_group_size(group_size, q.shape[1])
+    _check_shape(scale, "scale", (q.shape[0], n_groups))
+    return q.to(torch.float32) * _per_column(scale.to(torch.float32), group_size, q.shape[1])
+
 # --- int4 round to nearest -----------------------------------------------------------------
 
 def _int4_group_params(wg: torch.Tensor, symmetric: bool,
