@@ -26,7 +26,12 @@
 #    reader does not (or the reverse), by its size: every stored K or V comes back
 #    multiplied by `s` or `1 / s`, which is not a rounding error but a different model;
 # 4. measure all of this on the embedded model: KL against a float32 KV cache, greedy
-#    text, passkey retrieval at 2k tokens, with the 4k numbers from the benchmark.
+#    text, passkey retrieval at 2k tokens, with the 4k numbers from the benchmark;
+# 5. tell the two ways an fp8 cache is read apart: *dequantize* (K and V back to the
+#    compute dtype, scores and softmax weights in bf16/fp32, as this engine does) and
+#    *fp8 compute* (FlashAttention-3 on Hopper: Q rounded to e4m3 with a `q_scale`, the
+#    weights P cast to e4m3 for `P·V`), and measure what the second adds: how much of
+#    P's mass underflows e4m3 and what rounding Q and P costs in KL.
 #
 # **The incidents, from public sources.**
 #
@@ -52,7 +57,9 @@
 #   fp8_e4m3` from recipes whose checkpoints ship no calibrated scales (SGLang falls back
 #   to 1.0); vllm #38652 (GLM-4.7-Flash judge score 4.61 → 1.07, Qwen3-235B unaffected).
 # - **The seed course** (000 §2.3.3): FP8 KV "has about 3 significant decimal digits" and
-#   loses long-range retrieval beyond 16K tokens. Section 5 answers both.
+#   loses long-range retrieval beyond 16K tokens, because attention scores grow in range
+#   and fp8 cannot represent small weights. Sections 1 and 4 answer the numbers, section 5
+#   the mechanism (with FlashAttention-3's fp8 path, vllm #23813), section 6 sums up.
 #
 # **What this model does on its own, said up front.** SmolLM2's K and V never exceed
 # about 20 in magnitude (19.0 on section 1's text, 21.2 in `benchmarks/RESULTS.md`), far
@@ -70,6 +77,7 @@
 
 # %%
 # %matplotlib inline
+import math
 import time
 
 import numpy as np
@@ -77,6 +85,8 @@ import torch
 from matplotlib.figure import Figure
 
 from minivllm import LLM, SamplingParams
+from minivllm.attention.backends.torch_ref import prefill_attention_ref
+from minivllm.attention.fp8_attention import fp8_attention_ref
 from minivllm.precision import evalsets, faults, metrics
 from minivllm.quantization.calibration import calibration_forward
 from minivllm.quantization.kv_cache import kv_scales_from_amax
@@ -413,7 +423,200 @@ print(f"fp8_e5m2, scale 1.0, 2,043 tokens: {sum(found)}/{len(found)} passkeys re
 # e4m3 retrieves everything at 4k. Whether calibrated e5m2 is really better at 4k
 # cannot be told from five prompts (its mean KL is the same, 0.0249).
 #
-# ## 5. Claim vs measurement
+# ## 5. The seed's mechanism: are scores and weights ever stored in fp8?
+#
+# The seed explains fp8's long-context loss by the attention scores growing in range and
+# fp8 being unable to represent small weights. That presumes the scores `S = Q·K^T` or the
+# softmax weights `P` pass through fp8. Whether they do depends on how the cache is read:
+#
+# - **Dequantize** (this engine: `kv.dequantize`, then `attention.prefill`/`decode` in
+#   float32; in vLLM, the fp8-KV paths whose query stays in bf16/fp16, e.g. the Triton
+#   kernel's `(K_load.to(tl.float32) * k_scale).to(Q.dtype)`): only K and V are stored
+#   in fp8. `S`, the softmax and `P` are computed in the compute dtype and never stored,
+#   so the seed's mechanism has nothing to act on. What remains is the rounding of K and
+#   V that sections 2 and 3 measure.
+# - **fp8 compute** (FlashAttention-3 on Hopper, vLLM's `FLASH_ATTN` backend with
+#   `kv_cache_dtype="fp8"`; vLLM's quantized-KV-cache docs: "queries are quantized to FP8
+#   in addition to keys and values"): vLLM rounds Q to e4m3 with a static per-tensor
+#   `q_scale` (`Attention.forward`: `self.query_quant(query, self._q_scale)`; 1.0 unless
+#   the checkpoint or `calculate_kv_scales` sets it, the latter as `max|Q| / 200`), both
+#   GEMMs run on fp8 tensor cores with float32 accumulators, the softmax runs in float32,
+#   and **P is cast to e4m3** for `P·V`. FA3 does not cast `P` in `[0, 1]`: in
+#   fp8 mode it subtracts 8 from the row maximum in the exponent
+#   (`Softmax<..., Max_offset = 8>`, `hopper/softmax.h`), so `P = 2^8 · exp(s - m)` lies in
+#   `[0, 256]` "to use more of the FP8 range ... to reduce underflow", and it sums the row
+#   in float32 before the cast. A weight then flushes to 0 when it is at most `2^-18` of
+#   its row's running maximum (`2^-10`, half of e4m3's smallest subnormal `2^-9`, times
+#   `2^-8`). A kernel that casts `P` in `[0, 1]` (offset 0) flushes at `2^-10`.
+#
+# So the seed is half-right, for the fp8-compute paths: scores are never fp8 (they are
+# float32 in every path), the weights are, on FA3. Which path a deployment gets depends on
+# the backend, the GPU and the vLLM version (the box at the end says how to tell). That
+# path also had a real long-context failure, of another kind: **vllm #23813** (opened
+# 2025-08-28), "Accuracy under FA3 in FP8 changes drastically with TP size on very long
+# context length". The cause was Hopper's fp8 tensor-core accumulator, which keeps fewer
+# bits than float32; the fix, "two-level accumulation" (each KV tile's fp8 `P·V` product
+# flushed into a true float32 accumulator, vllm-project/flash-attention PR #104), reached
+# vLLM in vllm PR #27889 (opened 2025-10-31), and the vLLM blog "The State of FP8
+# KV-Cache and Attention Quantization in vLLM" (2026-04-22) reports a needle-in-a-haystack
+# score that had fallen from 91 % to 13 % on Hopper at long context before it.
+#
+# We emulate FA3's fp8 path on the CPU (`minivllm/attention/fp8_attention.py`,
+# `fp8_attention_ref`: the two casts to e4m3 bit for bit, every product of two e4m3
+# values exact in float32, the sums in float32 in torch's order; tile size 160 keys, FA3's
+# for fp8 and head_dim 64, so a 96-token window is one tile and the narrow-accumulator
+# model the module also has changes nothing here). Two measurements:
+#
+# 1. **One attention call, all 30 layers**: the float32 engine scores the two evaluation
+#    windows through a swapped `attention.prefill` step that returns the float32 attention
+#    (the model is unchanged) and, on the same q/k/v, computes the dequantize path (K and
+#    V rounded to e4m3), FA3's path, its two parts (the dequantize path plus Q only, plus
+#    P only), P in `[0, 1]`, and P's mass that underflows. Error: relative RMS against
+#    the float32 attention output.
+# 2. **End to end**: the e4m3 engine at scale 1.0 (vLLM's default for K, V and Q) scores
+#    the windows with FA3's path plugged in as its `attention.prefill` step (K8, V8 are
+#    the cache's own e4m3 values, read back at scale 1.0), KL against the float32 cache
+#    as in section 2.
+
+# %%
+T5 = time.perf_counter()
+DEQ_1, FA3_1, P01_1 = ("dequantize: K, V in e4m3", "FA3: K, V, Q and P in e4m3 (P in [0, 256])",
+                        "K, V, Q and P in e4m3, P in [0, 1]")
+VARIANTS = {  # name: fp8_attention_ref options, on the e4m3 K8, V8 a scale-1.0 cache stores
+    DEQ_1: dict(quantize_q=False, quantize_p=False),
+    "K, V and Q in e4m3": dict(quantize_p=False),
+    "K, V and P in e4m3 (P in [0, 256])": dict(quantize_q=False),
+    FA3_1: dict(),
+    P01_1: dict(max_offset=0),
+}
+sq = {k: [0.0, 0.0] for k in VARIANTS}            # sum of squared error, of squared reference
+tally = {"weights": 0, "below": 0, "mass_below": 0.0, "rows": 0, "flushed8": 0.0,
+         "flushed0": 0.0, "count8": 0, "count0": 0, "qmax": 0.0, "calls": 0}
+
+
+def probe(q, k, v, scale):
+    """attention.prefill for the float32 engine: returns the float32 attention (the model
+    is unchanged) and measures the fp8 variants on the same q, k, v."""
+    out = prefill_attention_ref(q, k, v, scale)
+    k8, v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)  # scale 1.0; |K|, |V| << 448
+    for name, kw in VARIANTS.items():
+        o, st = fp8_attention_ref(q, k8, v8, softmax_scale=scale, return_stats=True, **kw)
+        sq[name][0] += float(((o - out) ** 2).sum())
+        sq[name][1] += float((out ** 2).sum())
+        if name == FA3_1:
+            tally["flushed8"] += float(st["flushed_mass"].sum())
+            tally["count8"] += int(st["flushed_count"].sum())
+        elif name == P01_1:
+            tally["flushed0"] += float(st["flushed_mass"].sum())
+            tally["count0"] += int(st["flushed_count"].sum())
+    n, L, g = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
+    s = torch.einsum("nhd,lhd->hnl", q, k.repeat_interleave(g, 1)) * scale
+    s = s.masked_fill(torch.arange(L)[None, :] > torch.arange(L - n, L)[:, None], -math.inf)
+    p = s.softmax(-1)                                    # float32 weights, normalized
+    real = torch.isfinite(s)
+    tally["weights"] += int(real.sum())
+    tally["below"] += int(((p < 2.0 ** -9) & real).sum())
+    tally["mass_below"] += float(p[p < 2.0 ** -9].sum())
+    tally["rows"] += p.shape[0] * p.shape[1]
+    tally["qmax"] = max(tally["qmax"], float(q.abs().max()))
+    tally["calls"] += 1
+    return out
+
+
+with ref.swap_step("attention.prefill", probe):
+    unchanged = all(torch.equal(a, b) for a, b in zip(want, ref.score(windows, output="logits")))
+rows_n = tally["rows"]
+print(f"{tally['calls']} attention calls (30 layers x 2 windows), {rows_n:,} softmax rows "
+      f"(query x head); float32 engine's logits unchanged by the probe: {unchanged}; "
+      f"largest |Q| {tally['qmax']:.1f} (q_scale 1.0: Q saturates at 448: "
+      f"{tally['qmax'] > 448})")
+print("\n| attention computed as | relative RMS error vs float32 attention |\n|---|---|")
+att_err = {k: math.sqrt(a / b) for k, (a, b) in sq.items()}
+for k, e in att_err.items():
+    print(f"| {k} | {e:.4f} |")
+print(f"\nthe seed's 'small weights': {tally['below'] / tally['weights']:.1%} of the "
+      f"{tally['weights']:,} softmax weights are below 2^-9 (e4m3's smallest subnormal), "
+      f"carrying {tally['mass_below'] / rows_n:.2%} of the mass (mean per row)")
+print(f"flushed to 0 by the e4m3 cast of P: FA3 (P in [0, 256]) {tally['count8']:,} weights, "
+      f"{tally['flushed8'] / rows_n:.1e} of the mass per row; P in [0, 1] "
+      f"{tally['count0']:,} weights, {tally['flushed0'] / rows_n:.2%} of the mass per row")
+
+# %% [markdown]
+# Now end to end: the e4m3 engine, back at scale 1.0 (section 3 left it calibrated), with
+# the fp8-compute path as its `attention.prefill` step. The step reads the cache's e4m3
+# values back (`k.to(float8_e4m3fn)` is exact at scale 1.0; it checks that) and returns
+# FA3's output; section 2's scale-1.0 row is the dequantize path on the same cache.
+
+# %%
+set_kv_scales(e4m3, 1.0, 1.0)
+on_grid = []
+
+
+def fp8_compute(max_offset):
+    def step(q, k, v, scale):
+        k8, v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+        on_grid.append(torch.equal(k8.float(), k) and torch.equal(v8.float(), v))
+        return fp8_attention_ref(q, k8, v8, softmax_scale=scale, max_offset=max_offset).to(q.dtype)
+    return step
+
+
+FA3 = "e4m3 KV, FA3 fp8 compute (Q, P in e4m3)"
+P01 = "e4m3 KV, Q and P in e4m3, P in [0, 1]"
+for label, off in ((FA3, 8), (P01, 0)):
+    with e4m3.swap_step("attention.prefill", fp8_compute(off)):
+        drift(e4m3, label)
+print(f"the step read e4m3 values back from the cache in all {len(on_grid)} calls: {all(on_grid)}\n")
+print("| scale 1.0 (vLLM's default for K, V and Q) | mean KL (nats) [95% CI] | top-1 agreement |"
+      "\n|---|---|---|")
+for label in (E4, FA3, P01):
+    print(row(label).replace(E4, "e4m3 KV, dequantize (section 2)"))
+deq, fa3, p01 = results[E4], results[FA3], results[P01]
+
+
+def apart(a, b):
+    return a["hi"] < b["lo"] or b["hi"] < a["lo"]
+
+
+fa3_worse = fa3["lo"] > deq["hi"]
+flush_adds = apart(p01, fa3)
+print(f"\nFA3's path / dequantize path KL: {fa3['kl'] / deq['kl']:.2f}x; CIs apart: "
+      f"{apart(fa3, deq)}; P in [0, 1] vs [0, 256]: {p01['kl'] / fa3['kl']:.2f}x, "
+      f"CIs apart: {flush_adds}")
+print(f"verdict: the fp8-compute path's extra KL over the dequantize path is "
+      f"{'resolved (its CI lies above)' if fa3_worse else 'not resolved at this sample size'}; "
+      f"rounding P in [0, 1] instead of [0, 256] "
+      f"{'changes the KL resolvably' if flush_adds else 'adds nothing resolvable (CIs overlap)'}")
+if tally["count8"] > 0:
+    mech_verdict = "half-right (FA3's e4m3 P loses some weights)"
+elif tally["count0"] > 0:
+    mech_verdict = "half-right only for P in [0, 1] (FA3's P loses no weight here)"
+else:
+    mech_verdict = "no weight underflows here"
+print(f"seed's mechanism: {mech_verdict}")
+print(f"section 5 took {time.perf_counter() - T5:.1f} s")
+
+# %% [markdown]
+# Read the tables with the mechanism in mind. In the dequantize path (first row of the
+# first table, and section 2's e4m3 row) no weight is rounded at all: its whole error is K
+# and V on the e4m3 grid. The seed's "small weights" exist (the share of weights below
+# `2^-9` is printed above), but they are small by definition, and neither kernel named
+# here rounds the normalized weights: FA3 rounds `2^8 · exp(s - m)`, so a weight must fall
+# to `2^-18` of its row's maximum before it is lost, and the printed mass of those weights
+# is the part of the seed's mechanism that survives on the FA3 path. A kernel that rounds `P`
+# in `[0, 1]` loses every weight below `2^-10` of the maximum, a share at least as large
+# (printed). The
+# other new error on the fp8-compute path is rounding: Q and P each keep 3 mantissa bits,
+# a relative error up to `2^-4` on every query component and every weight, whether small
+# or not; the two rows that add only Q or only P to the dequantize row show which of the
+# two carries the fp8-compute path's extra error on this model. The
+# verdict lines under the KL table say whether this run resolves the fp8-compute path's
+# extra KL over the dequantize path, and whether rounding `P` in `[0, 1]` instead of
+# `[0, 256]` adds any. What this window length cannot show: at 96 tokens every query sees
+# one tile of at most 96 keys, so neither the online softmax's running maximum nor the
+# accumulator that vllm #23813 was about comes into play; those are long-context effects.
+
+# %% [markdown]
+# ## 6. Claim vs measurement
 
 # %%
 r = results
@@ -430,6 +633,21 @@ claims = [
      f"not testable to 16K on this 8K-context model; e5m2 at 2,043 tokens {sum(found)}/"
      f"{len(found)} here; RESULTS: e4m3 5/5 at 4,096, e5m2 1-2/5 at 4,096: the loss starts "
      "earlier than 16K for e5m2, and not by 4K for e4m3"),
+    ("seed 000 §2.3.3: the loss comes from attention scores growing in range and fp8 "
+     "being unable to represent small weights",
+     f"{mech_verdict}: "
+     f"scores are float32 on every path; weights pass through e4m3 only on an fp8-compute "
+     f"path (FA3 on Hopper), never in the dequantize path this engine uses. FA3-style, "
+     f"weights <= 2^-18 of the row max flush: {tally['flushed8'] / rows_n:.1e} of the mass "
+     f"per row ({tally['flushed0'] / rows_n:.2%} with P in [0, 1]; {tally['below'] / tally['weights']:.0%} of "
+     f"weights are below 2^-9, {tally['mass_below'] / rows_n:.2%} of the mass); KL dequantize "
+     f"{deq['kl']:.3g} -> FA3-style {fa3['kl']:.3g} ({fa3['kl'] / deq['kl']:.2f}x, CI above: "
+     f"{fa3_worse}) -> P in [0, 1] {p01['kl']:.3g} (apart from FA3: {flush_adds})"),
+    ("vllm #23813 / vLLM blog 2026-04-22: FA3's fp8 path lost long-context accuracy "
+     "(needle-in-a-haystack 91 % -> 13 % on Hopper) through its accumulator",
+     "not reproduced: 96-token windows fit one 160-key tile and a CPU has no fp8 tensor "
+     "core; fp8_attention_ref's narrow / two-level accumulator model is unit-tested only "
+     "(tests/test_fp8_attention.py)"),
     ("TensorRT-LLM PR #16916: the scale's value hardly matters (1.0: 96.89, 4.0: 96.74)",
      f"KL with 1.0 {e4['kl']:.3g}, 4.0 {r['s = 4']['kl']:.3g}, calibrated "
      f"{r['calibrated']['kl']:.3g} nats; CI overlapping 1.0's: {', '.join(ok) or 'none'}; "
@@ -470,6 +688,14 @@ for c, m in claims:
 #   (`benchmarks/RESULTS.md`, KV-cache dtype sweep). TensorRT-LLM's decay with
 #   generation length came from the fault living on the generation path: the longer the
 #   generation, the more of the context was written wrong.
+# - *"An fp8 KV cache means attention runs in fp8."* Only on an fp8-compute path (FA3 on
+#   Hopper, and other backends that quantize the query: the box below). A dequantize path,
+#   this engine's included, reads K and V back to bf16/fp32 and computes the scores and
+#   the softmax there; only K and V are ever rounded (section 5).
+# - *"fp8 cannot hold small attention weights, so they vanish."* FA3 does not store the
+#   normalized weights: it rounds `2^8 · exp(s - m)`, so only weights below about `2^-18`
+#   of their row's maximum are lost; section 5 prints that share of the mass, and what
+#   rounding Q and P to 3 mantissa bits costs beside it.
 # - *"If the scales load without an error, they are used."* sglang #18818 and
 #   flashinfer #1023 loaded them and then never passed them on. Test delivery directly: run with a
 #   deliberately wrong scale (say 100) and check that the output changes.
@@ -485,6 +711,40 @@ for c, m in claims:
 # the calibrated engine's while the broken engine is not. Then you choose the KV cache
 # dtype: the most accurate whose pool in a fixed byte budget holds two long requests at
 # once; the grader builds each format that fits and measures its KL.
+
+# %% [markdown]
+# ## On real vLLM
+#
+# - `--kv-cache-dtype fp8` (e4m3 on NVIDIA), `fp8_e4m3` or `fp8_e5m2`. Scales are 1.0
+#   unless the checkpoint ships them (llm-compressor: per tensor, or per attention head
+#   with the FlashAttention backend) or `--calculate-kv-scales` estimates them from the
+#   first batch as `max|x|` divided by `Q_SCALE_CONSTANT`, `K_SCALE_CONSTANT`,
+#   `V_SCALE_CONSTANT` (200, 200, 100; `vllm/envs.py`). `q_scale` matters only where the
+#   query is quantized.
+# - The backend decides whether Q and P go through fp8: `--attention-backend FLASH_ATTN`,
+#   `FLASHINFER` or `TRITON_ATTN` (older versions: the environment variable
+#   `VLLM_ATTENTION_BACKEND`, deprecated by vllm PR #26315 and ignored by 0.26 per
+#   vllm #50292); the startup log names the backend ("Using ... FLASH_ATTN backend").
+#   On Hopper `FLASH_ATTN` is FlashAttention-3, and with an fp8 cache it quantizes Q (the
+#   docs' note: "queries are quantized to FP8 in addition to keys and values").
+#   vllm PR #23647 (opened 2025-08-26) made FlashInfer with an fp8 cache quantize Q for the
+#   TRT-LLM kernels it then uses, and vllm PR #42080 (opened 2026-05-08) gave the Triton
+#   backend a real `q_scale` for the fp8 query it takes on CUDA.
+#   In the source the test is `Attention.query_quant` being set and the backend's
+#   `supports_quant_query_input`.
+# - On Hopper with FA3's fp8 path, long contexts need the two-level accumulation of
+#   vllm PR #27889 (opened 2025-10-31, for vllm #23813); vllm-project/flash-attention
+#   PR #122 (opened 2026-02-27) flushes every n tiles instead, trading a little accuracy
+#   for prefill speed.
+# - Checked against: vLLM's "Quantized KV Cache" docs (v0.25.0 and latest),
+#   `vllm/v1/attention/backends/flash_attn.py`, `triton_attn.py`,
+#   `vllm/attention/ops/triton_unified_attention.py` and `Attention.forward` in vLLM's
+#   source (2025-2026), FlashAttention-3's `hopper/softmax.h` and `hopper/tile_size.h`
+#   (Dao-AILab/flash-attention), and the issues and PRs named. This engine always
+#   dequantizes (the TORCH backend: `kv.dequantize`, then float32 attention) and never
+#   quantizes Q; the fp8-compute path exists here only as a swapped step
+#   (`fp8_attention_ref`), on a CPU, with float32 sums in torch's order instead of a
+#   tensor core's accumulator.
 
 # %%
 print(f"chapter 18 ran in {time.perf_counter() - T0:.0f} s")
