@@ -779,9 +779,9 @@ print("| on a GPU, padding to a capture size changes the logits' last bits | not
 # - To compare graph and eager on a deployment: two servers of the same model and
 #   version, one with `--enforce-eager` (or `-O.cudagraph_mode=NONE`), the same prompts
 #   at `temperature=0` with `logprobs`, one at a time and then concurrently (other
-#   padded sizes). Last-bit log-prob differences and late greedy divergences are
+#   padded sizes). Last-bit log-prob differences and late greedy divergences are usually
 #   numerics (section 6); NaN, a sampler error, or text that breaks at the first decode
-#   step only with graphs is a capture bug of the vllm #2147 kind (section 4).
+#   step only with graphs points to a capture bug of the vllm #2147 kind (section 4).
 # - Checked against `vllm/config/compilation.py` (`CUDAGraphMode`, `CompilationConfig`,
 #   late 2025, v0.11-v0.12 era), `docs/design/debug_vllm_compile.md`, vllm issue #2147
 #   and vllm PRs #2154, #2318, #25543 and #26016.
