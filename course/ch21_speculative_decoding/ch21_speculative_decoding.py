@@ -27,7 +27,12 @@
 # 3. say what "lossless" means: exact in distribution, and for greedy decoding equal to
 #    plain decoding **up to the numerics of scoring k + 1 positions at once**, and
 #    measure that difference in float32 and bfloat16;
-# 4. catch a verifier that accepts the first draft token unchecked.
+# 4. catch a verifier that accepts the first draft token unchecked;
+# 5. use the acceptance rate (vLLM's `vllm:spec_decode_num_accepted_tokens_total` over
+#    `vllm:spec_decode_num_draft_tokens_total`) and the mean acceptance length as a
+#    numerics canary: measure how far they move when the target's precision changes
+#    under a fixed drafter, and say with a bootstrap over prompts whether a move is
+#    larger than the prompt-to-prompt spread.
 #
 # **The incidents.**
 #
@@ -42,9 +47,10 @@
 #
 # Everything below is measured when the notebook runs, on the embedded
 # SmolLM2-135M-Instruct (minivllm, this machine's CPU). There is no second, smaller
-# SmolLM2 here, so the drafts come from prompt lookup (`method="ngram"`); the draft-model
-# path (`method="draft_model"`, e.g. the same model in bfloat16 drafting for itself) is
-# measured by `benchmarks/spec_decode.py` (numbers in `benchmarks/RESULTS.md`). The
+# SmolLM2 here, so the drafts come from prompt lookup (`method="ngram"`) in sections 2-6;
+# section 7 uses the draft-model path (`method="draft_model"`) with the model drafting
+# for itself in float32, and the speed of that path is measured by
+# `benchmarks/spec_decode.py` (numbers in `benchmarks/RESULTS.md`). The
 # verifier bug is **planted** through the step registry (`faults.spec_accept_first_unverified`,
 # the `"rejection_sampler"` step).
 
@@ -269,6 +275,122 @@ for kind, (d_, dt_, acc_, toks) in by_kind.items():
 # A draft model pays only when it is much cheaper than the target.
 
 # %% [markdown]
+# ## 7. Acceptance rate as a numerics canary
+#
+# In production the acceptance rate is a free, always-on measurement: vLLM exports the
+# counters behind it (box at the end). With a drafter that normally agrees with the
+# target, a greedy draft is accepted exactly when the target's argmax equals the
+# drafter's, so the acceptance rate is a running top-1 agreement between the target and
+# a **fixed** reference. Change the target's numerics and leave the drafter alone, and
+# every position where the new rounding flips the argmax shows up as a rejection, before
+# any quality evaluation has run.
+#
+# The drafter here is the embedded model drafting for itself in float32
+# (`method="draft_model"`, k = 3, greedy), with its own float32 KV cache. The targets:
+#
+# - **float32**: the drafter's own numerics, so it differs only by section 3's
+#   chunk-versus-step rounding (the reference);
+# - **bfloat16**: a mild change, the supported 16-bit dtype;
+# - **float32 with `kv_cache_dtype="fp8"`**: K and V stored as fp8 e4m3 with scales of
+#   1.0 (vLLM's default when a checkpoint ships none), a supported quantized configuration;
+# - **planted**: float32 with the RoPE angle table computed in bfloat16
+#   (`faults.low_precision_rope_table`, the bf16-autocast RoPE bug of transformers
+#   PR #29285). A fault, not a configuration anyone should run.
+#
+# Eight open prompts, 16 tokens each, the same for every target. Each request's own
+# counts come from `RequestOutput.metrics["spec_decode"]`; the intervals resample the
+# prompts (2,000 paired bootstrap draws: the same resampled prompts for the target and
+# the reference), and a configuration "moved" when the 95 % interval of its difference
+# from the reference excludes zero. The intervals cover prompt-to-prompt noise only; on a
+# GPU server, run-to-run noise (batch composition changes the rounding) adds to it.
+
+# %%
+T7 = time.perf_counter()
+KEYS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+CANARY_PROMPTS = OPEN_IDS + [chat(t) for t in ("Why is the sky blue?", "Suggest a name for a bakery.",
+                                               "How do plants drink water?", "Tell me about trains.")]
+SELF_DRAFT = {"method": "draft_model", "model": MODEL, "num_speculative_tokens": 3,
+              "dtype": "float32"}
+REF, PLANTED = "float32 (reference)", "float32, RoPE angles in bf16 (planted)"
+CANARY = SamplingParams(temperature=0, max_tokens=16)
+
+
+def spec_run(llm):
+    """[prompts, 3] float64: each request's verifications, draft tokens, accepted drafts."""
+    outs = llm.generate([{"prompt_token_ids": p} for p in CANARY_PROMPTS], CANARY, use_tqdm=False)
+    return torch.tensor([[o.metrics["spec_decode"][k] for k in KEYS] for o in outs],
+                        dtype=torch.float64)
+
+
+canary = {}
+for name, kw in ((REF, {"dtype": "float32"}), ("bfloat16", {"dtype": "bfloat16"}),
+                 ("float32, fp8 KV cache", {"dtype": "float32", "kv_cache_dtype": "fp8"})):
+    engine = LLM(MODEL, max_model_len=256, max_num_seqs=8, speculative_config=SELF_DRAFT, **kw)
+    canary[name] = spec_run(engine)
+    if name == REF:  # the planted fault: same engine, target's RoPE table swapped
+        with faults.low_precision_rope_table(engine, torch.bfloat16, stage="angles"):
+            canary[PLANTED] = spec_run(engine)
+    del engine
+
+
+def acc_rate(c):
+    return c[..., 2].sum(-1) / c[..., 1].sum(-1)
+
+
+def acc_len(c):
+    return 1 + c[..., 2].sum(-1) / c[..., 0].sum(-1)
+
+
+BOOT = torch.randint(0, len(CANARY_PROMPTS), (2000, len(CANARY_PROMPTS)),
+                     generator=torch.Generator().manual_seed(0))
+Q = torch.tensor([0.025, 0.975], dtype=torch.float64)
+ref = canary[REF]
+canary_rows = {}
+print(f"{'target (drafter: float32)':40s} acceptance  length  d acceptance vs ref [95% CI]  "
+      "prompts lower  verdict")
+for name, c in canary.items():
+    d = acc_rate(c[BOOT]) - acc_rate(ref[BOOT])
+    dl = acc_len(c[BOOT]) - acc_len(ref[BOOT])
+    lo, hi = (float(v) for v in torch.quantile(d, Q))
+    lo_l, hi_l = (float(v) for v in torch.quantile(dl, Q))
+    lower = int((c[:, 2] / c[:, 1] < ref[:, 2] / ref[:, 1]).sum())
+    moved = name != REF and (hi < 0 or lo > 0)
+    canary_rows[name] = dict(rate=float(acc_rate(c)), length=float(acc_len(c)), lo=lo, hi=hi,
+                             lo_l=lo_l, hi_l=hi_l, lower=lower, moved=moved,
+                             drafts=int(c[:, 1].sum()))
+    verdict = "-" if name == REF else ("moved" if moved else "within prompt noise")
+    print(f"{name:40s} {acc_rate(c):10.3f}  {acc_len(c):6.2f}  {float(acc_rate(c) - acc_rate(ref)):+.3f} "
+          f"[{lo:+.3f}, {hi:+.3f}]      {lower}/{len(CANARY_PROMPTS)}         {verdict}")
+for name, r in canary_rows.items():
+    if name != REF:
+        print(f"  {name}: mean acceptance length {r['length']:.2f} vs {canary_rows[REF]['length']:.2f}, "
+              f"difference 95% CI [{r['lo_l']:+.2f}, {r['hi_l']:+.2f}]")
+# The n-gram drafter of sections 2 and 4 on the same four open prompts, float32 vs bfloat16
+# (counts from those runs, no new compute): prompt lookup measures how much the answer
+# repeats the prompt, not how well two models agree.
+ng32 = by_kind["open"]
+ng16 = spec_counts(spec16)
+print(f"n-gram drafter, 4 open prompts: float32 {ng32[2]}/{ng32[1]} drafts accepted "
+      f"({ng32[2] / max(ng32[1], 1):.3f}), bfloat16 {ng16[2]}/{ng16[1]} "
+      f"({ng16[2] / max(ng16[1], 1):.3f})")
+moved = [n for n, r in canary_rows.items() if r["moved"]]
+quiet = [n for n, r in canary_rows.items() if n != REF and not r["moved"]]
+print(f"moved beyond prompt noise: {', '.join(moved) or 'none'}; within it: {', '.join(quiet) or 'none'}")
+print(f"section 7 took {time.perf_counter() - T7:.1f} s")
+
+# %% [markdown]
+# How to read it. The reference is below 1.0 only where the rounding difference between
+# the drafter's one-token steps and the target's (k + 1)-token verification (section 3)
+# flips an argmax. A target change moves the acceptance rate only through
+# argmax flips, so a change that keeps nearly every top-1 token (the verdict above says
+# whether bfloat16 did, on these eight prompts) can stay inside the prompt-to-prompt
+# spread, while a change that corrupts the logits shows up at once. The direction
+# depends on the drafter: with prompt lookup (last line above) the rate measures how much
+# an answer repeats its prompt, and a broken model that loops would raise it. A canary
+# needs a model drafter (draft model, EAGLE, MTP) and a baseline taken on the same
+# traffic.
+
+# %% [markdown]
 # ## Claims versus measurements
 #
 # Every number is printed by a cell above when the notebook runs.
@@ -290,6 +412,13 @@ claims = [
      f"{sum(x is not None for x in div_good)}/{len(ONES)}"),
     ("acceptance rate / tokens per verification (fp32, 8 prompts)",
      f"{acc / dt:.3f} / {1 + acc / d:.2f}"),
+] + [
+    (f"acceptance moves when the target's numerics change: {name} (drafter float32)",
+     f"{'moved' if r['moved'] else 'not beyond prompt noise'}: acceptance {r['rate']:.3f} vs "
+     f"{canary_rows[REF]['rate']:.3f}, difference 95% CI [{r['lo']:+.3f}, {r['hi']:+.3f}]; "
+     f"mean length {r['length']:.2f} vs {canary_rows[REF]['length']:.2f} "
+     f"({len(CANARY_PROMPTS)} prompts, {r['drafts']} draft tokens)")
+    for name, r in canary_rows.items() if name != REF
 ]
 for c, m in claims:
     print(f"- {c}\n    measured: {m}")
@@ -308,6 +437,51 @@ print(f"\nchapter wall time: {time.perf_counter() - T0:.1f} s")
 #   like the others; accepting it unchecked changes the output (section 5).
 # - *"More accepted tokens means faster."* Only if a draft token is cheaper than a
 #   target step: a self-draft accepts almost everything and is slower on a CPU.
+# - *"A steady acceptance rate means the numerics did not change."* Greedy acceptance
+#   counts argmax flips only: a change that keeps the top-1 token (section 7's verdict
+#   for bfloat16 says whether it did here) can leave the rate inside the prompt noise.
+#   The rate is an alarm for large regressions, not a proof of equality.
+# - *"A drop in acceptance is always the drafter's fault."* With the drafter fixed, the
+#   drop comes from the target (section 7). And with prompt lookup the rate measures
+#   repetition, so a broken model that loops would raise it.
 # - *"Rejected drafts are harmless leftovers."* Their K/V is in the cache; the engine
 #   must roll `num_computed_tokens` back and never register those blocks in the prefix
 #   cache (`tests/test_spec_decode.py` checks both).
+
+# %% [markdown]
+# ## On real vLLM
+#
+# - `speculative_config` (`--speculative-config '{...}'`): `method` ("ngram",
+#   "draft_model", "eagle", "eagle3", "mtp", "suffix", ...), `num_speculative_tokens`,
+#   `prompt_lookup_min` / `prompt_lookup_max` (ngram), `model` and `quantization` (the
+#   drafter's weights), `draft_tensor_parallel_size`, and on the main branch
+#   `kv_cache_dtype` (the drafter's KV cache; left unset it inherits `--kv-cache-dtype`)
+#   and `draft_sample_method`. The drafter's dtype is the target's (`dtype=
+#   self.target_model_config.dtype` in `vllm/config/speculative.py`): a `--dtype` change
+#   moves both models, so the canary is sharpest for changes that reach the target but
+#   not the drafter (the target's weight quantization, a bug in a code path only the
+#   target runs), and weakest for a dtype switch of a self-draft.
+# - Metrics (`vllm/v1/spec_decode/metrics.py`, `SpecDecodingProm`):
+#   `vllm:spec_decode_num_drafts_total`, `vllm:spec_decode_num_draft_tokens_total`,
+#   `vllm:spec_decode_num_accepted_tokens_total` and
+#   `vllm:spec_decode_num_accepted_tokens_per_pos_total{position}`. Acceptance rate =
+#   `rate(..._accepted_tokens_total[5m]) / rate(..._draft_tokens_total[5m])`; mean
+#   acceptance length = `1 + rate(..._accepted_tokens_total[5m]) /
+#   rate(..._drafts_total[5m])`; the per-position vector shows where a chain breaks.
+#   The periodic `SpecDecoding metrics:` log line prints the same quantities (mean
+#   acceptance length, per-position and average draft acceptance rates).
+# - Over a deploy: record the acceptance rate and mean length per model version and
+#   traffic class before the change, compare the new version's on the same traffic
+#   (a canary replica beside the old one, not last week's mix: the rate depends on the
+#   prompts, section 7's spread), and alert on a drop larger than that spread. Per-request
+#   numbers (`--per-request-spec-decode-metrics summary`, the response's
+#   `metrics.speculative_decoding`, experimental in vLLM 0.32) allow section 7's
+#   bootstrap over requests.
+# - Checked against vLLM's `vllm/config/speculative.py` (main branch, commit 002e77c),
+#   `vllm/v1/spec_decode/metrics.py` (commit 016a858) and the docs' "Per-Request
+#   Acceptance Metrics" page (v0.32.0), 2026-12. This engine differs: its drafter can
+#   run in its own dtype (`speculative_config["dtype"]`, not a vLLM key) and always keeps
+#   its own KV cache in that dtype; it exports the three totals but no per-position
+#   counter; the per-request counts are `RequestOutput.metrics["spec_decode"]`; methods
+#   are ngram and draft_model only; and section 7's intervals cover prompt noise only,
+#   not a GPU server's run-to-run noise.
