@@ -74,8 +74,9 @@
 # engine's own (vLLM's accounting), unmodified; the "template exempt" accounting next to
 # it is an ablation swapped in through the step registry (the `"sampler.penalties"`
 # step), not something vLLM offers. The bugs of sections 2 and 3 are **planted** the same
-# way (`faults.penalty_accounting_mixed`, `faults.top_p_before_top_k`); the model and the
-# prompt are the incident's own, next to the unmodified engine.
+# way (`faults.penalty_accounting_mixed`, `faults.top_p_before_top_k`), next to the
+# unmodified engine; the prompts are the incidents' own, the model is the *Instruct*
+# variant of vllm-metal #69's SmolLM2-135M.
 
 # %%
 # %matplotlib inline
@@ -334,9 +335,9 @@ REP1_SAME = all(texts["correct"][i] == texts["buggy"][i] for i, (_, cn) in enume
 print(f"with repetition_penalty 1.0 the two accountings give the same texts: {REP1_SAME}")
 
 # %% [markdown]
-# **What it shows.** SmolLM2-135M-*Instruct* does not continue "Paris Paris ..." with
-# another "Paris" (its probability is printed above), so the count of "Paris" is what
-# the run prints, not the incident's loop (the incident ran the base SmolLM2-135M). What
+# **What it shows.** SmolLM2-135M-*Instruct* gives another "Paris" after "Paris Paris
+# ..." the probability printed above, so the count of "Paris" is what the run prints,
+# not necessarily the incident's loop (the incident ran the base SmolLM2-135M). What
 # the bug does is visible in the distribution: on the first step the buggy accounting
 # leaves the prompt's tokens unpenalised (P(Paris) back to its unpenalised value, the TV
 # column), and from the second step on it subtracts the frequency and presence
@@ -385,8 +386,9 @@ only_k = tv(torch.softmax(apply_top_k_top_p(L, torch.full((L.shape[0],), 20), No
 print(f"top-k alone (k=20, no top-p): TV max {float(only_k.max()):.1e} (the order cannot matter)")
 
 # %% [markdown]
-# The planted engine-level fault gives other tokens to seeded requests that use both
-# filters, and the same tokens to requests with only one of them:
+# The planted engine-level fault can give other tokens to seeded requests that use both
+# filters (the first divergence is printed; None means it did not in 16 tokens), and
+# cannot change requests with only one of them:
 
 # %%
 q_ids = chat("Write a short poem about the sea.")
@@ -406,7 +408,7 @@ print(f"first divergence, top_k+top_p: {order_div[0]}; top_k only: {order_div[1]
 # *probabilities* come from logits that, in this engine, can depend on what else is in
 # the batch: chapter 5 (sections 2 to 4) finds where (decode attention over padded keys,
 # and on some CPUs the bfloat16 GEMM from 33 rows on) and uses three short completion
-# prompts beside a 30-token one, a composition that changes their greedy text in
+# prompts beside a 30-token one, a composition that can change their greedy text in
 # bfloat16 (chapter 5 section 2 counts how many on your CPU). The same composition
 # here, each short prompt **sampled** with its own seed (temperature 0.8, 16 tokens):
 # alone, then all three in one batch with chapter 5's 30-token prompt; on a bfloat16
@@ -618,8 +620,9 @@ for c, m in claims:
 #
 # - *"Repetition penalty is about what the model generated."* In vLLM (and HF) it is
 #   about the prompt **and** the output: with a chat template that includes the role
-#   markers, the end-of-turn token and the system prompt. Section 1 counts them and shows
-#   which answers changed because of them; frequency and presence count the output only.
+#   markers, the end-of-turn token and the system prompt. Section 1 counts them and, for
+#   each changed answer, whether the token that lost came from the template, the question
+#   or the output; frequency and presence count the output only.
 # - *"A small repetition penalty only stops loops."* A penalty lowers every seen token's
 #   logit at every step, from the first; a short answer that repeats the question's
 #   words or ends its turn pays it too (section 1's lost tokens).
@@ -627,7 +630,7 @@ for c, m in claims:
 #   measures mass on the renormalised survivors. With one of them set, the order is
 #   irrelevant (TV exactly 0 above).
 # - *"A seed makes sampling deterministic."* It fixes the random stream; the
-#   probabilities it races against still depend on the batch (chapter 5) unless the
+#   probabilities it races against can still depend on the batch (chapter 5) unless the
 #   arithmetic is batch-invariant. Section 4 counts the seeded samples a batch changed.
 # - *"The model's `generation_config.json` decides how it samples."* Only the fields a
 #   request leaves unset, and only in an engine that reads it (`generation_config="auto"`);
@@ -649,9 +652,9 @@ for c, m in claims:
 #   `repetition_penalty` (TGI #1170 asked): use frequency/presence penalties when only
 #   the output should count (the main branch checked also has `repetition_detection`,
 #   which ends a request on a repeated n-gram without touching the logits).
-# - A seeded sample reproduces across batches only with batch-invariant arithmetic:
-#   `VLLM_BATCH_INVARIANT=1` (chapter 5); otherwise expect the seed to hold only for the
-#   same batch.
+# - A seeded sample is guaranteed to reproduce across batches only with batch-invariant
+#   arithmetic: `VLLM_BATCH_INVARIANT=1` (chapter 5); otherwise only within the same
+#   batch (section 4 counts whether this engine's batches changed any sample).
 # - Checked against vLLM's source (2025-2026 main): `vllm/model_executor/layers/utils.py`
 #   (`apply_penalties`: `prompt_mask | output_mask` for repetition, output counts for
 #   frequency and presence), `vllm/v1/sample/ops/penalties.py`, `vllm/config/model.py`
