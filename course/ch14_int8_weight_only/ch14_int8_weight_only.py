@@ -61,7 +61,7 @@
 #   keep a rollback. Section 8 answers these with numbers from this model.
 #
 # The chapter follows the chain: per tensor fails on this model by itself, per channel
-# fixes it (sections 1-4); this model has no input-channel outliers of its own, so
+# fixes it (sections 1-4); this model's weights have no input-channel outliers, so
 # sections 5 and 6 make them, first in one layer, then in the whole checkpoint with
 # SmoothQuant's own formula, each time as an exact reparametrization next to what the
 # unmodified model does; section 7 repairs the folded checkpoint under a byte budget.
@@ -183,8 +183,8 @@ print(f"ratio: 10th-90th percentile over the layers {q10:.1f}-{q90:.1f}, so per 
       f"per channel it keeps 127 (8 bits)")
 
 # %% [markdown]
-# So per tensor, the typical channel of a typical layer is quantized with a bit or two
-# fewer than 8 (the line above), per channel with all 8. A handful of layers stand out
+# So per tensor, the typical channel of a typical layer keeps only the bits' worth of
+# codes printed in the line above, per channel all 8. A handful of layers stand out
 # (the table), and in most down_proj layers the largest output channel is the same hidden
 # dimension, 507: one residual-stream dimension this model writes with large weights
 # layer after layer (the count is printed above). That is an *output* channel, exactly
@@ -326,8 +326,9 @@ for n in ("int8 per tensor", "int8 per channel"):
 # greedy answers; compare how many answers change with how many fewer are correct (the
 # lines under the table): a changed answer often still contains the right word. The
 # accuracy CIs are wide (30 questions): the KL columns are what separate the schemes with
-# confidence, which is why a release check (section 8) should not rest on accuracy alone. `benchmarks/RESULTS.md` has the same comparison on 2,560 corpus positions
-# and all 176 questions: KL 0.0775 against 0.0029 (26x), QA 80.1 % against 95.5 %.
+# confidence, which is why a release check (section 8) should not rest on accuracy
+# alone. `benchmarks/RESULTS.md` has the same comparison on 2,560 corpus positions and
+# all 176 questions: KL 0.0775 against 0.0029 (26x), QA 80.1 % against 95.5 %.
 #
 # Per position, the gap is everywhere, not a few bad tokens:
 
@@ -393,11 +394,11 @@ table(["int8 per tensor", name_mixed, name_ctrl, "int8 per channel"])
 #
 # This model has no such column by itself: the same ratio taken over *columns* (max |w| /
 # median column amax) is of the size of section 2's row ratios (printed below), and
-# per-channel quantization is already good in every layer (its relative weight error,
-# section 2's table). So we **plant one, exactly**: `s = 2^6`, a power of two, so `x_j / s` and `W[:, j] · s` are exact in
-# float32 and `y = x W^T` comes out **bit for bit** the same. On real activations of layer
-# 11's down_proj (recorded through the step registry while the float engine scores one
-# window):
+# per-channel quantization's relative weight error is already small (section 2's table
+# and median). So we **plant one, exactly**: `s = 2^6`, a power of two, so `x_j / s` and
+# `W[:, j] · s` are exact in float32 and `y = x W^T` comes out **bit for bit** the same.
+# On real activations of layer 11's down_proj (recorded through the step registry while
+# the float engine scores one window):
 
 # %%
 captured = []
@@ -548,16 +549,16 @@ print(f"({time.perf_counter() - t6:.0f} s for this section)")
 # default did no measurable harm to weight-only int8 on this model; where the lines for
 # 0.8 and 1.0 say "entirely above", the fold alone made per-channel int8 worse, by the
 # factor printed. Same float model, same bytes, same quantizer: only where the range
-# sits in the weights changed. That is the failure: per-output-channel scales cannot
-# see an input-channel outlier.
+# sits in the weights changed. Where the KL rose, that is why: per-output-channel
+# scales cannot see an input-channel outlier.
 #
 # `α = 0.8` is not made up: published llm-compressor recipes run
 # `SmoothQuantModifier: {smoothing_strength: 0.8}` before a **weight-only** scheme, e.g.
 # huggingface.co/gmonair/Qwen2.5-Math-1.5B-Instruct-W8A16 (`recipe.yaml`: then GPTQ with
 # `scheme: W8A16`). With activations left in 16-bit, smoothing buys nothing there and
 # only moves range into the weights; how much that costs depends on the model's
-# activation outliers (this small model's are mild: LLM.int8() saw them emerge at 6.7B),
-# which is why it has to be measured rather than assumed.
+# activation outliers (LLM.int8() saw large ones emerge from about 6.7B parameters; this
+# model has 135M), which is why it has to be measured rather than assumed.
 #
 # ## 7. The repair under a byte budget: group-wise scales against float layers
 #
@@ -640,13 +641,14 @@ print(f"\nbest within the budget: {best} (KL {fitting[best]['kl']:.3g}, "
 tmp.cleanup()
 
 # %% [markdown]
-# At the same bytes the two repairs are far apart (the table). Groups spend their bytes
-# everywhere, a scale per 128 columns in every row of every layer, and that is where the
-# folded outliers are: in many columns of 60 layers. The float layers spend the same
-# bytes on whole layers, and a float32 qkv_proj alone costs more than half the budget, so
-# only the few worst layers fit and the rest keep their damaged rows. A bigger budget
-# changes the arithmetic, not the lesson: count the bytes of the repair (scales
-# included) and measure the KL it buys, on the model as it will be served.
+# Within one budget the two repairs buy the KL in the table (the best is printed under
+# it). Groups spend their bytes everywhere, a scale per 128 columns in every row of
+# every layer, and that is where the folded outliers are: in the columns of every
+# qkv_proj and gate_up_proj (60 layers). The float layers spend the budget on whole
+# layers, and a float32 qkv_proj alone costs more than half of it (the byte counts
+# above), so only the few worst layers listed fit and the rest keep their damaged rows.
+# A bigger budget changes the arithmetic, not the lesson: count the bytes of the repair
+# (scales included) and measure the KL it buys, on the model as it will be served.
 #
 # ## 8. Claim vs measurement
 
@@ -722,8 +724,8 @@ for c, m in claims:
 #   float here; only the stored weights change (bytes: 538 → 220 MB with the float
 #   embeddings).
 # - *"If accuracy on my eval set didn't move, the quantization is fine."* With a few dozen
-#   questions the accuracy CI is ±10 points; KL on a few hundred positions resolves
-#   differences that accuracy cannot.
+#   questions the accuracy CIs are 10 points wide or more (section 3's table); KL on a
+#   few hundred positions resolves differences that accuracy cannot.
 # - *"These weights came from 4-bit, so any 8-bit grid is lossless."* Only a grid that
 #   contains the 4-bit grid is; int8 with a per-row scale does not.
 # - *"A smoothed (SmoothQuant/AWQ-folded) checkpoint is the same model, so it quantizes
