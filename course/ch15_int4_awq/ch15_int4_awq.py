@@ -26,7 +26,10 @@
 #    confidence intervals) from a quantized checkpoint built once and cached
 #    (`minivllm.quantization.checkpoint.cached_quantized`);
 # 5. read greedy QA accuracy with care: on this model a calibrated 4-bit scheme can cut
-#    KL by half and still lose QA answers (section 6 shows which answer tokens flip).
+#    KL by half and still lose QA answers (section 7 shows which answer tokens flip);
+# 6. tell the gradual cost of 4 bits from a kernel failure: a GEMM with two paths chosen
+#    by the number of rows, one accumulating in float16, fails on short prompts only
+#    (section 5, vllm #10656).
 #
 # **The incident, from public sources.**
 #
@@ -36,10 +39,10 @@
 #   135M one.
 # - **vllm-project/vllm #10656** (2024-11): a GPTQ-Int4 Qwen2.5-32B answered "!!!!!" for
 #   prompts of 50 tokens or fewer: the exllama-derived kernel switches paths at
-#   `MAX_Q_GEMM_ROWS = 50`, and only the short-prompt path overflowed. A reminder that a
-#   4-bit deployment has a kernel-level failure mode besides the gradual one measured
-#   here; this chapter does not reproduce it (its mechanism is fp16 accumulation,
-#   chapter 10's subject).
+#   `MAX_Q_GEMM_ROWS = 50`, and only the short-prompt path failed. A 4-bit deployment
+#   has a kernel-level failure mode besides the gradual one measured here: section 5
+#   emulates the two paths on one layer of this model, which does not fail as trained,
+#   and shows the short-prompt-only failure with a planted (exact) cancelling split.
 #
 # **A fact about these weights that matters here.** The embedded SmolLM2-135M-Instruct
 # ships as GGUF Q4_1 (asymmetric 4-bit, groups of 32, a float scale *and a float minimum*
@@ -276,7 +279,7 @@ fig
 # chapter's whole budget. This chapter uses the scale search alone (`clip=False`, the
 # part section 3 showed first) on 1,024 calibration tokens (`make quantized` builds it:
 # about two minutes of CPU time when it was built); the engine's default is
-# measured in `benchmarks/RESULTS.md` and section 6.
+# measured in `benchmarks/RESULTS.md` and section 7.
 # Either way the checkpoint is built **once** with
 # `LLM.save_quantized` and cached beside the converted model: `cached_quantized` keys it
 # by a sha256 of the source weights, the quantization config, the calibration token ids
@@ -388,10 +391,142 @@ fig
 # on the full 176-question set the engine's default AWQ g128 answered
 # *fewer* questions than RTN g128 with less than half its KL (`benchmarks/RESULTS.md`,
 # 2026-11-30: 47.7 % against 68.2 %; with today's code, `python
-# benchmarks/qa_inversion.py`: 59.7 % [52.3, 67.0] against 68.2 % [61.4, 75.0]). Section 6
+# benchmarks/qa_inversion.py`: 59.7 % [52.3, 67.0] against 68.2 % [61.4, 75.0]). Section 7
 # takes that apart.
 #
-# ## 5. Claim vs measurement
+# ## 5. A kernel failure mode: two GEMM paths chosen by M (vllm #10656)
+#
+# Everything above is the *gradual* cost of 4 bits. vllm #10656 (2024-11-26) was
+# different: a GPTQ-Int4 Qwen2.5-32B answered only "!" for prompts of 50 tokens or fewer
+# and was fine for longer ones; `gptq_marlin` was fine for both. vLLM's `gptq` kernel
+# (`csrc/quantization/gptq/q_gemm.cu`, adapted from exllamav2) has two paths chosen by the
+# number of rows M: up to `MAX_Q_GEMM_ROWS = 50` a fused kernel dequantizes and multiplies
+# in one pass, accumulating with `__hfma2`, float16 multiply-adds into a **float16**
+# accumulator; above 50 it dequantizes the whole weight to float16 and calls cuBLAS, which
+# accumulates in float32. The issue thread gives the symptom and the switch, not a
+# published root cause; the mechanism below is the one the code allows: a float16
+# accumulator overflows as soon as a *partial* sum passes 65504, even when the finished
+# sum would not.
+#
+# The cell emulates both paths on one layer, layer 11's `down_proj` (the one that writes
+# the massive activation of chapter 10), quantized to int4 g128 (round to nearest) and
+# run in float16 inside the float32 model (`swap_step("linear", ..., where=...)`): the
+# fused path adds one product at a time and rounds the accumulator to float16 after each
+# (the product of two float16 numbers is exact in float32, so this is the `__hfma2` chain
+# up to a double rounding; the kernel's order, 128-column blocks added by `atomicAdd`,
+# changes the order of the adds, not the format). Then it asks the engine for a short
+# chat prompt (≤ 50 tokens: the fused path) and a long one (> 50: cuBLAS's path); decode
+# steps have M = 1 and take the fused path too.
+
+# %%
+T5 = time.perf_counter()
+MAX_Q_GEMM_ROWS = 50                                # vLLM's q_gemm.cu
+GEMM_LAYER = "layers.11.mlp.down_proj"
+W16 = wq.dequantize_int4(*wq.quantize_int4(W[GEMM_LAYER], 128, False), 128).half()
+
+
+def fp16_accumulate(x, w):
+    """x [M, K] float16 @ w [N, K] float16 -> [M, N] float16 with a float16 accumulator:
+    rounded to float16 after every multiply-add, in column order. Also returns the largest
+    |partial sum| met on the way (inf once one overflowed)."""
+    acc, peak = torch.zeros(x.shape[0], w.shape[0]), 0.0
+    xf, wf = x.float(), w.float()
+    for k in range(xf.shape[1]):
+        acc = (acc + xf[:, k, None] * wf[:, k]).half().float()
+        peak = max(peak, float(acc.abs().max()))
+    return acc.half(), peak
+
+
+def cancelling_split(x, w):
+    """The planted fault: the largest input channel j's product x_j w_j written as
+    4 x_j w_j - x_j w_j - x_j w_j - x_j w_j (four columns appended at the end): the same
+    sum in exact arithmetic, and every weight stays exact in float16 (4w and -w)."""
+    j = int(x.abs().amax(0).argmax())
+    w = w.clone()
+    wj = w[:, j].clone()
+    w[:, j] = 4 * wj
+    return torch.cat([x] + [x[:, j:j + 1]] * 3, 1), torch.cat([w] + [-wj[:, None]] * 3, 1)
+
+
+PATHS, PLANT = [], {"on": False}
+
+
+def gptq_two_paths(x, weight, bias):
+    """The "linear" step for GEMM_LAYER: vLLM gptq's two paths, chosen by M."""
+    x2, w = x.reshape(-1, x.shape[-1]).half(), W16
+    if PLANT["on"]:
+        x2, w = cancelling_split(x2, w)
+    if x2.shape[0] <= MAX_Q_GEMM_ROWS:
+        y, peak = fp16_accumulate(x2, w)
+        final = float(y.float().abs().max())
+        PATHS.append(("fused, fp16 accumulator", x2.shape[0], peak, final))
+    else:
+        y = (x2.float() @ w.float().T).half()
+        PATHS.append(("dequantize + GEMM, fp32 accumulator", x2.shape[0], None,
+                      float(y.float().abs().max())))
+    return y.float().reshape(*x.shape[:-1], -1)
+
+
+question = "What is the capital of France?"
+context = ("Paris, Lyon, Marseille, Toulouse and Nice are large French cities. Lyon is "
+           "known for its food, Marseille for its port, Toulouse for aircraft and Nice for "
+           "its coast. ")
+chats = {"short": [{"role": "user", "content": question}],
+         "long": [{"role": "user", "content": context + question}]}
+greedy8 = SamplingParams(max_tokens=8, temperature=0)
+runs = {}
+for plant in (False, True):
+    PLANT["on"] = plant
+    for name, chat in chats.items():
+        PATHS.clear()
+        with base.swap_step("linear", gptq_two_paths, where=GEMM_LAYER):
+            out = base.chat([chat], greedy8)[0]
+        runs[plant, name] = dict(n=len(out.prompt_token_ids), text=out.outputs[0].text,
+                                 finish=out.outputs[0].finish_reason, prefill=PATHS[0])
+print("| layer | prompt | tokens | prefill path | largest partial sum | largest output | "
+      "text (8 tokens) | finish |\n|---|---|---|---|---|---|---|---|")
+for (plant, name), r in runs.items():
+    path, m, peak, final = r["prefill"]
+    print(f"| {'planted split' if plant else 'as trained'} | {name} | {r['n']} | {path} | "
+          f"{'-' if peak is None else f'{peak:.0f}'} | {final:.0f} | {r['text']!r} | "
+          f"{r['finish']} |")
+SHORT_FAILS = runs[True, "short"]["finish"] == "error"
+LONG_OK = runs[True, "long"]["finish"] != "error"
+UNPLANTED_OK = all(runs[False, n]["finish"] != "error" for n in chats)
+ONE_SIDED = runs[False, "short"]["prefill"][2] <= 1.05 * runs[False, "short"]["prefill"][3]
+print(f"as trained, both prompts {'finish' if UNPLANTED_OK else 'do NOT all finish'}; the "
+      f"float16 accumulator's largest partial sum is "
+      f"{runs[False, 'short']['prefill'][2] / runs[False, 'short']['prefill'][3]:.2f}x the "
+      f"largest output ({'one-sided: nothing to overflow before the result does' if ONE_SIDED else 'partial sums exceed the result'}); "
+      f"planted: short prompt {'fails (non-finite logits, finish_reason=error)' if SHORT_FAILS else 'does not fail'}, "
+      f"long prompt {'finishes' if LONG_OK else 'fails too'} ({time.perf_counter() - T5:.1f} s)")
+
+# %% [markdown]
+# Read the table from the top. **As trained**, this model does not show the incident: its
+# massive activation is summed one-sidedly (the largest partial sum is about the largest
+# output, the ratio printed above), so a float16 accumulator has nothing to overflow that
+# the float16 output would not overflow too, and then both paths would fail alike. The
+# short-prompt-only failure
+# needs partial sums that leave float16's range on their way to a result that does not.
+# The **planted split** builds that on purpose, an exact rewrite of one product as
+# 4p - p - p - p: the fused path meets 4p, past 65504, holds inf, and inf - p - p - p is
+# still inf; the next RMSNorm turns the row into NaN, attention spreads it to every
+# position, and the engine stops the request with `finish_reason="error"` where vLLM's
+# sampler, fed NaN logits, picked token 0 ("!" in Qwen's vocabulary; chapter 9 shows that
+# path). The long prompt takes the float32-accumulating path for its prefill, and its
+# decode steps (M = 1, the fused path) never meet the massive activation, which lives at
+# position 0: it finishes. That is #10656's signature: same weights, same prompt text
+# shape, and the result depends on the prompt's *length* because the length picks the
+# kernel.
+#
+# What the incident's users did: `--quantization gptq_marlin` (Marlin accumulates in
+# float32; vLLM picks it by itself for GPTQ checkpoints on GPUs that support it), or, on
+# GPUs without Marlin, pad prompts past 50 tokens. What to test before serving a 4-bit
+# checkpoint: several prompt *lengths* on each side of every kernel switch, not only one
+# evaluation set.
+
+# %% [markdown]
+# ## 6. Claim vs measurement
 
 # %%
 lo_awq, hi_awq = (v / RESULTS["float32"]["acc"] for v in r_awq["acc_ci"])
@@ -412,7 +547,7 @@ claims = [
      f"{r_awq['answer_kl']:.3g} against {r_rtn['answer_kl']:.3g}; on greedy QA not reliably "
      f"(here {100 * r_awq['acc']:.0f}% against {100 * r_rtn['acc']:.0f}%; full set, engine "
      "default AWQ: 59.7 % against 68.2 %, 36 items lost and 21 gained, sign test p = 0.063: "
-     "section 6)"),
+     "section 7)"),
     ("these weights came from Q4_1, so 4-bit re-quantization is lossless (a reviewer's caution)",
      f"only on Q4_1's own grid (relative weight error {np.median(rel['Q4_1 grid (float min), g32']):.1e}); "
      f"the integer-zero-point layout errs already at g32 ({np.median(rel['int4 asym g32']):.3f}) "
@@ -426,13 +561,21 @@ claims = [
      f" in weight error: g128 {np.median(rel['int4 asym g128']):.3f} -> g64 "
      f"{np.median(rel['int4 asym g64']):.3f} -> g32 {np.median(rel['int4 asym g32']):.3f} for "
      f"{4 + 40 / 128:.2f} -> {4 + 40 / 64:.2f} -> {4 + 40 / 32:.2f} bits per weight"),
+    ("vllm #10656: a GPTQ int4 kernel fails on prompts of 50 tokens or fewer only",
+     f"the two paths emulated on layer 11's down_proj: as trained, "
+     f"{'no failure on either side of 50 tokens' if UNPLANTED_OK else 'a failure'} (largest "
+     f"float16 partial sum {runs[False, 'short']['prefill'][2] / runs[False, 'short']['prefill'][3]:.2f}x "
+     f"the output); with a planted cancelling split the {runs[True, 'short']['n']}-token prompt "
+     f"{'fails' if SHORT_FAILS else 'does not fail'} and the {runs[True, 'long']['n']}-token one "
+     f"{'finishes' if LONG_OK else 'fails too'}: the mechanism (float16 partial sums) "
+     f"{'reproduced, planted' if SHORT_FAILS and LONG_OK else 'not reproduced'}"),
 ]
 print("| claim | measured |\n|---|---|")
 for c, m in claims:
     print(f"| {c} | {m} |")
 
 # %% [markdown]
-# ## 6. Why greedy QA accuracy moves against KL
+# ## 7. Why greedy QA accuracy moves against KL
 #
 # `benchmarks/RESULTS.md` found QA accuracy moving against KL in 6 of 9
 # calibrated-against-RTN pairs. Take the questions of this chapter's sample one by one:
@@ -587,7 +730,11 @@ for i, c in enumerate(rows_):
 #   answer KL; read accuracy beside them, paired.
 # - *"Calibration data does not matter."* AWQ fits its scales to the activations it saw
 #   (here chat conversations); the held-out window in section 3 shows how well the fit
-#   transfers for one layer, section 6 what it does to short factual answers.
+#   transfers for one layer, section 7 what it does to short factual answers.
+# - *"A 4-bit model that passed the evaluation set is safe at every prompt length."* The
+#   kernel may change with the number of rows (prompt length in prefill, batch size in
+#   decode): vllm #10656 failed at 50 tokens or fewer only. Test lengths on both sides of
+#   each switch (section 5).
 # - *"The benchmark's 95 % carries over."* Retention claims are per model size and task;
 #   measure on your own model.
 #

@@ -53,8 +53,8 @@
 #   `minivllm.quantization.checkpoint` keys a cached checkpoint by a hash of the
 #   quantizer's code, the calibration tokens and the options).
 # - **vllm #10656** (the "!!!!!" GPTQ kernel for prompts of 50 tokens or fewer) is a
-#   GPTQ *kernel* incident, fp16 accumulation in one of two GEMM paths; it is chapter 10's
-#   mechanism and is not reproduced here.
+#   GPTQ *kernel* incident: a float16 accumulator in one of two GEMM paths chosen by the
+#   number of rows; chapter 15 (section 5) emulates the two paths on one layer.
 #
 # Everything below is measured when the notebook runs, on the embedded SmolLM2-135M in
 # float32 on this machine's CPU, except numbers marked as taken from
