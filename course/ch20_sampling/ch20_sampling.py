@@ -412,9 +412,10 @@ print(f"first divergence, top_k+top_p: {order_div[0]}; top_k only: {order_div[1]
 # bfloat16 (chapter 5 section 2 counts how many on your CPU). The same composition
 # here, each short prompt **sampled** with its own seed (temperature 0.8, 16 tokens):
 # alone, then all three in one batch with chapter 5's 30-token prompt; on a bfloat16
-# engine (what
-# `dtype="auto"` gives on CPU), on the same with `batch_invariant=True` (the EngineArgs
-# field behind `VLLM_BATCH_INVARIANT`, chapter 5 section 5), and in float32.
+# engine (what `dtype="auto"` gives on CPU) and in float32; where bfloat16 changed a
+# sample, also on a bfloat16 engine with `batch_invariant=True` (the EngineArgs field
+# behind `VLLM_BATCH_INVARIANT`, chapter 5 section 5), which is slow on a CPU and is
+# built only then.
 
 # %%
 SHORTS = ["Dear diary, today I", "Scientists have discovered that", "Python is a language"]  # chapter 5
@@ -432,10 +433,12 @@ def alone_vs_batch(engine):
 
 
 t4 = time.perf_counter()
-bf16 = LLM(MODEL, dtype="bfloat16", **KW)
-bf16_bi = LLM(MODEL, dtype="bfloat16", batch_invariant=True, **KW)
 seed_rows, alones = {}, {}
-for name, engine in [("bfloat16", bf16), ("bfloat16, batch_invariant=True", bf16_bi), ("float32", llm)]:
+BI = "bfloat16, batch_invariant=True"
+for name in ["bfloat16", BI, "float32"]:
+    if name == BI and not any(d is not None for d in seed_rows["bfloat16"]):
+        continue  # nothing for the batch-invariant engine to fix: not built (it is slow on CPU)
+    engine = llm if name == "float32" else LLM(MODEL, dtype="bfloat16", batch_invariant=name == BI, **KW)
     alone, batched = alone_vs_batch(engine)
     divs = [metrics.first_divergence(a, b) for a, b in zip(alone, batched)]
     seed_rows[name], alones[name] = divs, alone
@@ -449,14 +452,14 @@ again = llm.generate(SHORTS[0], SEEDED[0])[0].outputs[0].token_ids  # the same r
 SEED_REPRO = again == alones["float32"][0]
 n_seed = {k: sum(d is not None for d in v) for k, v in seed_rows.items()}
 print(f"float32, the same seeded request alone twice: equal {SEED_REPRO}")
-if n_seed["bfloat16"] and not n_seed["bfloat16, batch_invariant=True"]:
+if n_seed["bfloat16"] and not n_seed[BI]:
     print("verdict: the seed fixed the random stream, the batch moved the probabilities; the "
           "batch-invariant engine gave every seeded sample its alone tokens")
 elif n_seed["bfloat16"]:
     print("verdict: the batch changed seeded samples even on the batch-invariant engine")
 else:
     print("verdict: null on this CPU: no seeded sample changed in bfloat16 (no race was close "
-          "enough to the batch's logit changes)")
+          "enough to the batch's logit changes), so the batch-invariant engine was not needed")
 print(f"section 4: {time.perf_counter() - t4:.1f} s")
 
 # %% [markdown]
@@ -497,9 +500,9 @@ served = LLM(MODEL, dtype="float32", override_generation_config=SERVED, **KW)
 d = served.get_default_sampling_params()
 print(f"override_generation_config={SERVED}: defaults temperature {d.temperature}, "
       f"repetition_penalty {d.repetition_penalty}, max_tokens {d.max_tokens}")
-reqs = [{"prompt_token_ids": p} for p in q_prompts]
-by_default = [o.outputs[0] for o in served.generate(reqs)]  # the client sets nothing
-by_client = [o.outputs[0] for o in served.generate(reqs, GREEDY20)]  # the client's own params
+qa_reqs = [{"prompt_token_ids": p} for p in q_prompts]
+by_default = [o.outputs[0] for o in served.generate(qa_reqs)]  # the client sets nothing
+by_client = [o.outputs[0] for o in served.generate(qa_reqs, GREEDY20)]  # the client's own params
 DEFAULT_IS_PEN = all(a.token_ids == b.token_ids for a, b in zip(by_default, pen))
 CLIENT_IS_PLAIN = all(a.token_ids == b.token_ids for a, b in zip(by_client, plain))
 n_diff = sum(a.token_ids != b.token_ids for a, b in zip(by_default, by_client))
