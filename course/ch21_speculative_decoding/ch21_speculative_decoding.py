@@ -349,9 +349,9 @@ canary_rows = {}
 print(f"{'target (drafter: float32)':40s} acceptance  length  d acceptance vs ref [95% CI]  "
       "prompts lower  verdict")
 for name, c in canary.items():
-    d = acc_rate(c[BOOT]) - acc_rate(ref[BOOT])
+    d_rate = acc_rate(c[BOOT]) - acc_rate(ref[BOOT])
     dl = acc_len(c[BOOT]) - acc_len(ref[BOOT])
-    lo, hi = (float(v) for v in torch.quantile(d, Q))
+    lo, hi = (float(v) for v in torch.quantile(d_rate, Q))
     lo_l, hi_l = (float(v) for v in torch.quantile(dl, Q))
     lower = int((c[:, 2] / c[:, 1] < ref[:, 2] / ref[:, 1]).sum())
     moved = name != REF and (hi < 0 or lo > 0)
