@@ -384,7 +384,11 @@ print(f"section 7 took {time.perf_counter() - T7:.1f} s")
 # flips an argmax. A target change moves the acceptance rate only through
 # argmax flips, so a change that keeps nearly every top-1 token (the verdict above says
 # whether bfloat16 did, on these eight prompts) can stay inside the prompt-to-prompt
-# spread, while a change that corrupts the logits shows up at once. The direction
+# spread, and so can a fault that changes no top-1 token where it is measured: the
+# planted bf16 RoPE table errs only from position 257 on (bfloat16 holds every integer
+# up to 256, chapter 11), far past these short prompts, so its verdict above says
+# whether it moved anything here. A change that flips many argmaxes (the fp8 KV row's
+# verdict says whether it did) is what the canary catches. The direction
 # depends on the drafter: with prompt lookup (last line above) the rate measures how much
 # an answer repeats its prompt, and a broken model that loops would raise it. A canary
 # needs a model drafter (draft model, EAGLE, MTP) and a baseline taken on the same
