@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("models", ["minivllm.models", "minivllm.parallel.tensor_parallel",
                 "minivllm.parallel.emulated_tp", "minivllm.quantization.quantize",
                 "minivllm.quantization.calibration", "minivllm.quantization.kv_calibration",
-                "minivllm.quantization.checkpoint"]),
+                "minivllm.quantization.checkpoint", "minivllm.quantization.smoothing"]),
     # Request: below the scheduler and the engine (engine/request.py re-exports it under
     # its old path)
     ("request", ["minivllm.request", "minivllm.engine.request"]),
