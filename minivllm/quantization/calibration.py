@@ -73,15 +73,20 @@ class InputObserver:
 
     Attributes:
         amax: running max |x| (a 0-d float32 tensor), for static activation scales.
+        channel_amax: running max |x_j| per input channel (float32 [in]), for
+            SmoothQuant's scales, when ``keep_channel_amax``; else None.
         hessian: ``2/n * sum x^T x`` over all n rows seen (float64 [in, in]), for GPTQ,
             when ``keep_hessian``.
         sample: up to ``max_rows`` input rows (float32), for AWQ's searches.
     """
 
-    def __init__(self, keep_hessian: bool = False, max_rows: int = 0):
+    def __init__(self, keep_hessian: bool = False, max_rows: int = 0,
+                 keep_channel_amax: bool = False):
         self.keep_hessian = keep_hessian
+        self.keep_channel_amax = keep_channel_amax
         self.max_rows = max_rows
         self.amax = torch.zeros(())
+        self.channel_amax: torch.Tensor | None = None
         self.hessian: torch.Tensor | None = None
         self.num_rows = 0
         self.rows: list[torch.Tensor] = []
@@ -90,6 +95,9 @@ class InputObserver:
     def __call__(self, module: nn.Module, args, output=None) -> None:
         x = args[0].detach().reshape(-1, args[0].shape[-1]).float().cpu()
         self.amax = torch.maximum(self.amax, x.abs().max())
+        if self.keep_channel_amax:
+            col = x.abs().amax(dim=0)
+            self.channel_amax = col if self.channel_amax is None else torch.maximum(self.channel_amax, col)
         if self.keep_hessian:
             x64 = x.double()
             h = x64.T @ x64

@@ -75,26 +75,15 @@ def input_amax(llm, token_ids: list[list[int]]) -> dict[str, torch.Tensor]:
     Returns:
         ``{"layers.0.self_attn.qkv_proj": tensor[in], ...}`` (float32).
     """
-    from minivllm.quantization.calibration import calibration_forward
+    from minivllm.quantization.calibration import calibration_forward, observe_inputs
     from minivllm.quantization.quantize import target_layers
 
     model = llm.llm_engine.model_runner.model
     mods = {n: m for n, m in target_layers(model).items() if n.split(".", 2)[2] in SITES}
-    out = {n: torch.zeros(m.in_features) for n, m in mods.items()}
-
-    def hook(name):
-        def f(module, args):
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).float().cpu()
-            out[name] = torch.maximum(out[name], x.abs().amax(dim=0))
-        return f
-
-    handles = [m.register_forward_pre_hook(hook(n)) for n, m in mods.items()]
-    try:
+    with observe_inputs(mods, keep_channel_amax=True) as observers:
         calibration_forward(model, token_ids)
-    finally:
-        for h in handles:
-            h.remove()
-    return out
+    return {n: torch.zeros(mods[n].in_features) if o.channel_amax is None else o.channel_amax
+            for n, o in observers.items()}
 
 
 def fold_into_checkpoint(src: str | Path, dst: str | Path,
