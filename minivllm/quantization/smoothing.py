@@ -80,7 +80,8 @@ def input_amax(llm, token_ids: list[list[int]]) -> dict[str, torch.Tensor]:
 
     model = llm.llm_engine.model_runner.model
     mods = {n: m for n, m in target_layers(model).items() if n.split(".", 2)[2] in SITES}
-    with observe_inputs(mods, keep_channel_amax=True) as observers:
+    # a fresh dict literal so it type-checks as observe_inputs' dict[str, nn.Module]
+    with observe_inputs({n: m for n, m in mods.items()}, keep_channel_amax=True) as observers:
         calibration_forward(model, token_ids)
     return {n: torch.zeros(mods[n].in_features) if o.channel_amax is None else o.channel_amax
             for n, o in observers.items()}
