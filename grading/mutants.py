@@ -370,7 +370,7 @@ def mutants_of(cell: str, code: str, lines: frozenset | None = None) -> list[Mut
     for n in nodes:
         for child in ast.iter_child_nodes(n):
             parent_of[id(child)] = n
-    out, seen = [], {original}
+    out, seen, ids = [], {original}, set()
     for index, node in enumerate(nodes):
         if id(node) in skip:
             continue
@@ -392,7 +392,12 @@ def mutants_of(cell: str, code: str, lines: frozenset | None = None) -> list[Mut
             diff = "".join(difflib.unified_diff(
                 original.splitlines(True), new.splitlines(True), "solution", "mutant", n=0))
             diff = "\n".join(x for x in diff.splitlines() if not x.startswith(("---", "+++")))
-            out.append(Mutant(f"{cell}:{line}:{col}:{label}", cell, line, label, new, diff))
+            mid = f"{cell}:{line}:{col}:{label}"
+            if mid in ids:  # nested nodes starting at one place, e.g. (4 * a) * b: the
+                # inner one is told apart by where it ends (the outer keeps the plain id)
+                mid += f":to{getattr(node, 'end_col_offset', 0)}"
+            ids.add(mid)
+            out.append(Mutant(mid, cell, line, label, new, diff))
     return out
 
 
