@@ -242,9 +242,11 @@ def choose_config(table: list, kl_budget: float, sla_ms: float, batch: int, cont
 import importlib, grading.checks as checks  # fresh names: a rebinding in the lab cannot stand in
 checks = importlib.reload(checks)
 checks.guard()
-_table = [dict(name="fp32 KV", kl_high=0.0, weight_bytes=538e6, kv_bytes_per_token=46080),
-          dict(name="fp16 KV", kl_high=6e-7, weight_bytes=538e6, kv_bytes_per_token=23040),
-          dict(name="fp8 W + fp8 KV", kl_high=0.042, weight_bytes=220e6, kv_bytes_per_token=11520)]
+# three rows of chapter 28's final table under its names (KL upper end on the worst task,
+# as one run printed it, rounded; the bytes are exact up to the rounding to MB)
+_table = [dict(name="fp32 (reference)", kl_high=0.0, weight_bytes=538e6, kv_bytes_per_token=46080),
+          dict(name="fp16 KV", kl_high=7.3e-7, weight_bytes=538e6, kv_bytes_per_token=23040),
+          dict(name="fp8 W + fp8 KV", kl_high=0.097, weight_bytes=220e6, kv_bytes_per_token=11520)]
 checks.equal("choose_config(chapter 28's rows, KL <= 2e-3, 2 ms, batch 64, 4096, 4281e9)",
              choose_config(_table, 2e-3, 2.0, 64, 4096, 4281e9), "fp16 KV")
 checks.equal("choose_config(same, KL <= 1e-9, 2 ms): nothing fits",
