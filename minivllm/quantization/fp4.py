@@ -137,11 +137,22 @@ def quantize_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     wb = _blocks(w, NVFP4_BLOCK, "quantize_nvfp4")
     amax = wb.abs().amax()
     global_scale = amax / (E2M1_MAX * E4M3_MAX) if amax > 0 else torch.tensor(1.0)
-    block_scale = (wb.abs().amax(-1) / E2M1_MAX / global_scale).to(torch.float8_e4m3fn)
+    block_scale, codes = _nvfp4_block_codes(wb, global_scale)
+    return pack_fp4(codes.reshape(w.shape)), block_scale, global_scale.float().reshape(())
+
+
+def _nvfp4_block_codes(xb: torch.Tensor, global_scale: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4's two-level scaling of float32 blocks ``xb [..., n, 16]`` under a tensor
+    scale: per block an E4M3 scale ``e4m3(amax(block) / 6 / global_scale)``, saturating at
+    448 (weights never reach it: their tensor scale comes from their own amax), and E2M1
+    codes of ``xb / (block scale * global_scale)`` (0 where that is 0).
+    Returns (block scales float8_e4m3fn [..., n], codes uint8 [..., n, 16])."""
+    block_scale = (xb.abs().amax(-1) / E2M1_MAX / global_scale).clamp(max=E4M3_MAX)
+    block_scale = block_scale.to(torch.float8_e4m3fn)
     denom = block_scale.float()[..., None] * global_scale
-    scaled = torch.where(denom > 0, wb / torch.where(denom > 0, denom, 1.0), 0.0)
-    codes = e2m1_codes(scaled).reshape(w.shape)
-    return pack_fp4(codes), block_scale, global_scale.float().reshape(())
+    scaled = torch.where(denom > 0, xb / torch.where(denom > 0, denom, 1.0), 0.0)
+    return block_scale, e2m1_codes(scaled)
 
 
 def dequantize_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor,
@@ -196,7 +207,5 @@ def fake_quantize_nvfp4_activations(x: torch.Tensor, input_scale: torch.Tensor |
         raise ValueError(f"fake_quantize_nvfp4_activations: input_scale must be finite "
                          f"and > 0, got {float(g)}")
     xb = x.float().reshape(*x.shape[:-1], x.shape[-1] // NVFP4_BLOCK, NVFP4_BLOCK)
-    s = (xb.abs().amax(-1) / E2M1_MAX / g).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn).float()
-    denom = (s * g)[..., None]
-    scaled = torch.where(denom > 0, xb / torch.where(denom > 0, denom, 1.0), 0.0)
-    return (e2m1_values(e2m1_codes(scaled)) * denom).reshape(x.shape)
+    block_scale, codes = _nvfp4_block_codes(xb, g)
+    return (e2m1_values(codes) * (block_scale.float() * g)[..., None]).reshape(x.shape)
