@@ -365,8 +365,8 @@ fig
 # bfloat16 at ~3x slower than float32 on CPU); a CPU with native 16-bit matmul (AMX
 # tiles, AVX512-BF16 or AVX512-FP16: `amx_bf16`, `avx512_bf16`, `avx512_fp16` in `lscpu`)
 # *can* run those GEMMs faster than float32, as a GPU's tensor cores do, but only where
-# the kernels use the units for that dtype: on one CPU listing all three, this chapter
-# printed bfloat16 2.0x faster and float16 only about as fast as float32. The last line
+# the kernels use the units for that dtype, so bfloat16 and float16 can differ on the
+# same CPU, and from run to run on a busy machine. The last line
 # above gives this run's verdict and the units this CPU reports (a cap such as
 # `ONEDNN_MAX_CPU_ISA` can keep the kernels from using them). Memory halves in 16 bits
 # everywhere.
