@@ -3,7 +3,8 @@
 #               against the float32 reference (the first incident)
 #   make test   the test suite (what CI runs; includes the chapter notebooks and the
 #               nbgrader labs graded both ways)
-#   make lab    JupyterLab on the course, with nbgrader's extensions
+#   make lab    JupyterLab on the course, with nbgrader's extensions: the labs released to
+#               the Assignment List, the Formgrader on build/nbgrader (grades kept between starts)
 #   make grade  autograde every lab against CI's fixtures (solution, released copy, the
 #               lab's own wrong answers; the generic ones for ch01/ch02), exact scores
 #   make grade-all  every lab against EVERY fixture, the generic ones too (exception,
@@ -72,9 +73,17 @@ test-fast: install
 # JupyterLab refuses to run as root unless told (containers run as root).
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 
+# The class on one machine (nbgrader_config.py): the course root build/nbgrader (gradebook,
+# submissions, feedback: kept from one start to the next), the exchange build/exchange, the
+# learner's folder build/labs. Only labs changed since their release are released again.
 lab: install
+	@echo "make lab 1/3: the embedded model (fetched and converted on the first run, then cached)"
 	$(PY) -m minivllm.models.embedded
+	@echo "make lab 2/3: the labs (the first run releases all 30, under a minute; later only labs whose source changed)"
 	$(PY) -m grading.grade --prepare-only
+	@echo "make lab 3/3: JupyterLab on port $(LAB_PORT): open the http://127.0.0.1:$(LAB_PORT)/lab?token=... URL it prints;"
+	@echo "  Nbgrader > Assignment List (learner: fetch, validate, submit), Nbgrader > Formgrader (instructor);"
+	@echo "  instructor commands: docs/instructor.md (grades and submissions stay in build/nbgrader)"
 	$(VENV)/bin/jupyter lab --port $(LAB_PORT) --notebook-dir . $(ALLOW_ROOT)
 
 # GRADE_ARGS: e.g. GRADE_ARGS="ch03" (one lab) or GRADE_ARGS="--load 2 ch01" (under load).

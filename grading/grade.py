@@ -6,6 +6,7 @@
     python -m grading.grade --record ch03   # solution, release, the lab's own: the record CI checks
     python -m grading.grade ch01 --fixtures solution,wrong
     python -m grading.grade --load 2 ch01   # the same with 2 CPU-burning processes running
+    python -m grading.grade --prepare-only  # the class's course root, kept (`make lab`)
 
 CI's fixtures (``tests/test_grading.py``) are each lab's reference solution and released
 copy, plus, once, on ``grading.fixtures.CI_GENERIC_LAB`` with a shorter timeout, that
@@ -15,7 +16,8 @@ and, for each lab whose fixtures all got their scores, writes ``grading/records/
 (``grading/records.py``: CI checks it against the lab's files). The fixtures and their
 format: ``grading/fixtures/__init__.py``.
 
-Steps, with nbgrader's own commands, in a scratch course root (``build/nbgrader``):
+Steps, with nbgrader's own commands, in a scratch course root (``build/grading``; the
+class's course root, ``build/nbgrader``, is ``--prepare-only``'s: ``grading/classroom.py``):
 
 1. convert ``labs/source/chNN/*.py`` (jupytext percent, nbgrader metadata kept) to .ipynb,
    and check the lab's fixture file against it (cells, points);
@@ -55,6 +57,7 @@ from grading import fixtures, records
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "grading" / "nbgrader_config.py"
+CLASS_CONFIG = ROOT / "nbgrader_config.py"  # the one-machine class (`make lab`)
 SOLUTION_RE = re.compile(r"[ \t]*### BEGIN SOLUTION\n(.*?)[ \t]*### END SOLUTION\n?", re.S)
 SLOW_FRACTION = 0.25  # a solution cell slower than this fraction of the timeout is flagged
 # The grading kernels' environment (unless already set). torch's OpenMP threads (libgomp)
@@ -376,6 +379,50 @@ def print_report(r: dict) -> None:
         print(f"FAILED: {p}")
 
 
+def prepare(args, labs: list[str]) -> int:
+    """``--prepare-only``: :func:`grading.classroom.prepare` on the class's paths (those of
+    ``--class-config`` unless given), or, with another ``--course-root`` (the grader image's
+    ``/srv/course/...``), on that root and ``--exchange`` (build/exchange by default; written
+    into the root's configuration only when given, the images' configuration sets theirs)."""
+    from grading import classroom  # imports nbgrader
+
+    paths = classroom.class_paths(Path(args.class_config))
+    course = Path(args.course_root).resolve() if args.course_root else paths["course"]
+    if course is None:
+        print(f"error: {args.class_config} sets no CourseDirectory.root; give --course-root",
+              file=sys.stderr)
+        return 2
+    if course == paths["course"]:  # the class of --class-config (`make lab`)
+        exchange = Path(args.exchange).resolve() if args.exchange else paths["exchange"]
+        labs_dir = (Path(args.assignment_dir).resolve() if args.assignment_dir
+                    else paths["assignment_dir"])
+        in_config = exchange is not None
+        exchange = exchange or ROOT / "build" / "exchange"
+        base = Path(args.class_config).resolve()
+    else:
+        exchange = Path(args.exchange or ROOT / "build" / "exchange").resolve()
+        labs_dir = Path(args.assignment_dir).resolve() if args.assignment_dir else None
+        in_config = args.exchange is not None
+        base = CONFIG
+    source = f"{base} or the options of --prepare-only"
+    if course == ROOT / "build" / "nbgrader":
+        aside = classroom.set_aside(course)
+        if aside is not None:
+            print(f"prepare: {course} was not prepared by this version (`make grade`'s scratch "
+                  f"root, or `make lab`'s, rebuilt at each start): moved to {aside}",
+                  flush=True)
+    print(f"prepare: course root {course}, exchange {exchange}"
+          + (f", learner's folder {labs_dir}" if labs_dir else ""), flush=True)
+    try:
+        classroom.prepare(labs, course, exchange, labs_dir, in_config, _nbgrader, base, source)
+    except Exception as e:  # nbgrader failed (RuntimeError), or the exchange (ExchangeError)
+        print(f"prepare FAILED: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print(f"course root ready: {course} (labs released to {exchange}; gradebook and "
+          "submissions kept)", flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("labs", nargs="*", help="labs to grade (default: every lab in labs/source; "
@@ -401,15 +448,27 @@ def main(argv=None) -> int:
     ap.add_argument("--no-feedback", action="store_true",
                     help="skip nbgrader generate_feedback (CI's per-lab tests: the feedback "
                          "page is checked once, with the generic fixtures)")
-    ap.add_argument("--course-root", default=str(ROOT / "build" / "nbgrader"))
+    ap.add_argument("--course-root", default=None,
+                    help="course root (default: build/grading, a scratch root erased at each "
+                         "run; with --prepare-only, the class's: --class-config's, "
+                         "build/nbgrader)")
     ap.add_argument("--prepare-only", action="store_true",
-                    help="build the course root, generate the labs and release them to the "
-                         "exchange, grade nothing (what `make lab` does for the formgrader "
-                         "and the Assignment List)")
+                    help="bring the class's course root up to date, grade nothing (what "
+                         "`make lab` runs): keeps the gradebook and every submission, "
+                         "converts, generates and releases only the labs whose source "
+                         "changed, writes the nbgrader_config.py of the course root and of "
+                         "the learner's folder (grading/classroom.py)")
+    ap.add_argument("--class-config", default=str(CLASS_CONFIG), metavar="FILE",
+                    help="--prepare-only: the nbgrader configuration whose course root, "
+                         "exchange and assignment folder it uses (default: the repository's "
+                         "nbgrader_config.py, which JupyterLab reads in `make lab`)")
     ap.add_argument("--exchange", default=None,
-                    help="nbgrader exchange for --prepare-only (default: build/exchange, which "
-                         "the repository's nbgrader_config.py points JupyterLab to; outside "
-                         "the course root, which is rebuilt, so submissions survive)")
+                    help="--prepare-only: the nbgrader exchange (default: --class-config's, "
+                         "build/exchange; with another --course-root, build/exchange, not "
+                         "written into that root's configuration unless given)")
+    ap.add_argument("--assignment-dir", default=None,
+                    help="--prepare-only: the learner's folder for fetched labs (default: "
+                         "--class-config's, build/labs; none with another --course-root)")
     args = ap.parse_args(argv)
     sources = sorted(p.name for p in (ROOT / "labs" / "source").glob("ch*") if p.is_dir())
     available = sorted(p.stem for p in (ROOT / "grading" / "fixtures").glob("ch*.py"))
@@ -425,18 +484,10 @@ def main(argv=None) -> int:
         print("error: --record grades its own fixtures; leave out --fixtures and --all "
               "(--all records too)", file=sys.stderr)
         return 2
-    course = Path(args.course_root)
-    build_course(course, labs)
     if args.prepare_only:
-        exchange = Path(args.exchange or ROOT / "build" / "exchange").resolve()
-        exchange.mkdir(parents=True, exist_ok=True)
-        for lab in labs:
-            _nbgrader(course, "generate_assignment", lab, "--force")
-            _nbgrader(course, "release_assignment", lab, "--force",
-                      f"--Exchange.root={exchange}")
-        print(f"course root ready: {course} (labs generated and released to {exchange}: "
-              f"{', '.join(labs)})")
-        return 0
+        return prepare(args, labs)
+    course = Path(args.course_root or ROOT / "build" / "grading")
+    build_course(course, labs)
     # SIGTERM (a CI timeout, `kill`) unwinds like Ctrl-C, so the load processes stop too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with cpu_load(args.load) as burners:

@@ -31,3 +31,19 @@ c.Execute.iopub_timeout = 60
 # What a learner sees in place of a solution.
 c.ClearSolutions.code_stub = {"python": "# YOUR CODE HERE\nraise NotImplementedError()"}
 c.ClearSolutions.text_stub = "YOUR ANSWER HERE"
+
+# The class (the Formgrader and the commands of docs/instructor.md).
+# `nbgrader collect` takes a learner's newer submission in place of the one collected
+# (nbgrader's default skips it, saying only "use --update"); autograde then grades it.
+c.ExchangeCollect.update = True
+# Late policy: a lab's due date is set in the gradebook (`nbgrader db assignment add ch01
+# --duedate="2026-03-02 23:59:00 Europe/Berlin"`, or `nbgrader db assignment import
+# duedates.csv`, or the Formgrader's Manage Assignments); a submission after it loses
+# percent_per_day % of its score per started day late (grading/classroom.py). 0: late
+# submissions are flagged in the gradebook, not penalised; nbgrader's
+# c.LatePenalty.penalty_method = "zero" gives zero for any late submission.
+c.AssignLatePenalties.plugin_class = "grading.classroom.LatePenalty"
+c.LatePenalty.percent_per_day = 10.0
+# `nbgrader export`: one row per learner, one column per lab (an LMS's grade import), in
+# <course root>/grades.csv wherever it runs (--to FILE elsewhere).
+c.ExportApp.plugin_class = "grading.classroom.LmsCsvExport"
