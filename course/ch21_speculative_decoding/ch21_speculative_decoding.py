@@ -209,8 +209,9 @@ for name, engine in (("float32", plain32), ("bfloat16", bf16)):
 # ## 4. bfloat16: does greedy speculation still equal plain decoding?
 #
 # vllm #7627's setting: greedy, bf16-class arithmetic. The four open prompts (long
-# answers; bfloat16 matmuls are slow on this CPU, so not all eight) with the same
-# drafter, plain versus speculative, in bfloat16.
+# answers; only four to keep the run short: on a CPU without native bfloat16 matmul
+# instructions bfloat16 runs slower than float32, chapter 12) with the same drafter,
+# plain versus speculative, in bfloat16.
 
 # %%
 spec16 = LLM(MODEL, dtype="bfloat16", max_model_len=256, max_num_seqs=8, speculative_config=NGRAM)
@@ -268,11 +269,12 @@ for kind, (d_, dt_, acc_, toks) in by_kind.items():
           f"{toks - acc_} target forwards (plain: {toks}), {toks / (toks - acc_):.2f}x fewer")
 
 # %% [markdown]
-# Measured elsewhere (`benchmarks/spec_decode.py`, batch 1, float32, k = 3; the command and
-# numbers are in `benchmarks/RESULTS.md`): prompt lookup speeds up the "repeat" prompts
-# and costs little on open ones; the bf16 self-draft accepts nearly every token but
-# costs a full forward per draft token, so on a CPU it is slower than plain decoding.
-# A draft model pays only when it is much cheaper than the target.
+# Measured elsewhere, not by this notebook (`benchmarks/spec_decode.py`, batch 1, float32,
+# k = 3, one loaded 2-core CPU; the command and numbers are in `benchmarks/RESULTS.md`):
+# in that run prompt lookup sped up the "repeat" prompts and cost a little on open ones,
+# and the bf16 self-draft accepted nearly every token but, paying a forward of the whole
+# model per draft token, was no faster than plain decoding. A draft model pays only when
+# it is much cheaper than the target.
 
 # %% [markdown]
 # ## 7. Acceptance rate as a numerics canary
@@ -382,14 +384,16 @@ print(f"section 7 took {time.perf_counter() - T7:.1f} s")
 # How to read it. The reference is below 1.0 only where the rounding difference between
 # the drafter's one-token steps and the target's (k + 1)-token verification (section 3)
 # flips an argmax. A target change moves the acceptance rate only through
-# argmax flips, so a change that keeps nearly every top-1 token (the verdict above says
-# whether bfloat16 did, on these eight prompts) can stay inside the prompt-to-prompt
-# spread, and so can a fault that changes no top-1 token where it is measured: the
-# planted bf16 RoPE table errs only from position 257 on (bfloat16 holds every integer
-# up to 256, chapter 11), far past these short prompts, so its verdict above says
-# whether it moved anything here. A change that flips many argmaxes (the fp8 KV row's
+# argmax flips, so a change that keeps nearly every top-1 token can stay inside the
+# prompt-to-prompt spread (bfloat16's row: its acceptance is the share of drafts whose
+# top-1 token it kept, its verdict says whether that drop left the spread on these eight
+# prompts), and so can a fault that changes no top-1 token where it is measured: the
+# planted table rounds the angles themselves to bfloat16, so it is already wrong at
+# these prompts' positions (the rounding step grows with the angle, so with position),
+# and its acceptance and verdict above say whether that flipped any of the target's
+# top-1 tokens here. A change that flips many argmaxes (the fp8 KV row's
 # verdict says whether it did) is what the canary catches. The direction
-# depends on the drafter: with prompt lookup (last line above) the rate measures how much
+# depends on the drafter: with prompt lookup (the n-gram line above) the rate measures how much
 # an answer repeats its prompt, and a broken model that loops would raise it. A canary
 # needs a model drafter (draft model, EAGLE, MTP) and a baseline taken on the same
 # traffic.
@@ -448,10 +452,13 @@ print(f"\nchapter wall time: {time.perf_counter() - T0:.1f} s")
 # - *"The first draft token is safe to accept: it continues the prompt."* It is a guess
 #   like the others; accepting it unchecked changes the output (section 5).
 # - *"More accepted tokens means faster."* Only if a draft token is cheaper than a
-#   target step: a self-draft accepts almost everything and is slower on a CPU.
+#   target step: a self-draft accepts almost everything (section 7) but pays a forward of
+#   the whole model per draft token, and in the recorded CPU benchmark (section 6) it was
+#   no faster than plain decoding.
 # - *"A steady acceptance rate means the numerics did not change."* Greedy acceptance
-#   counts argmax flips only: a change that keeps the top-1 token (section 7's verdict
-#   for bfloat16 says whether it did here) can leave the rate inside the prompt noise.
+#   counts argmax flips only: a change that keeps most top-1 tokens can leave the rate
+#   inside the prompt noise (section 7's bfloat16 row prints its acceptance and whether
+#   it stayed inside the noise here).
 #   The rate is an alarm for large regressions, not a proof of equality.
 # - *"A drop in acceptance is always the drafter's fault."* With the drafter fixed, the
 #   drop comes from the target (section 7). And with prompt lookup the rate measures
