@@ -107,8 +107,9 @@ print(f"float32 weights: {w_ref['total'] / 1e6:.0f} MB ({w_ref['linear'] / 1e6:.
       "layers, the rest embedding and norms)")
 
 # %% [markdown]
-# (int8 with static scales stores no per-token scales; dynamic scales add 4 bytes per head
-# and token.) A float32 cache is exactly twice a 16-bit one, not "+30 %".
+# (int8 with static scales stores no per-token scales; dynamic scales add one float32
+# scale per KV head for K and another for V, per token and layer.) A float32 cache is
+# exactly twice a 16-bit one, not "+30 %".
 #
 # ## 2. Capacity: the "+30 %" plan against the real bytes
 #
@@ -161,7 +162,8 @@ print(f"same greedy tokens in both plans (float32, preemption recomputes): {same
 
 # %% [markdown]
 # Plan A's `max_num_seqs` lets in more requests than the float32 pool holds at their full
-# length: their prompts fit (3 blocks each), then they run out of blocks as they grow, and
+# length: the scheduler admits as many prompts as the free blocks allow (3 blocks each;
+# the "at most ... running" count above), then they run out of blocks as they grow, and
 # the scheduler preempts (frees a running request's blocks and recomputes it later,
 # chapter 8). The lines above print what that cost here: the preemptions and the tokens
 # recomputed (the step count need not change: a recompute is folded into a later step).
@@ -399,13 +401,16 @@ ax.legend(fontsize=7)
 fig
 
 # %% [markdown]
-# At batch 64 the K/V are 17.3 GB in bf16 and 8.7 GB in fp8 against 15 GB of weights, so
-# the cost model predicts the fp8 cache 1.37x **faster**; the step is 1.19x **slower**,
-# and the prefill (TTFT) too. The reason is in `benchmarks/fp8_decode_probe.py` and
-# RESULTS: this engine's fp8 decode-attention kernel converts each fp8 value to bf16 in
-# its inner loop and reads K/V at about 45 % of copy bandwidth, where the bf16 kernel
-# reaches 91-107 %. The fp8 cache still buys **capacity** (twice the tokens per byte,
-# section 2), which is often what a serving team wants from it; it does not buy step
+# At batch 64 the cached K/V of the batch are a large part of the bytes a step reads
+# (`benchmarks/RESULTS.md` lists them beside the weights) and fp8 halves them, so the
+# cost model predicts the fp8 cache 1.37x **faster** (the "model predicts" column); the
+# measured speed-up is 0.84x, a **slower** step, and the prefill (TTFT) is slower too.
+# The reason is in `benchmarks/fp8_decode_probe.py` and RESULTS: this engine's fp8
+# decode-attention kernel converts each fp8 value to bf16 in its inner loop and reads
+# K/V at a far smaller fraction of copy bandwidth than the bf16 kernel (the probe's
+# table there has both). The fp8 cache still buys **capacity** (half the bytes per
+# token, section 1, so twice the sequences in the same pool: the "seqs in 8 GiB" column
+# of section 5), which is often what a serving team wants from it; it does not buy step
 # time until a kernel reads fp8 at full speed. That is a property of **this engine's**
 # kernel, not of fp8 KV: vLLM's fp8 paths on Hopper and Blackwell (FlashAttention 3,
 # FlashInfer, FlashMLA) read the fp8 bytes natively, which is what turns halved bytes
@@ -515,9 +520,11 @@ fig
 
 # %% [markdown]
 # The marks above come from the bounds of section 3 and the bytes of section 1, so they
-# move with the CPU that ran section 3 (a bfloat16 or float16 matmul rounds differently
-# on AVX2 and on AMX) and with the budget. The float32 reference has no KL but its
-# 46,080 bytes per token put its step above the SLA; a configuration with an fp8 KV
+# can move with the CPU that ran section 3 (its matmuls and reductions round differently
+# on AVX2 and on AVX-512/AMX, which can change the digits of the KL bounds; a mark
+# changes only where a bound crosses the budget or an answer is lost) and with the
+# budget. The float32 reference has no KL but its 46,080 bytes per token put its step
+# above the SLA; a configuration with an fp8 KV
 # cache has the cheapest step on paper, and section 4 says this engine's fp8 kernel
 # would not deliver it. Where a seed recommendation is "inside" but not "the cheapest",
 # the printed choice costs fewer bytes at the same budget; where the choice differs
@@ -578,7 +585,7 @@ print(f"| the Pareto choice on SmolLM2 is int8 W + fp16 KV, KL ~3e-3 (course pla
 #
 # - *"Halving the bytes halves the latency."* Only when the step is bound by those bytes
 #   **and** a kernel reads the small format at full bandwidth. Section 4: fp8 KV, half the
-#   K/V bytes, 1.19x slower steps.
+#   K/V bytes, a measured speed-up of 0.84x at batch 64 (slower steps).
 # - *"fp32 KV costs a bit more memory."* It costs exactly 2x the bytes per token of a
 #   16-bit cache; a preallocated pool holds half the tokens. Size `max_num_seqs` (and
 #   `num_gpu_blocks_override` / `kv_cache_memory_bytes`) from the bytes, or the scheduler
