@@ -69,8 +69,8 @@
 # **A fact about these weights that matters here.** The embedded SmolLM2-135M-Instruct
 # ships as GGUF **Q4_1** (asymmetric 4-bit, groups of 32) and was dequantized to float32
 # once. So "the original weights" below means those float32 numbers, and every group of
-# 32 holds at most 16 distinct values. Section 2 checks this, and says why it does not
-# make int8 look better or worse than it would on a native checkpoint (a 4-bit grid with
+# 32 holds at most 16 distinct values (chapter 3, section 4 counts them). Section 2 says
+# why this does not make int8 look better or worse than it would on a native checkpoint (a 4-bit grid with
 # the same groups would be a different story: chapter 15).
 #
 # Everything below is measured when the notebook runs, on the embedded model in float32
@@ -190,31 +190,30 @@ print(f"ratio: 10th-90th percentile over the layers {q10:.1f}-{q90:.1f}, so per 
 # layer after layer (the count is printed above). That is an *output* channel, exactly
 # what per-channel scales isolate.
 #
-# **The Q4_1 provenance, checked.** Count the distinct values in each group of 32 input
-# columns, and compare the int8 per-channel step (row amax / 127) with the spacing of
-# those values:
+# **The Q4_1 provenance.** Chapter 3 (section 4) counts at most 16 distinct values in
+# each group of 32 input columns of the decoder linears: Q4_1 numbers. Compare the int8
+# per-channel step (row amax / 127) with the spacing of those values:
 
 # %%
-def q41_check(w):
-    g = w.reshape(w.shape[0], -1, 32)
-    srt = g.sort(dim=-1).values
-    gaps = srt.diff(dim=-1)
-    distinct = (gaps > 0).sum(-1) + 1
+def step_ratio(w):
+    """Median over groups of 32 of (int8 per-channel step) / (the group's Q4_1 step)."""
+    gaps = w.reshape(w.shape[0], -1, 32).sort(dim=-1).values.diff(dim=-1)
     # smallest positive gap in each group: the Q4_1 step d (or a multiple of it)
     step = torch.where(gaps > 0, gaps, torch.full_like(gaps, float("inf"))).amin(-1)
     int8_step = w.abs().amax(dim=1, keepdim=True) / 127
-    return int(distinct.max()), float((int8_step / step).median())
+    return float((int8_step / step).median())
 
 
-checks = {n: q41_check(W[n]) for n in ("layers.0.self_attn.qkv_proj", "layers.11.mlp.down_proj",
-                                       "layers.27.mlp.gate_up_proj")}
-for n, (dmax, r) in checks.items():
-    print(f"{n:30} at most {dmax} distinct values per group of 32; int8 per-channel step / "
-          f"Q4_1 step (median) = {r:.2f}")
+ratios = {n: step_ratio(W[n]) for n in ("layers.0.self_attn.qkv_proj", "layers.11.mlp.down_proj",
+                                        "layers.27.mlp.gate_up_proj")}
+for n, r in ratios.items():
+    print(f"{n:30} int8 per-channel step / Q4_1 step (median) = {r:.2f}")
+print("the int8 step is " + ("a fraction of" if max(ratios.values()) < 1 else "not below")
+      + " the Q4_1 step in all three")
 
 # %% [markdown]
-# At most 16 distinct values per group: these are Q4_1 numbers. The int8 per-channel step
-# is a fraction of a Q4_1 step, and the two grids are not aligned (Q4_1 stores a float
+# The line under the ratios says how the int8 per-channel step compares with a Q4_1 step;
+# either way the two grids are not aligned (Q4_1 stores a float
 # minimum per group, int8 a multiple of a per-row scale), so int8 rounds these weights like
 # any others: its error is not hidden by the provenance. What the provenance does change
 # is the baseline: "lossless" below means lossless against this Q4_1-derived float32
@@ -646,7 +645,7 @@ tmp.cleanup()
 # every layer, and that is where the folded outliers are: in the columns of every
 # qkv_proj and gate_up_proj (60 layers). The float layers spend the budget on whole
 # layers, and a float32 qkv_proj alone costs more than half of it (the byte counts
-# above), so only the few worst layers listed fit and the rest keep their damaged rows.
+# above), so only the layers listed under the table fit and the rest keep their damaged rows.
 # A bigger budget changes the arithmetic, not the lesson: count the bytes of the repair
 # (scales included) and measure the KL it buys, on the model as it will be served.
 #
@@ -712,8 +711,9 @@ claims = [
      f"{group_bytes - per_channel_bytes:,} (KL {r_g['kl']:.3g}), {len(keep)} float layer(s) "
      f"{keep_extra:,} (KL {r_k['kl']:.3g}); best within the budget: {best}"),
     ("the weights came from Q4_1, so requantizing looks lossless (a reviewer's caution)",
-     f"at most {max(d for d, _ in checks.values())} distinct values per group of 32 (Q4_1), but "
-     "the int8 grid is not Q4_1's: int8 per channel "
+     "at most 16 distinct values per group of 32 (Q4_1; counted in chapter 3), but the int8 "
+     f"grid is not Q4_1's (its step is {min(ratios.values()):.2f}-{max(ratios.values()):.2f}x "
+     "a Q4_1 step, not aligned): int8 per channel "
      + (f"still errs (KL {r_c['kl']:.2g})" if r_c["kl"] > 0 else "is exact (KL 0)")
      + f", per tensor KL {r_t['kl']:.2g}; the caution applies to 4-bit grids with groups of 32 "
        "(chapter 15)"),
