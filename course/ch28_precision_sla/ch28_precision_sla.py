@@ -574,7 +574,8 @@ print(f"| seed 000 §2.4.3: document QA keeps fp8 weights with the KV cache back
       f"inside: {v_first['meets']}; which part is weights and which KV: chapter 17, section 6 |")
 print(f"| a smaller format is faster (seed 002: unless 'quantized but slower') | H200, batch "
       f"64: fp8 KV predicted {H200['bf16 KV'][64][1] / H200['fp8 KV'][64][1]:.2f}x faster, "
-      f"measured {H200['bf16 KV'][64][0] / H200['fp8 KV'][64][0]:.2f}x (slower) |")
+      f"measured {(sp := H200['bf16 KV'][64][0] / H200['fp8 KV'][64][0]):.2f}x "
+      f"({'slower' if sp < 1 else 'faster'}; this engine's Triton kernel) |")
 print(f"| the Pareto choice on SmolLM2 is int8 W + fp16 KV, KL ~3e-3 (course plan estimate) "
       f"| under KL <= {KL_BUDGET:g} on every task and a {SLA_MS} ms step: {choice}; int8 W + "
       f"fp16 KV KL on prose {kl_txt('prose', 'int8 W + fp16 KV')}, worst task "
