@@ -192,6 +192,36 @@ def test_chapter_markdown_tables_render(site):
         assert html.count("<table") >= tables, (n, tables, html.count("<table"))
 
 
+def _heading_key(text: str) -> str:
+    """A heading's words, lower case, without markup: '## 5. `kv_cache_dtype` **fp8**' and
+    the rendered '5. kv_cache_dtype fp8 ¶' give the same key."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text)      # [text](url) -> text
+    return " ".join(re.sub(r"[^\w.%+-]+", " ", text.replace("¶", "")).lower().split())
+
+
+def test_chapter_page_headings_are_its_sections(site):
+    """Every heading on a chapter's page is one of the chapter's own Markdown headings
+    (`#`-`######` and a space), in order: a Markdown line that starts with '#' and an issue
+    number ('#7805** (2024-06 ...') renders as a heading of its own on the page and fails
+    here, as does a heading printed by a code cell."""
+    nbs = _docs_module("notebooks")
+    import nbformat
+
+    for n, src in sorted(_chapters_on_disk().items()):
+        nb = nbformat.read(nbs.cached_path(src), as_version=4)
+        own = [_heading_key(m.group(2)) for c in nb.cells if c.cell_type == "markdown"
+               for m in re.finditer(r"^(#{1,6})[ \t]+(.+?)[ \t#]*$", c.source, re.M)]
+        html = (site / "chapters" / src.stem / "index.html").read_text()
+        article = html[html.find("<article"):html.rfind("</article>")]
+        page = [_heading_key(re.sub(r"<[^>]+>", " ", h)) for _, h in
+                re.findall(r"<h([1-6])[^>]*>(.*?)</h\1>", article, re.S)]
+        stray = [h for h in page if h not in own]
+        assert not stray, (f"ch{n:02d}: headings on the page that are not the chapter's "
+                           f"sections: {stray[:5]}")
+        assert page == [h for h in own if h in page], (n, page, own)
+        assert own[0] in page, (n, own[0])
+
+
 def test_readme_course_table_lists_every_chapter_and_lab():
     """README's course table: one row per chapter, 1-30, with the chapter's notebook and
     its lab, each a file that exists."""
