@@ -270,20 +270,20 @@ fig
 # ## 4. The whole model: RTN against AWQ, from a cached checkpoint
 #
 # Full-model AWQ calibrates layer by layer on the bundled chat conversations and searches
-# 120 layers: the engine's default (scale and clip search, 4,096 tokens) takes about a
-# minute on an idle 2-core machine (`benchmarks/RESULTS.md`: 68 s), longer than this
-# chapter's whole budget. This chapter uses the scale search alone (`clip=False`, the
-# part section 3 showed first) on 1,024 calibration tokens (`make quantized` builds it:
-# about two minutes of CPU time when it was built); the engine's default is
-# measured in `benchmarks/RESULTS.md` and section 7.
+# 120 layers: the engine's default (scale and clip search, 4,096 tokens) took 68 s on
+# the 2-core machine of `benchmarks/RESULTS.md`, longer than this chapter's whole
+# budget. This chapter uses the scale search alone (`clip=False`, the part section 3
+# showed first) on 1,024 calibration tokens (`make quantized` builds it; the cache
+# record `minivllm-cache.json` beside it keeps its `build_seconds`); the engine's
+# default is measured in `benchmarks/RESULTS.md` and quoted in section 7.
 # Either way the checkpoint is built **once** with
 # `LLM.save_quantized` and cached beside the converted model: `cached_quantized` keys it
 # by a sha256 of the source weights, the quantization config, the calibration token ids
 # and the quantizer's code, rebuilds it when any of them changes, and checks every file's
 # hash before handing out the path (a tampered file is refused with a message). `LLM(path)`
 # then loads the stored int4 tensors, with no search. The time the next cell prints
-# shows whether it built the checkpoint (a build takes a minute or more) or found it (a
-# fraction of a second).
+# shows whether it built the checkpoint (a search over 120 layers: tens of seconds) or
+# found it (a fraction of a second).
 #
 # RTN needs no calibration and quantizes on load. Three measures, each against the
 # float32 engine (as chapter 14): **KL** on prose windows (CI by resampling windows),
@@ -668,8 +668,9 @@ for i, c in enumerate(rows_):
 # %% [markdown]
 # What this sample shows (the lines above, which count it), and what the full set (176
 # questions, 24 tokens; `python benchmarks/qa_inversion.py`) adds. The sample has a few
-# dozen questions and 10-15 lost items (printed: 10 for RTN, 14 for AWQ), so its counts
-# can move with the CPU's kernels and need not agree with the full set's:
+# dozen questions and only a dozen or so lost items per scheme (the lines above count
+# them), so its counts can move with the CPU's kernels and need not agree with the full
+# set's:
 #
 # 1. **Not the cut at 24 tokens.** Of the wrong answers on the full set, 1 of RTN's 56 and
 #    1 of AWQ's 71 contain the answer when the same engine may write 64 tokens.
