@@ -211,9 +211,10 @@ for label, s in (("calibrated static", cal), ("1.0 (not delivered)", torch.tenso
           f"{e_first:.3f} | {e_rest:.4f} |")
 
 # %% [markdown]
-# With 1.0 the first token's 2,800 is stored as 448: that token's `down_proj` output is
-# wrong by a large fraction of its norm (the table's first-token column). At the other
-# tokens 1.0 costs nothing: their inputs stay below 448, and a floating-point format
+# With 1.0 the first token's outlier (2,949 in section 1) is stored as 448: that
+# token's `down_proj` output is wrong by a large fraction of its norm (the table's
+# first-token column). At the other tokens 1.0 costs about nothing (the last column:
+# about the dynamic row's error): their inputs stay below 448, and a floating-point format
 # gives the same relative precision anywhere in its normal range. Look at the calibrated
 # row instead: its scale is stretched so that the first token's ~3,000 fits, which puts
 # most of the *other* tokens' inputs below `2^-6 · s`, in the subnormals, and their
@@ -395,8 +396,9 @@ print(f"QA on {len(qa)} questions, missing scale against dynamic: the CIs "
 # `<|im_start|>`, whose own next-token prediction nobody reads, so what reaches an
 # answer is the smaller shift of the later positions. Greedy QA cannot rank any of these
 # (the line under the table says whether its intervals overlap): on a handful of
-# questions each CI spans tens of points, and even on the benchmark's 176 the intervals
-# of the three schemes overlap.
+# questions a CI spans tens of points (the missing scale's row) or shrinks to one point
+# when every answer is right (the dynamic row's [100 %, 100 %], no more certain for
+# that), and even on the benchmark's 176 the intervals of the three schemes overlap.
 #
 # ## 5. Calibrated on one distribution, served on another
 #
@@ -510,13 +512,14 @@ fig
 # %% [markdown]
 # On this model the order is the seed's reversed: fp8 weights *and activations* cost
 # several times the KL of an fp8 e4m3 KV cache, with CIs that do not overlap (the line
-# under the table), and together they cost about the sum of the two. (`benchmarks/RESULTS.md`,
-# 2,560 corpus positions: W8A8 dynamic 0.0241 [0.022, 0.0262]; e4m3 KV 0.00648
-# [0.0055, 0.00765] on 10,202 conversation positions.) Why the seed could still be right
-# for its model: it quantized weights *only* to fp8 (its 91.5 % row keeps FP16 KV), and
-# a larger model tolerates e4m3 weights better than a 135M one. Here the activations are
-# part of the cost: an fp8 KV cache rounds K and V, which attention then averages,
-# while W8A8 rounds the input of every one of 120 matmuls.
+# under the table), and together they cost about the sum of the two (the ratio at the
+# end of that line). (`benchmarks/RESULTS.md`, 2,560 corpus positions: W8A8 dynamic
+# 0.0241 [0.022, 0.0262]; e4m3 KV 0.00648 [0.0055, 0.00765] on 10,202 conversation
+# positions.) Why the seed could still be right for its model: it quantized weights
+# *only* to fp8 (its 91.5 % row keeps FP16 KV), and a larger model may tolerate e4m3
+# weights better than a 135M one (not measured here). Here the activations are part of
+# the cost: an fp8 KV cache rounds K and V, which attention then averages, while W8A8
+# rounds the input of every one of 120 matmuls.
 #
 # ## 7. Does W8A8 tie a request to its batch? Per-token against per-tensor scales
 #
