@@ -585,7 +585,8 @@ else:
 # after setting `PACK_CPU_WEIGHTS = False` (plain MKL `F.linear`). Note that the switch
 # only affects graphs captured *after* it: the first runner's graphs recorded the packed
 # calls and keep replaying them. The sweep below is over more M for one layer,
-# `gate_up_proj` (576 -> 3072), and `down_proj` packed, for comparison; against M = 1.
+# `gate_up_proj` (576 -> 3072), and `down_proj` packed, for comparison, and `gate_up_proj`
+# in bfloat16 (`F.linear`); each against M = 1.
 
 # %%
 W = model.layers[0].mlp.gate_up_proj.weight
@@ -640,7 +641,8 @@ del mkl_graphs
 # without `emulate_cuda_graphs`, 3 prompts, 6 greedy tokens. Here a second shape changes:
 # inside a graph the keys are padded to `max_model_len` (the kernel's grid is recorded
 # for it), in an eager step to the longest sequence of the step, and float32 SDPA on a
-# CPU gives other bits for another padded key length.
+# CPU can give other bits for another padded key length (the second line below measures
+# it on random tensors).
 
 # %%
 graph_out = graph_clean  # the engine's graphs, run in section 4
@@ -661,8 +663,8 @@ print(f"float32 SDPA, keys padded to 41 vs {MAX_LEN} (same real keys): max |d ou
 #
 # | failure | fix | measured here |
 # |---|---|---|
-# | a hook or a patch added after capture is not run by a replay | `can_run` runs the step eagerly while a forward hook is registered; `suspended()` around any other patch (`LLM.swap_step`, the planted faults) | hook ran on every step (section 3); graph engine under the fault equal to eager bit for bit |
-# | a padding row writes or reads someone's K/V, or gives NaN | slot -1 written nowhere a sequence reads; length 0 attends to nothing; the fully-masked-row guard | padding rows finite; real rows equal eager at the padded shape bit for bit (section 5) |
+# | a hook or a patch added after capture is not run by a replay | `can_run` runs the step eagerly while a forward hook is registered; `suspended()` around any other patch (`LLM.swap_step`, the planted faults) | section 3 prints in how many of the 6 steps the hook ran, and whether the graph engine under the fault equals eager bit for bit |
+# | a padding row writes or reads someone's K/V, or gives NaN | slot -1 written nowhere a sequence reads; length 0 attends to nothing; the fully-masked-row guard | section 5 prints whether the padding rows are finite and whether the real rows equal eager at the padded shape bit for bit |
 # | inputs written into a new tensor instead of the static buffer | write in place (`_fill_inputs`: NumPy views of the buffers, `copy_`) | the lab's `write_static` (a new tensor leaves the replay reading the last step's inputs) |
 # | a kernel outside the capture (launched on another stream, vllm #2147): the replay reads a buffer nothing wrote this step | launch it on the capturing stream (PR #2318), or run that model eagerly (PR #2154) | section 4 prints both fixes against the engine's own graphs and the eager engine (bit for bit or not) and how many steps wrote the buffer |
 # | last-bit differences from the padded shape | M-invariant kernels (on the GPU the fixed-split decode kernel; on this CPU, section 6 prints which packed float32 linears keep a row's bits at every M, and whether a sequence padded to 2 rows matches the batch); or compare with a tolerance | section 6 |
@@ -736,9 +738,10 @@ print("| on a GPU, padding to a capture size changes the logits' last bits | not
 # - *"Padding rows are wasted but harmless."* Only if they are written nowhere (slot -1
 #   really skipped: the CPU store needed a spare slot) and attend to nothing without
 #   producing NaN.
-# - *"If the logits are finite, the capture is fine."* The stale runner's logits were
-#   finite and plausible: only the comparison with the eager engine under the same change
-#   showed the fault was missing.
+# - *"If the logits are finite, the capture is fine."* The stale runner raised nothing,
+#   and its greedy text need not change (section 3 prints for how many of the 3 prompts
+#   it equals the faulty eager engine's): the log-prob comparison with the eager engine
+#   under the same change is what shows the fault was missing.
 # - *"Whatever my forward pass computes during capture is in the graph."* Only the
 #   kernels launched on the stream being captured are. A kernel launched on another
 #   stream (vllm #2147's exllama kernels) runs once, at capture, and never again; the ops
