@@ -326,12 +326,13 @@ with torch.inference_mode():
 # %% [markdown]
 # Read the two lines above: a GEMM whose row count is 0 at every M kept each row's bits
 # whatever the batch; any other count is M-dependence. Which of the two libraries keeps
-# its bits depends on the CPU and the library version (chapter 5 measured both on AVX2
-# and AMX kernels): where the engine's packed oneDNN GEMM shows 0s, it is invariant *by
-# accident*, nothing in its contract says so. (Chapter 5's section 4 measures the
-# engine's `float_linear` with autograd enabled, where it falls back to `F.linear`, at
-# other shapes and row counts.) The lab's engine check uses `F.linear` as the broken
-# linear, and your matmul as the fix.
+# its bits depends on the CPU, the library version and the shape: where the engine's
+# packed oneDNN GEMM shows 0s, it is invariant *by accident*, nothing in its contract
+# says so. (Chapter 5's section 4 runs the same packed `float_linear`, without autograd
+# as the engine does, at the MLP's 576 -> 3072 shape up to M = 64, and prints its own
+# counts for the CPU it runs on; with autograd on, `float_linear` falls back to
+# `F.linear`.) The lab's engine check uses `F.linear` as the broken linear, and your
+# matmul as the fix.
 
 # %% [markdown]
 # ## 3. FP4: the E2M1 grid
@@ -638,14 +639,14 @@ fig
 # W4A4 adds a second rounding at every linear, of a tensor with no offline view of its
 # values: each block's scale is set at run time from 16 activations, and only the
 # per-tensor `input_scale` is calibrated. An input above the calibrated amax saturates
-# (the last line above compares the two for layer 10), and a model with massive
-# activations (the largest calibrated amax printed above, in one down_proj) forces a
-# large `input_scale` on the whole tensor: wherever `amax(block) / 6 / input_scale`
-# falls below 2^-6, that block's E4M3 scale is subnormal, with fewer than 3 significant
-# bits. What W4A4 buys is not accuracy but FP4 tensor-core throughput on Blackwell; the
-# KL above is its price on this model with plain post-training rounding, without what
-# W4A4 recipes can add (quantization-aware training, rotations, keeping sensitive layers
-# at higher precision).
+# (the line above that starts "layer 10 down_proj" compares the two for that layer),
+# and a model with massive activations (the largest calibrated amax printed on the same
+# line, with the linear that saw it) forces a large `input_scale` on the whole tensor:
+# wherever `amax(block) / 6 / input_scale` falls below 2^-6, that block's E4M3 scale is
+# subnormal, with fewer than 3 significant bits. What W4A4 buys is not accuracy but FP4
+# tensor-core throughput on Blackwell; the KL above is its price on this model with
+# plain post-training rounding, without what W4A4 recipes can add (quantization-aware
+# training, rotations, keeping sensitive layers at higher precision).
 #
 # **What gpt-oss sees is not this.** OpenAI's gpt-oss model card (2025-08-05) says the
 # models were *post-trained with* their mixture-of-experts weights quantized to MXFP4
@@ -666,8 +667,10 @@ fig
 # the epilogue (`vllm/model_executor/layers/quantization/utils/marlin_utils_fp4.py` folds
 # `weight_scale_2` into a `global_scale` the kernel applies to its output). The values
 # inside the GEMM are then `x · W / weight_scale_2`, and `1 / weight_scale_2 = 6 · 448 /
-# amax(W)` is in the thousands. In bfloat16 (range 3e38) nothing happens; in float16
-# (max 65504) an output of 20 becomes an intermediate of about 1e7 (printed below).
+# amax(W)`: 2688 for a weight matrix whose largest |w| is 1. In bfloat16 (range 3e38)
+# nothing happens; in float16 (max 65504) a linear overflows wherever its output exceeds
+# 65504 · `weight_scale_2`, before the tensor scale brings it back (the last cell of this
+# section prints how many linears exceed 65504 and the largest intermediate).
 #
 # Emulated here on the NVFP4 engine of section 5 (float32 otherwise), by swapping each
 # linear's method for one that computes in that order: `x` cast to float16, its product
@@ -837,7 +840,7 @@ for c, m in rows:
 # - *"Batch invariance costs ~1.6x."* That is a number for kernels tuned to be both fast
 #   and invariant. A mode that gets invariance by running rows one at a time or by
 #   turning CUDA graphs off costs what it costs: the ratio section 2 prints on this CPU
-#   (RESULTS.md: 1.54x on a 2-core CPU), over 10x on the H200.
+#   (RESULTS.md: 1.54x on a 2-core CPU), 8.5x to 12.2x in RESULTS.md's four H200 runs.
 # - *"Invariance is about GPUs and atomics."* Everything here is deterministic and on a
 #   CPU; the problem is reduction orders chosen from the shape.
 # - *"4 bits are 4 bits."* MXFP4 and NVFP4 differ by 0.25 bits per weight and in KL by the
