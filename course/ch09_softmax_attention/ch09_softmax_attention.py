@@ -40,8 +40,11 @@
 #   (vllm-project/flash-attention PR #104, Dao-AILab/flash-attention PR #2250).
 #
 # Everything below is measured when the notebook runs, on the embedded
-# SmolLM2-135M-Instruct with minivllm on this machine's CPU. **The model does not overflow
-# on its own** (section 2 measures how far it is); to show the overflow we use an exact
+# SmolLM2-135M-Instruct with minivllm on this machine's CPU, except the guard's benchmark
+# figures in section 5, quoted from `benchmarks/RESULTS.md`. **The model's raw scores
+# `q.k` do not overflow float16 on their own** (section 2 measures how far they stay
+# below; what does break on the unmodified model is a softmax without max subtraction,
+# section 4); to show the `q.k` overflow we use an exact
 # reparametrization of its weights, `faults.qk_scale_reparam`, which leaves the float32
 # output bit-identical, and say so wherever it is used.
 
@@ -322,8 +325,10 @@ for name, fn in (("softmax written out (eager)", faults.decode_attention_eager),
     print(f"| {name} | {describe(a[1])} | {describe(b[1])} | {ok} |")
 
 # %% [markdown]
-# The guard costs one elementwise pass over the decode output ([batch, heads, head_dim])
-# per layer; `benchmarks/masked_row_guard.py` measures it side by side with and without.
+# The guard costs at most one elementwise pass over the decode output ([batch, heads,
+# head_dim]) per layer (on CPU the TORCH decode step checks `seq_lens` on the host and
+# skips it when no row is empty); `benchmarks/masked_row_guard.py` measures it side by
+# side with and without.
 # Measured (benchmarks/RESULTS.md): on a 2-core CPU, greedy decode ran at 34.3 tok/s with
 # the guard and 33.8 without (machine drift, same tokens); on an H200 the Triton decode
 # kernel, whose guard is two `tl.where` per tile, took 11.3 / 14.6 / 65.3 us with it and
