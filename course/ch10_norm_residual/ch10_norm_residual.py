@@ -245,10 +245,11 @@ print(f"| bfloat16 | {klbf:.2e} | {kl(ref, rowsbf_bad):.2e} |")
 # norms hit), the others in the layers where theirs does (section 1's plot, the "every
 # other token" curve). A zeroed row gives attention a zero query, key and value for that
 # token, and the final norm zeroes the logits of every token still past 255.9 at the
-# end: a uniform distribution, which is where most of the KL comes from. In bfloat16 the
-# same code cannot zero a row (bfloat16 has float32's exponent range, so squares never
-# overflow), and its KL is no worse than with the correct norm (the table's last row); in
-# float32 the fault *is* the reference.
+# end: a uniform distribution, whose KL against float32's is ln(vocabulary size) minus
+# float32's entropy at that position, several nats (the code does not split the mean KL
+# printed above by cause). In bfloat16 the same code cannot zero a row (bfloat16 has
+# float32's exponent range, so squares never overflow), and its KL is no worse than with
+# the correct norm (the table's last row); in float32 the fault *is* the reference.
 #
 # The layer diff finds it. Plant it in layer 17 only and compare the captured hidden
 # states with the correct float16 engine's (same bits up to the fault):
