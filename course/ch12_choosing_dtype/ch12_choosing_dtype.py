@@ -183,9 +183,10 @@ except ValueError as e:
 
 # %% [markdown]
 # The OLMo incident's path is in the table: a float32 checkpoint on any GPU before
-# PR #18751, or on a pre-Ampere GPU today, is served in **float16**. (vLLM's CPU backend of that
-# era then turned float16 into bfloat16 with a warning, vllm #12794, so on a CPU the old rule
-# ended in bfloat16 too.)
+# PR #18751 is served in **float16**, and so is one on a pre-Ampere GPU today unless
+# float16 is struck for its model type (the gemma3 row on a T4 reads float32). vLLM's CPU
+# backend of that era then turned float16 into bfloat16 with a warning (vllm #12794), so
+# on a CPU the old rule ended in bfloat16 too.
 #
 # ## 2. What each dtype costs on the embedded model
 #
@@ -355,8 +356,8 @@ fig
 # activations fit, float16 is expected to win by well over an order of magnitude; the
 # printed ratio is this run's. Whether SmolLM2 fits is the line after it: float16's maximum
 # over the residual peak. The QA accuracies come with intervals tens of points wide, so 8
-# questions cannot see KLs this small; the line above says whether the three intervals
-# overlap.
+# questions cannot see KLs this small; the QA accuracy line above says whether the three
+# intervals overlap.
 #
 # The speed line is this CPU's, in this run (the better of two samples each, still noisy
 # on a busy machine), not a GPU's, and no number in this chapter depends more on the CPU. A CPU
@@ -592,7 +593,9 @@ for c_, m in claims:
 # %% [markdown]
 # ## Common misconceptions
 #
-# - *"`dtype='auto'` means the checkpoint's dtype."* For 16-bit checkpoints, yes; float32
+# - *"`dtype='auto'` means the checkpoint's dtype."* For 16-bit checkpoints, yes where the
+#   platform supports that dtype and the model type allows it (section 1's table: a bfloat16
+#   checkpoint on a T4 gets float16, a float16 gemma3 checkpoint bfloat16 or float32); float32
 #   checkpoints are downcast to the platform's preferred 16-bit format, quietly (INFO).
 # - *"bfloat16 is more accurate than float16, it is the newer format."* bfloat16 has 3
 #   mantissa bits *fewer*; it wins on range only. On a model that fits, float16 is the more
