@@ -21,7 +21,7 @@
 # 2. measure TF32's effect on a real model against the float32 noise floor, and on the
 #    task the seed story is about (digits);
 # 3. tell what the CPU emulation reproduces of a GPU's TF32 (the input rounding, bit for
-#    bit on the H200 measured here) and what it does not (the tensor cores' accumulator);
+#    bit on the H200 of section 5) and what it does not (the tensor cores' accumulator);
 # 4. restore float32 accuracy two ways, measured: `float32_matmul_precision="highest"`,
 #    or 3xTF32 (split each operand into TF32 hi + lo parts and multiply three times).
 #
@@ -51,7 +51,7 @@
 # Everything below is measured when the notebook runs, on the embedded
 # SmolLM2-135M-Instruct in float32 with minivllm on this machine's CPU, except the GPU
 # numbers of section 5, which were measured on an NVIDIA H200 (the section says by which
-# command and when).
+# command and when), and the figures quoted from `benchmarks/RESULTS.md`, which say so.
 
 # %%
 # %matplotlib inline
@@ -272,12 +272,13 @@ del r, c
 
 # %% [markdown]
 # TF32 moves the distributions by a few 1e-6 nats: five orders of magnitude above the
-# float32 noise floor, so it is a real, systematic effect, and still about 300 times below
-# bfloat16 weights (1.07e-3 in `benchmarks/RESULTS.md`). Top-1 flips are rare: the count
-# is in the table (`benchmarks/RESULTS.md` has 99.92 % agreement over 2,560 corpus
+# float32 noise floor, so it is a real, systematic effect. It is still far below what
+# bfloat16 weights cost: in `benchmarks/RESULTS.md`'s run over 2,560 corpus positions,
+# TF32 3.05e-6 against bfloat16 1.07e-3, about 350 times less. Top-1 flips are rare: the
+# count is in the table (`benchmarks/RESULTS.md` has 99.92 % agreement over 2,560 corpus
 # positions), and each happens where float32's two best tokens were nearly tied (the gap
 # is printed under the table).
-# What this model does not show is a visible change of its greedy choices; what it shows
+# What this model does not show is a widespread change of its greedy choices; what it shows
 # is a small, systematic shift of every distribution. The LM head alone (one matmul of
 # 576 features into 49152 logits) carries about half of the KL: the head is a float32
 # matmul like any other, so a fix that leaves it in TF32 fixes only part of the problem.
@@ -512,10 +513,11 @@ print(f"3xtf32 on the H200: {gpu['tf32'] / gpu['3xtf32']:.0f}x below tf32, "
 #   are kept and rounded, not flushed). So the emulated TF32 error on this CPU equals real
 #   TF32's on the H200 to about three digits.
 # - **#53635 does not reproduce there.** `[1024.5] @ I` comes back as 1024.5 with TF32
-#   on: for a single row cuBLAS picks a kernel without tensor cores, so nothing is
-#   rounded. From 16 rows up it gives 1024 (ties to even), not the 3090's 1025. The
-#   rounding rule belongs to the kernel (cuBLAS version, GPU, shape), as a PyTorch
-#   maintainer said in #84334.
+#   on: for a single row nothing is rounded, so cuBLAS picked a kernel that does not
+#   read its inputs as TF32 (the script reads the result, not the kernel's name). From
+#   16 rows up it gives 1024 (ties to even), not the 3090's 1025. The rounding rule
+#   belongs to the kernel (cuBLAS version, GPU, shape), as a PyTorch maintainer said
+#   in #84334.
 # - **Accumulation: the emulation is not exact.** Given inputs that are already TF32 (no
 #   input rounding at all), the tensor cores' sums land an order of magnitude further from
 #   float64 than float32 units' at this shape, and the error has a sign: sums come out too
