@@ -685,39 +685,55 @@ kl1, klc, klt = (per_pos[k].mean() for k in ("e4m3, scale 1.0 (built-in)",
                                              "e4m3, calibrated per-layer scales (built-in)",
                                              "e4m3, scale 1.0, truncate instead of round"))
 lo_c, hi_c = diff_ci["e4m3, calibrated per-layer scales (built-in)"]
+lo_t, hi_t = diff_ci["e4m3, scale 1.0, truncate instead of round"]
+m_tf32, m_fp16 = FORMATS["tf32"].mantissa_bits, FORMATS["float16"].mantissa_bits
+THREE_DIGITS = 5e-4                  # a relative error of at most ~5e-4 (section 2.2)
+peak_bf16 = float(round_to_format(torch.tensor([peak]), "bfloat16"))
+v0_s1, v0_cal = scaled["V, layer 0", "scale 1"], scaled["V, layer 0", "calibrated"]
+ends_fixed = v0_cal["sub"] < v0_s1["sub"] and v0_cal["mean_rel"] < v0_s1["mean_rel"]
 claims = [
     ("TF32 has far less mantissa precision than FP16", "seed 000 §2.2.3",
-     f"both have 10 mantissa bits: tf32 and fp16 rounding of {x.numel():,} values in fp16's "
-     f"normal range identical bit for bit: {same}; tf32 differs only where fp16 runs out of "
-     f"exponent (1e5: fp16 inf; 1e-6: an fp16 subnormal) (§2.1)"),
+     ("refuted" if same and m_tf32 >= m_fp16 else "not refuted")
+     + f": tf32 has {m_tf32} mantissa bits, fp16 {m_fp16}; tf32 and fp16 rounding of "
+     f"{x.numel():,} values in fp16's normal range identical bit for bit: {same}; tf32 "
+     f"differs only where fp16 runs out of exponent (1e5: fp16 inf; 1e-6: an fp16 "
+     f"subnormal) (§2.1)"),
     ("FP8 keeps about 3 significant decimal digits", "seed 000 §2.3.3",
-     f"e4m3: worst relative rounding error {100 * digits['fp8_e4m3'][0]:.1f} % "
-     f"({-math.log10(digits['fp8_e4m3'][0]):.1f} decimal digits); e5m2 "
-     f"{100 * digits['fp8_e5m2'][0]:.1f} %; fp16 {100 * digits['float16'][0]:.3f} % is the "
-     f"format with about 3 digits (§2.2)"),
+     ("refuted" if digits["fp8_e4m3"][0] > THREE_DIGITS else "confirmed")
+     + f": e4m3: worst relative rounding error {100 * digits['fp8_e4m3'][0]:.1f} % "
+     f"({-math.log10(digits['fp8_e4m3'][0]):.1f} decimal digits; 3 digits is at most "
+     f"{100 * THREE_DIGITS:.2f} %); e5m2 {100 * digits['fp8_e5m2'][0]:.1f} %; fp16 "
+     f"{100 * digits['float16'][0]:.3f} % "
+     + ("is the format with about 3 digits" if digits["float16"][0] <= THREE_DIGITS
+        else "does not reach 3 digits either") + " (§2.2)"),
     ("bf16 cannot hold integer positions above 256", "candle PR #3520, gpt-neox #1003",
-     f"confirmed: {first_lost['bfloat16']} is the first integer bf16 loses; 15962 is stored as "
-     f"{stored_as[15962.0]:g}; fp16 and tf32 keep every integer below "
-     f"{first_lost['float16']} (§2.3)"),
+     ("confirmed" if first_lost["bfloat16"] == 257 else "not confirmed")
+     + f": {first_lost['bfloat16']} is the first integer bf16 loses; 15962 is stored as "
+     f"{stored_as[15962.0]:g}; fp16 keeps every integer below {first_lost['float16']}, "
+     f"tf32 every one below {first_lost['tf32']} (§2.3)"),
     ("most of layer 0's V is subnormal in e4m3", "this chapter's plan",
-     f"{100 * frac_v0:.0f} % of it (§4)"),
+     ("yes" if frac_v0 > 0.5 else "no") + f": {100 * frac_v0:.0f} % of it (§4)"),
     ("the residual peak is exact in bf16's range", "this chapter's plan",
-     f"in range; {peak:.6g} is stored as "
-     f"{float(round_to_format(torch.tensor([peak]), 'bfloat16')):.6g} (§4)"),
+     ("in range" if peak <= FORMATS["bfloat16"].max_normal else "out of range")
+     + (", exact" if peak_bf16 == peak else ", not exact")
+     + f": {peak:.6g} is stored as {peak_bf16:.6g} (§4)"),
     ("each group of 32 weights holds at most 16 values (Q4_1)", "this chapter's plan",
-     f"decoder linears: at most {d_lin}; the embedding / LM head: up to {int(d_emb.max())} "
-     f"(§4)"),
+     ("yes" if max(d_lin, int(d_emb.max())) <= 16 else
+      "for the decoder linears only" if d_lin <= 16 else "no")
+     + f": decoder linears: at most {d_lin}; the embedding / LM head: up to "
+     f"{int(d_emb.max())} (§4)"),
     ("a scale fixes an fp8 KV cache", "common advice",
-     f"it fixes the ends of the range (layer 0's V: subnormal "
-     f"{100 * scaled['V, layer 0', 'scale 1']['sub']:.0f} % -> "
-     f"{100 * scaled['V, layer 0', 'calibrated']['sub']:.1f} %, mean error per value "
-     f"{100 * scaled['V, layer 0', 'scale 1']['mean_rel']:.1f} % -> "
-     f"{100 * scaled['V, layer 0', 'calibrated']['mean_rel']:.1f} %); mean KL {kl1:.2e} -> "
+     ("it fixes the ends of the range" if ends_fixed else "it does not fix the ends of the range")
+     + f" (layer 0's V: subnormal {100 * v0_s1['sub']:.0f} % -> {100 * v0_cal['sub']:.1f} %, "
+     f"mean error per value {100 * v0_s1['mean_rel']:.1f} % -> "
+     f"{100 * v0_cal['mean_rel']:.1f} %); mean KL {kl1:.2e} -> "
      f"{klc:.2e} nats, " + ("a change the intervals of §6 cannot tell from noise here"
                             if lo_c <= 0 <= hi_c else
                             f"a change of {klc - kl1:+.1e} [{lo_c:+.1e}, {hi_c:+.1e}] (§6)")),
     ("(hand-written fp8) truncating is as good as rounding", "the lab's broken quantizer",
-     f"mean KL {klt:.2e} against {kl1:.2e} nats: {klt / kl1:.1f}x (§6)"),
+     ("no, worse" if lo_t > 0 else "no, better" if hi_t < 0 else "not distinguishable here")
+     + f": mean KL {klt:.2e} against {kl1:.2e} nats: {klt / kl1:.1f}x, difference "
+     f"[{lo_t:+.1e}, {hi_t:+.1e}] (95 % CI) (§6)"),
 ]
 print("| claim | source | measured here |\n|---|---|---|")
 for c in claims:
