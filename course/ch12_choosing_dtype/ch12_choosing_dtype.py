@@ -390,9 +390,11 @@ C = 4
 run("float32, residual x4", fp32, C, answers_from="float32")
 run("auto (bfloat16), residual x4", auto, C, answers_from="auto (bfloat16)")
 run("float16, residual x4", fp16, C)
+SAME_X4 = {}  # dtype -> the x4 model's logits equal the unmodified model's, bit for bit
 for d in ["float32", "auto (bfloat16)", "float16"]:
     a, b = torch.cat(RUNS[d]["rows"]), torch.cat(RUNS[f"{d}, residual x4"]["rows"])
-    same = "bit for bit the same logits" if torch.equal(a, b) else \
+    SAME_X4[d] = torch.equal(a, b)
+    same = "bit for bit the same logits" if SAME_X4[d] else \
         f"different logits (finite: {bool(torch.isfinite(b).all())})"
     print(f"{d:16} x{C}: peak {float(RUNS[f'{d}, residual x4']['peaks'].max()):,.0f}; {same}")
 table(["float32, residual x4", "auto (bfloat16), residual x4", "float16, residual x4"])
@@ -541,22 +543,35 @@ del bf16_kv16
 # %%
 d32, dbf, d16 = drift("float32"), drift("auto (bfloat16)"), drift("float16")
 d16x, dbfx = drift("float16, residual x4"), drift("auto (bfloat16), residual x4")
+auto_dtype = auto.llm_engine.model_config.dtype
+PRE_AMPERE = "GPU, compute capability < 8.0 (T4, V100)"
+auto_t4 = resolve_auto_dtype(F32, PLATFORMS[PRE_AMPERE])  # this engine's rule on a T4
+# the old rule on every GPU row of section 1's table (float32 checkpoint, model type llama)
+old_gpu = {short(old_rule_gpu(F32, s_)) for p_, s_ in PLATFORMS.items() if not p_.startswith("CPU")}
+# the x4 model on a pre-Ampere GPU: which of its dtypes give finite logits
+t4_finite_x4 = [short(d_) for d_ in PLATFORMS[PRE_AMPERE]
+                if not drift({F16: "float16, residual x4", F32: "float32, residual x4"}[d_])["errors"]]
+bf16_safe_x4 = SAME_X4["auto (bfloat16)"] and not dbfx["errors"]
 claims = [
     ("'auto' keeps the checkpoint's dtype",
-     f"not for float32 checkpoints: this float32 checkpoint runs in "
-     f"{short(auto.llm_engine.model_config.dtype)} on this CPU, in float16 on a pre-Ampere GPU "
-     "(and on every GPU before vLLM PR #18751)"),
+     ("not for float32 checkpoints" if auto_dtype != F32 else "yes for this float32 checkpoint")
+     + f": this float32 checkpoint runs in {short(auto_dtype)} on this CPU, in {short(auto_t4)} "
+     f"on a pre-Ampere GPU (and in {' / '.join(sorted(old_gpu))} on every GPU under the rule "
+     "before vLLM PR #18751)"),
     ("'auto' is a reasonable starting point (seed 002 §五)",
-     f"for this model on this CPU: bfloat16, KL {dbf['kl']:.2g}, QA {100 * dbf['acc']:.0f}% "
-     f"(float32 {100 * d32['acc']:.0f}%); "
+     f"for this model on this CPU: {short(auto_dtype)}, KL {dbf['kl']:.2g}, QA "
+     f"{100 * dbf['acc']:.0f}% (float32 {100 * d32['acc']:.0f}%); "
      + (f"but float16 is {dbf['kl'] / d16['kl']:.0f}x closer to float32" if d16["kl"] < dbf["kl"]
         else f"and float16 is not closer to float32 here ({d16['kl'] / dbf['kl']:.1f}x bfloat16's KL)")
-     + f" (KL {d16['kl']:.2g}), and on a pre-Ampere GPU 'auto' is float16, which gives "
-     f"{'NaN' if d16x['errors'] else 'finite logits'} for the x4 model ({d16x['errors']} of "
-     f"{d16x['n']} requests 'error')"),
+     + f" (KL {d16['kl']:.2g}), and on a pre-Ampere GPU 'auto' is {short(auto_t4)}, which gives "
+     f"{'NaN' if drift(MEASURED[(auto_t4, C)])['errors'] else 'finite logits'} for the x4 model "
+     f"({drift(MEASURED[(auto_t4, C)])['errors']} of {d16x['n']} requests 'error')"),
     ("bf16 is the safe default (seed 002)",
-     f"safe in range: the x4 model in bfloat16 gives the same logits as unmodified "
-     f"(KL {dbfx['kl']:.2g}); "
+     ("safe in range" if bf16_safe_x4 else "not shown safe in range here")
+     + ": the x4 model in bfloat16 gives "
+     + ("the same logits as unmodified, bit for bit" if SAME_X4["auto (bfloat16)"]
+        else "different logits from the unmodified model's")
+     + f" (KL {dbfx['kl']:.2g}, {dbfx['errors']} of {dbfx['n']} requests 'error'); "
      + ("not the most accurate 16-bit choice where the peak fits float16"
         if d16["kl"] < dbf["kl"] else "and here also the more accurate 16-bit format")),
     ("FP16's range is small, a few models overflow more easily (seed 002 §五)",
@@ -572,19 +587,22 @@ claims = [
         if max(SPEEDUP.values()) < 1.25 else
         f"bfloat16 was {SPEEDUP['auto (bfloat16)']:.1f}x and float16 {SPEEDUP['float16']:.1f}x as "
         f"fast as float32 (native 16-bit matmul instructions: {cpu_16bit_units()})")
-     + "; on a GPU float32 costs speed and twice the memory, and it is the only safe "
-     "choice for the x4 model on a pre-Ampere GPU"),
+     + "; on a GPU float32 costs speed and twice the memory, and "
+     + ("it is the only dtype of a pre-Ampere GPU that keeps the x4 model finite"
+        if t4_finite_x4 == ["float32"] else
+        f"on a pre-Ampere GPU the x4 model is finite in: {', '.join(t4_finite_x4) or 'none'}")),
     ("bf16 weights + fp16 KV cache + TF32 off (seed 000 §2.4.2)",
      ("the float16 cache changed nothing: " if same_kv16 else
       f"the float16 cache changed the logits ({tiny} stored values below 2^-14): ")
      + f"mean KL {kv16_kl:.3g} against bfloat16 KV's {drift('auto (bfloat16)')['kl']:.3g}; TF32 "
      "touches no bfloat16 matmul; vLLM offers a float16 cache only in some versions"),
     ("an fp32 KV cache helps an fp16 model (seed 003 §1.5)",
-     "no: float16 values convert to float32 exactly, so the logits stay the same bit for bit "
+     "no: float16 values convert to float32 exactly, so the logits stay the same bit for bit "  # fact, not a measurement
      "(chapter 1, section 6, checks it), at twice the KV bytes"),
     ("vLLM serves fp32 checkpoints in fp16 (olmo-cookbook #60, PR #18340)",
-     "true before PR #18751; since then bfloat16 where the platform has it, float16 on "
-     "pre-Ampere GPUs"),
+     "true before PR #18751; "  # fact, not a measurement
+     f"since then (this engine's rule) {short(resolve_auto_dtype(F32, PLATFORMS['GPU, compute capability >= 8.0']))}"
+     f" on Ampere+ GPUs and {short(auto_t4)} on pre-Ampere GPUs"),
 ]
 print("| claim | measured |\n|---|---|")
 for c_, m in claims:
