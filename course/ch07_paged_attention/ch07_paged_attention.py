@@ -380,30 +380,44 @@ print(f"greedy, 3 prompts x 20 tokens: equal to the correct engine: {gen_fix == 
 # length-dependent. The numbers below are from this run.
 
 # %%
+kl_b_after, kl_b_mean_a = kl_b[BS:].mean(), kl_a.mean()
+exact_below = torch.equal(dec_ref[:BS], dec_b[:BS])
+hit_row_same = gen_ref[0] == gen_bad[0]
+c_fresh_same = torch.equal(rows_c_fresh, rows_ref)
+fix_same = (torch.equal(pre_fix, rows_ref), torch.equal(dec_fix, dec_ref[:24]), gen_fix == gen_ok)
 print("| claim | what we measured here |")
 print("|---|---|")
-print(f"| vllm #5543: with prefix caching, completions differ from the uncached server | "
-      f"reproduced with the PR #7018 bug planted: the row without a hit, batched with a "
-      f"hit, mean KL {kl_a.mean():.2f} nats (max {kl_a.max():.2f}), top-1 "
-      f"{100 * top1_a:.0f}%; the hit row's greedy answer unchanged "
-      f"({100 * metrics.greedy_agreement(gen_ref[0], gen_bad[0]):.0f}% agreement) |")
+print("| vllm #5543: with prefix caching, completions differ from the uncached server | "
+      + ("reproduced" if hit_bad > 0 and kl_a.max() > 0 else "not reproduced")
+      + f" with the PR #7018 bug planted: the row without a hit, batched with a "
+      f"hit ({hit_bad} hit tokens), mean KL {kl_a.mean():.2f} nats (max {kl_a.max():.2f}), "
+      f"top-1 {100 * top1_a:.0f}%; the hit row's greedy answer "
+      + ("unchanged" if hit_row_same else "changed too")
+      + f" ({100 * metrics.greedy_agreement(gen_ref[0], gen_bad[0]):.0f}% agreement) |")
 print(f"| (a) zeroed block tables are catastrophic (KL >> 1) | "
       f"{'yes' if kl_a.mean() > 1 else 'no'}: mean KL {kl_a.mean():.2f} nats, from the "
       f"first position (KL at position 0: {kl_a[0]:.2f}) |")
-print(f"| (b) an off-by-one is subtle and length-dependent | length-dependent, yes: exact "
-      f"below position {BS} in decode mode, from position {first_bad} on mean KL "
-      f"{kl_b[BS:].mean():.2f} nats; subtle, no: once it starts its mean KL is "
-      f"{kl_b[BS:].mean() / kl_a.mean():.2f}x that of (a) "
+print("| (b) an off-by-one is subtle and length-dependent | length-dependent, "
+      + ("yes" if exact_below and kl_b_after > 0 else "no")
+      + f": exact below position {BS} in decode mode: {exact_below}, from position "
+      f"{first_bad} on mean KL {kl_b_after:.2f} nats; subtle, "
+      + ("no" if kl_b_after > 1 else "yes")
+      + ": once it starts its mean KL is " + ("above" if kl_b_after > 1 else "at most")
+      + f" 1 nat (row (a)'s threshold), {kl_b_after / kl_b_mean_a:.2f}x that of (a) "
       f"(top-1 {100 * metrics.top1_agreement(dec_ref[BS:], dec_b[BS:]):.0f}%), from one "
-      f"overwritten token (position 0's). In a prefill it hits every position, the early "
-      f"ones hardest (mean KL {kl_bp[:BS].mean():.2f} below {BS}, {kl_bp[BS:].mean():.2f} "
-      f"after) |")
-print(f"| (c) a writer/reader block-size mismatch is catastrophic | not on a fresh pool: "
-      f"bit-identical logits there (identity table); on the fragmented pool: "
+      f"overwritten token (position 0's). In a prefill it hits "
+      + ("every position" if (kl_bp > 0).all() else f"{int((kl_bp > 0).sum())} of {N_X} positions")
+      + (", the early ones hardest" if kl_bp[:BS].mean() > kl_bp[BS:].mean() else
+         ", the later ones hardest")
+      + f" (mean KL {kl_bp[:BS].mean():.2f} below {BS}, {kl_bp[BS:].mean():.2f} after) |")
+print("| (c) a writer/reader block-size mismatch is catastrophic | "
+      + ("not on a fresh pool: bit-identical logits there" if c_fresh_same else
+         "already on a fresh pool: logits differ there")
+      + f" (table {tables_fresh[0]}); on the fragmented pool: "
       f"{greedy_rows['(c) reader block size 32'][0]} |")
-print(f"| the correct mapping is bitwise equal to the reference on a fragmented pool | "
-      f"yes: prefill {torch.equal(pre_fix, rows_ref)}, decode "
-      f"{torch.equal(dec_fix, dec_ref[:24])}, greedy {gen_fix == gen_ok} |")
+print("| the correct mapping is bitwise equal to the reference on a fragmented pool | "
+      + ("yes" if all(fix_same) else "no")
+      + f": prefill {fix_same[0]}, decode {fix_same[1]}, greedy {fix_same[2]} |")
 
 # %% [markdown]
 # ## Common misconceptions
