@@ -67,6 +67,7 @@ torch.manual_seed(0)
 T0 = time.perf_counter()
 MODEL = "smollm2-135m-instruct"
 FP16_MAX = torch.finfo(torch.float16).max
+F32_LN_MAX = math.log(torch.finfo(torch.float32).max)  # 88.72: exp overflows float32 above it
 kw = dict(max_model_len=320, num_gpu_blocks_override=48, seed=0)
 llm32 = LLM(MODEL, dtype="float32", **kw)
 llm16 = LLM(MODEL, dtype="float16", **kw)
@@ -269,7 +270,8 @@ first_exp = int(np.argmax(survey48[:, 2] > math.log(FP16_MAX)))
 with track_nonfinite(llm16) as counts_nm, faults.softmax_without_max(llm16):
     nomax16 = llm16.score(ids, output="logits")
 print(f"float32: KL vs the reference {metrics.mean_kl(ref32, nomax32):.1e} nats (largest "
-      f"scaled score here {survey48[:, 2].max():.1f} < 88.7: no overflow)")
+      f"scaled score here {survey48[:, 2].max():.1f} "
+      + ("< 88.7: no overflow)" if survey48[:, 2].max() < F32_LN_MAX else ">= 88.7: overflow)"))
 print(f"float16: non-finite logit rows {int((~torch.isfinite(nomax16)).any(-1).sum())} of "
       f"{len(ids)}; first NaN/inf in {counts_nm.first()}; predicted: first layer with a "
       f"scaled score > 11.09 = layer {first_exp}")
@@ -317,11 +319,13 @@ def describe(r):
 
 print("| decode step | padding row, finite keys | padding row, NaN keys | real rows finite |")
 print("|---|---|---|---|")
+masked_row = {}  # decode step -> (padding row with finite keys, with NaN keys)
 for name, fn in (("softmax written out (eager)", faults.decode_attention_eager),
                  (f"SDPA alone (torch {torch.__version__})", decode_no_guard),
                  ("engine: SDPA + zero_empty_rows", decode_attention_ref)):
     a, b = fn(q, k, v, lens, 0.125), fn(q, k_nan, v_nan, lens, 0.125)
     ok = bool(torch.isfinite(a[[0, 2]]).all() and torch.isfinite(b[[0, 2]]).all())
+    masked_row[name] = (describe(a[1]), describe(b[1]))
     print(f"| {name} | {describe(a[1])} | {describe(b[1])} | {ok} |")
 
 # %% [markdown]
@@ -366,9 +370,11 @@ def online(qr, kr, vr, scale, tile):
 
 exact = torch.softmax((k1 @ q1) * cap["scale"], 0) @ v1
 print(f"layer 10, head 0, the last of {L} queries: max |online - float64| by tile size")
+tile_err = {}
 for tile in (1, 16, 64, L):
     err = online(q1.float(), k1.float(), v1.float(), cap["scale"], tile).double() - exact
-    print(f"  tile {tile:4d}: {err.abs().max():.1e}")
+    tile_err[tile] = float(err.abs().max())
+    print(f"  tile {tile:4d}: {tile_err[tile]:.1e}")
 
 # vllm #23813 on synthetic data: P.V accumulated over the whole context in bf16, against
 # each 64-key tile's partial rounded to bf16 and added into float32 (two-level accumulation)
@@ -444,38 +450,56 @@ print(f"fp16 + reparam c={C:g}, KQ in float32: finite {bool(torch.isfinite(fixed
 # ## 8. Claim vs measurement
 
 # %%
+nan_c = FP16_MAX / survey48[:, 0].max()  # the smallest c at which a positive q.k overflows
+nomax16_bad = int((~torch.isfinite(nomax16)).any(-1).sum())
+both_finite = bool(torch.isfinite(rep16).all()) and bool(torch.isfinite(fixed16).all())
+e_row, s_row, g_row = masked_row.values()
 print("| claim (source) | what we measured here |")
 print("|---|---|")
 print(f"| max \\|q.k\\| after rotary is 119-486 per layer over 512 corpus tokens "
       f"(course plan) | "
       f"{max_abs.min():.0f}-{max_abs.max():.0f} over {len(ids_long)} tokens; the largest "
-      f"are negative: the largest positive q.k is {max_pos.max():.0f} (layer "
-      f"{int(max_pos.argmax())}) |")
-print(f"| that is 135x below 65504, so fp16 QK overflow does not happen naturally "
-      f"(course plan) "
-      f"| yes: {FP16_MAX / max_abs.max():.0f}x below in magnitude, "
+      + ("are negative" if -min_neg.min() > max_pos.max() else "are positive")
+      + f": the largest positive q.k is {max_pos.max():.0f} (layer {int(max_pos.argmax())}), "
+      f"the most negative {min_neg.min():.0f} (layer {int(min_neg.argmin())}) |")
+print("| that is 135x below 65504, so fp16 QK overflow does not happen naturally "
+      "(course plan) | "
+      + ("yes" if max_pos.max() < FP16_MAX else "no")
+      + f": {FP16_MAX / max_abs.max():.0f}x below in magnitude, "
       f"{FP16_MAX / max_pos.max():.0f}x for positive products, the only ones that hurt |")
-print(f"| eager fp16 overflows for c >~ 135 and yields NaN (course plan) | a negative overflow "
-      f"is a -inf score, a zero weight; NaN needs a positive one: c > 65504 / "
-      f"{survey48[:, 0].max():.0f} = {FP16_MAX / survey48[:, 0].max():.0f} on the "
+print("| eager fp16 overflows for c >~ 135 and yields NaN (course plan) | "
+      + ("not from c ~ 135" if nan_c > 135 else "yes")
+      + f": a negative overflow is a -inf score, a zero weight; NaN needs a positive one: "
+      f"c > 65504 / {survey48[:, 0].max():.0f} = {nan_c:.0f} on the "
       f"{len(ids)}-token passage. At c = {C:g}: NaN first in {counts.first()}, predicted "
       f"layer {first_pos} |")
-print(f"| the reparametrization is exact | float32 logits bit-identical: "
-      f"{torch.equal(rep32, ref32)}; fp16, engine order: KL "
+print("| the reparametrization is exact | "
+      + ("yes" if torch.equal(rep32, ref32) else "no")
+      + f": float32 logits bit-identical: {torch.equal(rep32, ref32)}; fp16, engine order: "
+      f"bit-identical {torch.equal(rep16, plain16)}, KL "
       f"{kl['fp16 + reparam, engine order']:.2e} against {kl['fp16']:.2e} unmodified |")
-print(f"| pre-scaling q or accumulating KQ in fp32 never overflows (course plan; llama.cpp PR "
-      f"#8412) | engine order (SDPA) and the KQ-in-fp32 eager step both finite at c = "
-      f"{C:g}; KL {kl['fp16 + reparam, engine order']:.2e} and {kl_fixed:.2e} |")
-print(f"| max subtraction is needed | in float16 on the unmodified model: NaN first in "
-      f"{counts_nm.first()} (predicted layer {first_exp}, scaled score "
-      f"{survey48[first_exp, 2]:.1f} > 11.09); in float32 this model does not need it "
-      f"(largest scaled score {max_scaled.max():.1f} < 88.7) |")
-print("| a fully masked row gives NaN (unsloth #9848) | the written-out softmax: NaN; this "
-      "PyTorch's SDPA: 0 with finite keys, NaN with NaN keys; the engine's guard: 0 in both |")
-print(f"| online softmax is exact; accumulator precision decays with length (vllm #23813) | "
-      f"tiling: float32 rounding at every tile size; a bf16 running sum: error "
+print("| pre-scaling q or accumulating KQ in fp32 never overflows (course plan; llama.cpp PR "
+      "#8412) | engine order (SDPA) and the KQ-in-fp32 eager step "
+      + ("both finite" if both_finite else "NOT both finite")
+      + f" at c = {C:g}; KL {kl['fp16 + reparam, engine order']:.2e} and {kl_fixed:.2e} |")
+print("| max subtraction is needed | in float16 on the unmodified model: "
+      + (f"yes, {nomax16_bad} of {len(ids)} rows non-finite, NaN first in "
+         f"{counts_nm.first()} (predicted layer {first_exp}, scaled score "
+         f"{survey48[first_exp, 2]:.1f} > 11.09)" if nomax16_bad else "no non-finite row")
+      + "; in float32 this model "
+      + ("does not need it" if max_scaled.max() < F32_LN_MAX else "needs it")
+      + f" (largest scaled score {max_scaled.max():.1f} "
+      + ("<" if max_scaled.max() < F32_LN_MAX else ">=") + f" {F32_LN_MAX:.1f}) |")
+print("| a fully masked row gives NaN (unsloth #9848) | padding row, finite / NaN keys: "
+      f"the written-out softmax: {e_row[0]} / {e_row[1]}; this PyTorch's SDPA: {s_row[0]} / "
+      f"{s_row[1]}; the engine's guard: {g_row[0]} / {g_row[1]} |")
+print("| online softmax is exact; accumulator precision decays with length (vllm #23813) | "
+      f"tiling: max error against float64 {max(tile_err.values()):.1e} over tile sizes "
+      f"{list(tile_err)} (one tile of all {L} keys, a plain float32 softmax: "
+      f"{tile_err[L]:.1e}); a bf16 running sum: error "
       f"{err_bf16[0]:.0e} at {lengths[0]} keys, {err_bf16[-1]:.0e} at {lengths[-1]} "
-      f"(synthetic); per-tile partials summed in fp32: {max(err_flush):.0e} at most |")
+      + ("(grows" if err_bf16[-1] > err_bf16[0] else "(does not grow")
+      + f", synthetic); per-tile partials summed in fp32: {max(err_flush):.0e} at most |")
 
 # %% [markdown]
 # ## Common misconceptions
