@@ -317,14 +317,16 @@ w_dn, x_dn = torch.randn(576, 1536, generator=g) * 0.05, torch.randn(16, 1536, g
 GEMM_ROWS = {}
 with torch.inference_mode():
     for gname, fn in (("torch F.linear (BLAS sgemm)", torch.nn.functional.linear),
-                      ("engine linear_ref (oneDNN packed)", lambda xx, ww: linear_ref(xx, ww, None))):
+                      ("engine linear_ref (oneDNN packed)", lambda xx, ww: linear_ref(xx, ww, None)),
+                      ("torch F.linear, bfloat16", lambda xx, ww: torch.nn.functional.linear(
+                          xx.bfloat16(), ww.bfloat16()))):
         alone_rows = [fn(x_dn[i:i + 1].clone(), w_dn)[0] for i in range(16)]
         GEMM_ROWS[gname] = {M: sum(not torch.equal(fn(x_dn[:M].clone(), w_dn)[i], alone_rows[i])
                                    for i in range(M)) for M in (2, 4, 8, 16)}
         print(f"{gname:<34} rows differing from alone, by M: {GEMM_ROWS[gname]}")
 
 # %% [markdown]
-# Read the two lines above: a GEMM whose row count is 0 at every M kept each row's bits
+# Read the three lines above: a GEMM whose row count is 0 at every M kept each row's bits
 # whatever the batch; any other count is M-dependence. Which of the two libraries keeps
 # its bits depends on the CPU, the library version and the shape: where the engine's
 # packed oneDNN GEMM shows 0s, it is invariant *by accident*, nothing in its contract
@@ -789,12 +791,19 @@ rows = [
      f"{'holds here' if BI_ON_POLICY else 'does NOT follow here'}: decode alone vs one "
      f"teacher-forced pass, batch_invariant: bitwise {bi_tr[1]}, max |dlogp| {bi_tr[0]:.3g}, "
      f"ratio p_sampler/p_trainer in [{ratio_lo:.4f}, {ratio_hi:.4f}]"),
-    ("Batch invariance costs ~1.6x", f"{COST:.2f}x this run (CPU, bf16, one busy decode "
+    ("Batch invariance costs ~1.6x",
+     ("about that" if 1.3 <= COST <= 2.0 else "more" if COST > 2.0 else "less")
+     + f" this run: {COST:.2f}x (CPU, bf16, one busy decode "
      "sample); RESULTS.md: 1.54x CPU, 11.8x / 10.5x H200 bf16 / fp32 (graphs off, LM head "
      "per row)"),
     ("Linears: fp32 GEMM not M-invariant, bf16 M-invariant (chapter 5 / plan)",
-     f"F.linear rows differing by M {GEMM_ROWS['torch F.linear (BLAS sgemm)']}; the engine's "
-     f"packed GEMM {GEMM_ROWS['engine linear_ref (oneDNN packed)']} (inference mode)"),
+     "fp32 not M-invariant: "
+     + ("holds" if any(GEMM_ROWS["torch F.linear (BLAS sgemm)"].values()) else "does NOT hold")
+     + " here; bf16 M-invariant: "
+     + ("holds" if not any(GEMM_ROWS["torch F.linear, bfloat16"].values()) else "does NOT hold")
+     + f" here (1536 -> 576, M up to 16): F.linear rows differing by M "
+     f"{GEMM_ROWS['torch F.linear (BLAS sgemm)']}, bf16 {GEMM_ROWS['torch F.linear, bfloat16']}; "
+     f"the engine's packed GEMM {GEMM_ROWS['engine linear_ref (oneDNN packed)']} (inference mode)"),
     ("minivllm_kernels/paged_attention.py is batch-invariant by design (H200 suite)",
      "RESULTS.md: \"attn_batch_invariant\": true"),
     ("E2M1 rounding = FloatFormat('fp4_e2m1') (plan)",
