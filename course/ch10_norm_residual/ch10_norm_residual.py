@@ -178,8 +178,8 @@ fig
 # step and carried by the stream almost to the end, while the other tokens stay in the
 # hundreds. It stays well inside float16's range (the percentage above), so the
 # unmodified model does **not** overflow float16. Note the plot's "every other token"
-# curve, though: the other tokens pass 255.9 too (layers 2-9 in the plot, and the last
-# layers), which matters in section 2. How close float16 and bfloat16 get to float32 on
+# curve, though: the other tokens pass 255.9 too (in the plot, layers 2-9 and 23-29, as
+# the claims table prints), which matters in section 2. How close float16 and bfloat16 get to float32 on
 # these sequences:
 
 # %%
@@ -235,7 +235,8 @@ with faults.rmsnorm_no_upcast(f32):
     rows32_bad = score(f32)
 print("| dtype | correct RMSNorm: KL vs float32 | no upcast: KL vs float32 |")
 print("|---|---|---|")
-print(f"| float32 | 0 | bit-identical: {all(torch.equal(a, b) for a, b in zip(ref, rows32_bad))} |")
+same32_noup = all(torch.equal(a, b) for a, b in zip(ref, rows32_bad))
+print(f"| float32 | 0 | bit-identical: {same32_noup} |")
 print(f"| float16 | {kl16:.2e} | {kl(ref, rows16_bad):.3g} |")
 print(f"| bfloat16 | {klbf:.2e} | {kl(ref, rowsbf_bad):.2e} |")
 
@@ -378,33 +379,66 @@ fig
 # ## Claim vs measurement
 
 # %%
+def spans(idx):
+    """[2, 3, 4, 9] -> '2-4, 9'."""
+    out = []
+    for i in idx:
+        if out and i == out[-1][1] + 1:
+            out[-1][1] = i
+        else:
+            out.append([i, i])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in out) or "none"
+
+
 kl_noup = kl(ref, rows16_bad)
+SEVERE = 1.0  # nats: a KL above this is severe (the clamp's cost at c = 4 is of this order)
+n_rows = sum(map(len, seqs))
+nan16, nanbf = bad_rows(table["float16"][0]), bad_rows(table["bfloat16"][0])
+rows_zeroed = set().union(*hit.values())
+rest_over = [i for i in range(len(rest)) if rest[i] > SQ_MAX]
+clamp_fixes = all(cost[c][1] == 0 for c in cs)
+clamp_costs = max(cost[c][2] for c in cs) > kl16  # above float16's KL without overflow
 print("| claim | what we measured here |")
 print("|---|---|")
-print(f"| Gemma 3 / T5 in fp16: activations pass 65504, inf then NaN (#36822, #9295) | not on "
-      f"this model by itself: its stream peaks at {peak:.0f} ({100 * peak / FP16_MAX:.0f} % of "
-      f"65504), on token 0 only; reproduced with the exact reparametrization: at c = 4 "
-      f"{bad_rows(table['float16'][0])} of {sum(map(len, seqs))} rows NaN in float16, first "
-      f"non-finite {table['float16'][1]} |")
-print(f"| bf16 is the safe choice where fp16 overflows | yes: at c = 4 bfloat16 is "
-      f"bit-identical to the unscaled model ({table['bfloat16'][2]}), KL {klbf:.1e} |")
-print(f"| fp16 is more precise than bf16 while nothing overflows (course plan: KL 1.8e-5 vs "
-      f"1.0e-3) | yes: {kl16:.1e} vs {klbf:.1e} here ({klbf / kl16:.0f}x) |")
-print(f"| the clamp proposed in PR #36832 fixes fp16 but costs accuracy (0.752 -> 0.657 lm-eval) | "
-      f"both: no NaN at any c; KL {cost[2.75][2]:.1e} at c = 2.75, {cost[4.0][2]:.2f} at c = 4, "
-      f"{cost[8.0][2]:.2f} at c = 8 |")
+print("| Gemma 3 / T5 in fp16: activations pass 65504, inf then NaN (#36822, #9295) | "
+      + ("not on this model by itself" if peak < FP16_MAX else "yes, on this model by itself")
+      + f": its stream peaks at {peak:.0f} ({100 * peak / FP16_MAX:.0f} % of 65504), "
+      + (f"on token 0 only (other tokens at most {float(rest.max()):.0f})"
+         if float(tok0.max()) == peak and float(rest.max()) < peak else "not on token 0 alone")
+      + "; " + ("reproduced" if nan16 else "not reproduced")
+      + f" with the exact reparametrization: at c = {C:g} {nan16} of {n_rows} rows NaN in "
+      f"float16, first non-finite {table['float16'][1]} |")
+print("| bf16 is the safe choice where fp16 overflows | "
+      + ("yes" if nanbf == 0 else "no")
+      + f": at c = {C:g} bfloat16 has {nanbf} non-finite rows and is bit-identical to the "
+      f"unscaled model ({table['bfloat16'][2]}), KL {klbf:.1e} |")
+print("| fp16 is more precise than bf16 while nothing overflows (course plan: KL 1.8e-5 vs "
+      "1.0e-3) | " + ("yes" if kl16 < klbf else "no")
+      + f": {kl16:.1e} vs {klbf:.1e} here ({klbf / kl16:.0f}x) |")
+print("| the clamp proposed in PR #36832 fixes fp16 but costs accuracy (0.752 -> 0.657 lm-eval) "
+      "| " + ("both" if clamp_fixes and clamp_costs else
+              "fixes it at no cost" if clamp_fixes else "does not fix it")
+      + ": " + ("no NaN at any c" if clamp_fixes else
+                f"NaN at c = {[c for c in cs if cost[c][1]]}")
+      + f"; KL {cost[2.75][2]:.1e} at c = 2.75, {cost[4.0][2]:.2f} at c = 4, "
+      f"{cost[8.0][2]:.2f} at c = 8 (float16 without overflow: {kl16:.1e}) |")
 print(f"| course plan: amplify with c = 3 (peak 67.7k) | the peak depends on the first token "
       f"({float(first_peaks.min()):.0f} to {float(first_peaks.max()):.0f} over "
       f"{len(firsts)} first tokens), so c = 3 overflows "
       f"{int((3 * first_peaks > FP16_MAX).sum())} of them; here token 0 is <|im_start|>: "
       f"{3 * float(tok0.max()):.0f} at c = 3 |")
-print(f"| the fp16 'forgot to upcast' RMSNorm is severe on this model (|x| > 256) | yes: KL "
-      f"{kl_noup:.2f} nats; {len(set().union(*hit.values()))} of {sum(map(len, seqs))} token "
-      f"rows zeroed by some norm (not only the first token: the others pass 255.9 in layers "
-      f"2-9 and at the end, section 1's plot); bfloat16 {kl(ref, rowsbf_bad):.1e}; "
-      f"float32 unchanged |")
-print("| course plan (lab idea): scale one down_proj or norm weight by 1000 | not exact "
-      "(changes the model); the reparametrization above changes no float32 bit |")
+print("| the fp16 'forgot to upcast' RMSNorm is severe on this model (\\|x\\| > 256) | "
+      + ("yes" if kl_noup > SEVERE else "no")
+      + f": KL {kl_noup:.2f} nats (severe: > {SEVERE:g}); {len(rows_zeroed)} of {n_rows} token "
+      f"rows zeroed by some norm ("
+      + ("not only the first token: the others pass 255.9 in layers "
+         f"{spans(rest_over)}, section 1's plot" if rows_zeroed - starts else
+         "the first tokens only")
+      + f"); bfloat16 {kl(ref, rowsbf_bad):.1e}; float32 "
+      + ("bit-identical" if same32_noup else "changed") + " |")
+print("| course plan (lab idea): scale one down_proj or norm weight by 1000 | not exact "  # fact, not a measurement
+      "(changes the model); the reparametrization above "
+      + ("changes no float32 bit" if table["float32"][2] else "changes float32 bits too") + " |")
 
 # %% [markdown]
 # ## Common misconceptions
