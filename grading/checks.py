@@ -194,6 +194,46 @@ def unchanged(name: str, after, before) -> None:
                           f"left as they are; work on a copy): {d}.")
 
 
+def _code_names(code) -> set[str]:
+    """Every global/attribute name a code object (and the functions, lambdas and
+    comprehensions nested in it) refers to."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= _code_names(const)
+    return names
+
+
+def not_calling(name: str, fn, forbidden, why: str) -> None:
+    """The learner's function ``fn`` refers to none of ``forbidden`` (functions or
+    modules: the grader's reference, which the lab asks them to write themselves): not by
+    a global bound to it or to its module (``from ... import f as g``; ``import m``),
+    nor by an import inside the function (``from m import f``).
+
+    A static check of the names ``fn``'s code uses, resolved in its globals; it does not
+    follow calls into other functions of the learner's (a helper of theirs that calls the
+    reference is checked by passing that helper too)."""
+    import types
+
+    mods = {getattr(f, "__module__", None) for f in forbidden if not isinstance(f, types.ModuleType)}
+    mods |= {f.__name__ for f in forbidden if isinstance(f, types.ModuleType)}
+    mods.discard(None)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        raise CheckFailed(f"{name}: expected a Python function, got {type(fn).__name__}.")
+    glb = getattr(fn, "__globals__", {})
+    hits = []
+    for n in sorted(_code_names(code)):
+        obj = glb.get(n, getattr(builtins, n, None))
+        if any(obj is f for f in forbidden) or (isinstance(obj, types.ModuleType)
+                                                 and obj.__name__ in mods):
+            hits.append(n)
+        elif any(n == m or n == m.rsplit(".", 1)[-1] for m in mods):  # an import inside fn
+            hits.append(n)
+    if hits:
+        raise CheckFailed(f"{name} uses {', '.join(hits)}: {why}")
+
+
 def new_object(name: str, result, *inputs) -> None:
     """``result`` is none of ``inputs`` and, for tensors, shares no memory with them."""
     import torch

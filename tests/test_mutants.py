@@ -269,3 +269,27 @@ def test_restore_check_carries_at_least_40_percent(lab):
     share = restore / total
     print(f"{lab}: restore check {restore:g} of {total:g} points ({share:.0%})")
     assert share >= 0.4, f"{lab}: the restore check carries {share:.0%} of the points (< 40 %)"
+
+
+def test_not_calling_finds_the_reference_however_it_is_reached():
+    from minivllm.quantization import weight_quant as wq
+
+    ref = [wq.quantize_int8_group]
+    ns = {"wq": wq, "_ref": wq.quantize_int8_group, "torch": torch}
+    bad = {
+        "module attribute": "def f(w, g):\n    return wq.quantize_int8_group(w, g)\n",
+        "renamed global": "def f(w, g):\n    return _ref(w, g)\n",
+        "import inside": ("def f(w, g):\n    from minivllm.quantization.weight_quant import "
+                          "quantize_int8_group\n    return quantize_int8_group(w, g)\n"),
+        "module import inside": ("def f(w, g):\n    import minivllm.quantization.weight_quant"
+                                 " as m\n    return m.quantize_int8_group(w, g)\n"),
+        "in a lambda": "def f(w, g):\n    h = lambda: _ref(w, g)\n    return h()\n",
+    }
+    for label, src in bad.items():
+        g = dict(ns)
+        exec(src, g)
+        with pytest.raises(checks.CheckFailed, match="f uses"):
+            checks.not_calling("f", g["f"], ref, "write it yourself")
+    g = dict(ns)
+    exec("def f(w, g):\n    return torch.round(w / g), torch.ones(1)\n", g)
+    checks.not_calling("f", g["f"], ref, "write it yourself")   # torch is allowed
