@@ -152,7 +152,9 @@ print("example weight [2, 6]:", [[round(v, 4) for v in row] for row in example.t
 #
 # Do not modify `w`. `group_size` must be a positive `int` (not a bool): anything else
 # raises `ValueError`. The grader compares with the engine's
-# `minivllm.quantization.weight_quant.quantize_int8_group` bit for bit.
+# `minivllm.quantization.weight_quant.quantize_int8_group` bit for bit; write yours with
+# torch operations, without calling that module's quantizers (the grader checks that your
+# function does not use them).
 
 # %% nbgrader={"grade": false, "grade_id": "quantize_int8_group", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def quantize_int8_group(w: torch.Tensor, group_size: int = 128):
@@ -222,6 +224,9 @@ def _fresh_cases():
             "a group wider than the row [3, 10], g64": (a[:3, :10].clone(), 64)}
 
 
+checks.not_calling("quantize_int8_group", quantize_int8_group,
+                   [_wq.quantize_int8_group, _wq.quantize_int8, _wq.dequantize_int8_group],
+                   "the task is to write the quantizer; the engine's is the grader's reference")
 for _name, (_w, _g) in _fresh_cases().items():
     _inp = _w.clone()
     _got_q, _got_s = quantize_int8_group(_inp, _g)        # the learner's function first
@@ -321,7 +326,12 @@ for _g in (None, 1, 7, 32, 128, 256, 1000):
 _keep = ["l2", "narrow"]
 _want = (sum(_stored(s, 128) for n, s in _shapes.items() if n not in _keep)
          + sum(4 * o * i for o, i in (_shapes[n] for n in _keep)))
+_before, _keep_arg = checks.snapshot(_shapes), list(_keep)
 checks.equal("linear_bytes(..., 128, keep_float=['l2', 'narrow'])",
+             linear_bytes(_shapes, 128, _keep_arg), _want)
+checks.unchanged("shapes, after a call with keep_float", _shapes, _before)
+checks.unchanged("keep_float", _keep_arg, _keep)
+checks.equal("the same call again (nothing left over from the first)",
              linear_bytes(_shapes, 128, list(_keep)), _want)
 checks.equal("linear_bytes({}, 128) (no layers)", linear_bytes({}, 128), 0)
 checks.equal("linear_bytes on the model's 120 layers, per channel", linear_bytes(SHAPES, None),
@@ -386,6 +396,10 @@ for _k, _g in enumerate(_sorted):
 checks.equal("a budget below every candidate: None",
              choose_group_size(_shapes, _bytes(_shapes, 512) - 1, _cands), None)
 checks.equal("no candidates: None", choose_group_size(_shapes, 10 ** 12, ()), None)
+# candidates of equal bytes (both wider than every row: one group each): the smaller wins
+_wide = {"a": (2, 6), "b": (3, 5)}
+checks.equal("choose_group_size({'a': (2, 6), 'b': (3, 5)}, 50, (8, 6)): equal bytes, the "
+             "smaller group size", choose_group_size(_wide, 50, (8, 6)), 6)
 _before = checks.snapshot(_shapes)
 checks.equal("SmolLM2's layers at the lab's budget", choose_group_size(SHAPES, BUDGET_BYTES),
              min(g for g in GROUP_SIZES if _bytes(SHAPES, g) <= BUDGET_BYTES))
