@@ -108,3 +108,50 @@ def test_chapter_has_an_on_real_vllm_box(path):
     box = text[heading.end():].split("# %%")[0]
     assert "vllm" in box.lower() and box.count("\n# - ") >= 3, (
         f"{path.relative_to(ROOT)}: the 'On real vLLM' box needs at least three bullets")
+
+
+# A claims row's measured text that opens with a verdict written as a literal ("yes: ...",
+# f"confirmed: {n} ..."): the verdict must come from the measurement (an expression on a
+# boolean), since the same code prints under other CPUs. A row that states a fact of
+# arithmetic or cites another chapter's measurement keeps its literal with the comment
+# "# fact, not a measurement" on that source line.
+LITERAL_VERDICT = re.compile(
+    r"""^\s+\+?\s*f?["'](yes|no|confirmed|reproduced|refuted|true|false|wrong|right|holds|"""
+    r"""same order(?: here)?|reversed(?: here)?|both|not on this (?:model|CPU))\b\s*[:,(]""", re.I)
+FACT_MARK = "# fact, not a measurement"
+CHAPTERS = sorted((ROOT / "course").glob("ch*/ch*.py"))
+
+
+def literal_verdicts(text: str) -> list[str]:
+    """Lines that open a string with a verdict word, unless the string is a branch of a
+    conditional expression (``a if ok else b`` over this line and its neighbours) or is
+    marked as a fact."""
+    lines = text.split("\n")
+    out = []
+    for i, line in enumerate(lines):
+        if not LITERAL_VERDICT.match(line) or FACT_MARK in line:
+            continue
+        before = lines[i - 1].rstrip() if i else ""
+        after = lines[i + 1] if i + 1 < len(lines) else ""
+        if before.endswith("else") or " if " in line + after:
+            continue
+        out.append(f"line {i + 1}: {line.strip()[:80]}")
+    return out
+
+
+def test_literal_verdict_detector():
+    assert literal_verdicts('     f"confirmed: {n}/{N} identical"),')
+    assert literal_verdicts('      "yes: prefill equal")')
+    assert literal_verdicts('     f"same order here: KL {a:.3g}",')
+    assert not literal_verdicts('     ("confirmed" if ok else "not confirmed") + f": {n}"')
+    assert not literal_verdicts('     "no: converts exactly"  # fact, not a measurement')
+    assert not literal_verdicts('# yes: a Markdown line')
+    assert not literal_verdicts('     f"{\'yes\' if ok else \'no\'}: {n}"')
+    assert not literal_verdicts('     + ("same" if ok else\n        f"NO: differs at {k}"))')
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=[p.stem for p in CHAPTERS])
+def test_claims_verdicts_are_computed(path):
+    bad = literal_verdicts(path.read_text())
+    assert not bad, (f"{path.relative_to(ROOT)}: verdicts written as literals (compute them "
+                     f"from the measurement, or mark a fact with '{FACT_MARK}'): {bad}")
