@@ -124,5 +124,7 @@ site: install
 	$(PY) -m minivllm.models.embedded
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir build/site
 
+# reports/course_times.json and reports/mutation/ are committed records: kept
 clean:
-	rm -rf $(VENV) .pytest_cache reports build *.egg-info
+	rm -rf $(VENV) .pytest_cache build *.egg-info
+	git clean -fdqX reports 2>/dev/null || true
