@@ -375,6 +375,20 @@ ng16 = spec_counts(spec16)
 print(f"n-gram drafter, 4 open prompts: float32 {ng32[2]}/{ng32[1]} drafts accepted "
       f"({ng32[2] / max(ng32[1], 1):.3f}), bfloat16 {ng16[2]}/{ng16[1]} "
       f"({ng16[2] / max(ng16[1], 1):.3f})")
+# how far the planted table is from the float32 one at the positions these runs reach
+from minivllm.layers.rotary_embedding import rope_table_ref
+from minivllm.models.loader import load_hf_config, resolve_model_path
+
+_hf = load_hf_config(resolve_model_path(MODEL))
+_hd = _hf.get("head_dim") or _hf["hidden_size"] // _hf["num_attention_heads"]
+_npos = max(map(len, CANARY_PROMPTS)) + CANARY.max_tokens
+_ref_t = rope_table_ref(_hd, _npos, _hf["rope_theta"])
+_bad_t = faults.rope_table_low_precision(_hd, _npos, _hf["rope_theta"], dtype=torch.bfloat16,
+                                         stage="angles")
+rope_err = max(float((b - a).abs().max()) for a, b in zip(_ref_t, _bad_t))
+print(f"planted RoPE table: largest |cos or sin error| {rope_err:.2g} at positions < {_npos} "
+      f"(first position with an error: "
+      f"{int(((_bad_t[0] - _ref_t[0]).abs().amax(-1) > 0).nonzero()[0]) if rope_err else 'none'})")
 moved = [n for n, r in canary_rows.items() if r["moved"]]
 quiet = [n for n, r in canary_rows.items() if n != REF and not r["moved"]]
 print(f"moved beyond prompt noise: {', '.join(moved) or 'none'}; within it: {', '.join(quiet) or 'none'}")
@@ -389,9 +403,9 @@ print(f"section 7 took {time.perf_counter() - T7:.1f} s")
 # top-1 token it kept, its verdict says whether that drop left the spread on these eight
 # prompts), and so can a fault that changes no top-1 token where it is measured: the
 # planted table rounds the angles themselves to bfloat16, so it is already wrong at
-# these prompts' positions (the rounding step grows with the angle, so with position),
-# and its acceptance and verdict above say whether that flipped any of the target's
-# top-1 tokens here. A change that flips many argmaxes (the fp8 KV row's
+# these prompts' positions (the rounding step grows with the angle, so with position; the
+# "planted RoPE table" line prints how wrong), and its acceptance and verdict above say
+# whether that flipped any of the target's top-1 tokens here. A change that flips many argmaxes (the fp8 KV row's
 # verdict says whether it did) is what the canary catches. The direction
 # depends on the drafter: with prompt lookup (the n-gram line above) the rate measures how much
 # an answer repeats its prompt, and a broken model that loops would raise it. A canary

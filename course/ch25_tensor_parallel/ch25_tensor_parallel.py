@@ -319,8 +319,9 @@ print(f"'The capital of France is' ->\n  tp=1:           {good_text!r}\n  contig
 # ## 6. Real processes: `tensor_parallel_size=3` over gloo
 #
 # The same model, now as three ranks in three processes: this one (rank 0: it schedules,
-# runs its shard and samples) and two spawned workers. Before each forward, rank 0 sends
-# the step's inputs to the workers through a pipe; inside the forward the ranks meet in
+# runs its shard and samples) and two worker processes (fresh interpreters, which do not
+# import this notebook). Before each forward, rank 0 sends the step's inputs to the
+# workers over a socket; inside the forward the ranks meet in
 # 2 all-reduces per layer plus one for the embedding, and an all-gather for the logits
 # (`minivllm/parallel/multiproc_executor.py`, `tensor_parallel.py`). On a 2-core machine,
 # three processes share two cores: each worker gets `max(1, cores // 3)` = 1 thread, and
