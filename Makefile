@@ -15,7 +15,9 @@
 #               >= 90 % of its non-equivalent mutants)
 #   make course-isa  the chapters executed as an AVX2 CPU (PyTorch, oneDNN and MKL kernels
 #               capped at AVX2 on an AVX-512/AMX machine), copies in reports/course-avx2/:
-#               read them beside reports/course/ (CHAPTERS="ch05 or ch12" for some)
+#               read them beside reports/course/ (CHAPTERS="ch05 or ch12" for some);
+#               `python scripts/course_profiles.py stale|claims` lists the copies to run
+#               again and the claims rows whose verdicts differ between the profiles
 #   make lint-docker  hadolint on the images in docker/
 #   make site   the course website into build/site (mkdocs build --strict)
 # Each creates .venv and installs on first use.
