@@ -53,13 +53,18 @@ HEADER = ("# {what}.\n# Written by `python -m grading.grade --prepare-only`, aga
           "# change {source} instead.\n")
 
 
-def class_paths(config_file: Path = CLASS_CONFIG) -> dict[str, Path | None]:
-    """The course root, exchange and assignment folder that ``config_file`` (an nbgrader
-    configuration, by default the repository's) sets, as nbgrader reads them."""
+def _load_config(config_file: Path):
+    """An nbgrader configuration file as nbgrader reads it (its subconfigs included)."""
     from traitlets.config.loader import PyFileConfigLoader
 
     config_file = Path(config_file).resolve()
-    cfg = PyFileConfigLoader(config_file.name, str(config_file.parent)).load_config()
+    return PyFileConfigLoader(config_file.name, str(config_file.parent)).load_config()
+
+
+def class_paths(config_file: Path = CLASS_CONFIG) -> dict[str, Path | None]:
+    """The course root, exchange and assignment folder that ``config_file`` (an nbgrader
+    configuration, by default the repository's) sets, as nbgrader reads them."""
+    cfg = _load_config(config_file)
 
     def get(section: str, key: str) -> Path | None:
         value = cfg[section][key] if key in cfg[section] else None
@@ -107,11 +112,7 @@ def lab_digest(lab: str) -> str:
 
 
 def course_id(config: Path = COURSE_CONFIG) -> str:
-    from traitlets.config import Config
-
-    c = Config()
-    exec(compile(config.read_text(), str(config), "exec"), {"get_config": lambda: c})
-    return str(c.CourseDirectory.course_id)
+    return str(_load_config(config).CourseDirectory.course_id)
 
 
 def submission_counts(course: Path, exchange: Path, labs: list[str]) -> dict[str, int]:
@@ -193,7 +194,7 @@ def prepare(labs: list[str], course: Path, exchange: Path, assignment_dir: Path 
     /etc/jupyter/nbgrader_config.py sets the exchange) labs are released with
     ``--Exchange.root`` and the configuration's exchange is left alone. Returns what it
     did per lab."""
-    import jupytext
+    from grading.grade import convert_lab
 
     t0 = time.perf_counter()
     course, exchange = course.resolve(), exchange.resolve()
@@ -244,8 +245,7 @@ def prepare(labs: list[str], course: Path, exchange: Path, assignment_dir: Path 
         out.mkdir(parents=True, exist_ok=True)
         for old in out.glob("*.ipynb"):
             old.unlink()
-        for py in sorted((ROOT / "labs" / "source" / lab).glob("*.py")):
-            jupytext.write(jupytext.read(py), out / (py.stem + ".ipynb"), fmt="ipynb")
+        convert_lab(lab, out)
     in_source = sorted(p.name for p in (course / "source").iterdir() if p.is_dir())
     if len(todo) > 1 and set(todo) == {x for x in in_source if x.startswith("ch")}:
         # every lab of the course root at once, in one nbgrader process (a process per

@@ -118,22 +118,26 @@ def _solution_code(cell_source: str) -> str:
 BUILT_DIGESTS: dict[str, str] = {}
 
 
-def build_course(course: Path, labs: list[str]) -> None:
+def convert_lab(lab: str, out: Path) -> None:
+    """Write each ``labs/source/<lab>/*.py`` (jupytext percent, nbgrader metadata kept)
+    into ``out`` as ``.ipynb``, nbgrader's source format."""
     import jupytext
 
+    for py in sorted((ROOT / "labs" / "source" / lab).glob("*.py")):
+        jupytext.write(jupytext.read(py), out / (py.stem + ".ipynb"), fmt="ipynb")
+
+
+def build_course(course: Path, labs: list[str]) -> None:
     if course.exists():
         shutil.rmtree(course)
     (course / "source").mkdir(parents=True)
     shutil.copy(CONFIG, course / "nbgrader_config.py")
     for lab in labs:
-        src = ROOT / "labs" / "source" / lab
         out = course / "source" / lab
         out.mkdir(parents=True)
         if (ROOT / "grading" / "fixtures" / f"{lab}.py").is_file():
             BUILT_DIGESTS[lab] = records.digest(lab)
-        for py in sorted(src.glob("*.py")):
-            nb = jupytext.read(py)
-            jupytext.write(nb, out / (py.stem + ".ipynb"), fmt="ipynb")
+        convert_lab(lab, out)
 
 
 def lab_cells(nb) -> tuple[dict[str, str], dict[str, float]]:
