@@ -59,6 +59,7 @@ import torch
 from matplotlib.figure import Figure
 
 from minivllm import LLM, SamplingParams
+from minivllm.i18n import Bi, claims_table, say
 from minivllm.attention.backends.torch_ref import decode_attention_ref, prefill_attention_ref
 from minivllm.precision import evalsets, faults, metrics
 from minivllm.precision.overflow import track_nonfinite
@@ -161,13 +162,20 @@ survey = score_survey(llm32, ids_long, capture=cap)
 max_pos, min_neg, max_scaled = survey[:, 0], survey[:, 1], survey[:, 2]
 max_abs = np.abs(survey[:, :2]).max(1)
 print(f"survey of {len(ids_long)} tokens in {time.perf_counter() - t:.1f} s")
-print(f"largest |q.k| per layer: {max_abs.min():.0f} to {max_abs.max():.0f} (layer "
-      f"{int(max_abs.argmax())}); largest positive q.k: {max_pos.max():.0f} (layer "
-      f"{int(max_pos.argmax())}); headroom to 65504: {FP16_MAX / max_abs.max():.0f}x for "
-      f"|q.k|, {FP16_MAX / max_pos.max():.0f}x for positive q.k")
-print(f"largest scaled score q.k/8: {max_scaled.max():.1f} (layer {int(max_scaled.argmax())}); "
-      f"layers above ln(65504) = 11.09: {int((max_scaled > math.log(FP16_MAX)).sum())} of "
-      f"{NUM_LAYERS}; above 88.7: {int((max_scaled > 88.7).sum())}")
+say(f"largest |q.k| per layer: {max_abs.min():.0f} to {max_abs.max():.0f} (layer "
+    f"{int(max_abs.argmax())}); largest positive q.k: {max_pos.max():.0f} (layer "
+    f"{int(max_pos.argmax())}); headroom to 65504: {FP16_MAX / max_abs.max():.0f}x for "
+    f"|q.k|, {FP16_MAX / max_pos.max():.0f}x for positive q.k",
+    f"各层最大 |q.k|：{max_abs.min():.0f} 到 {max_abs.max():.0f}（第 "
+    f"{int(max_abs.argmax())} 层）；最大正 q.k：{max_pos.max():.0f}（第 "
+    f"{int(max_pos.argmax())} 层）；离 65504 的余量：|q.k| 为 {FP16_MAX / max_abs.max():.0f}x，"
+    f"正 q.k 为 {FP16_MAX / max_pos.max():.0f}x")
+say(f"largest scaled score q.k/8: {max_scaled.max():.1f} (layer {int(max_scaled.argmax())}); "
+    f"layers above ln(65504) = 11.09: {int((max_scaled > math.log(FP16_MAX)).sum())} of "
+    f"{NUM_LAYERS}; above 88.7: {int((max_scaled > 88.7).sum())}",
+    f"乘过缩放因子的最大分数 q.k/8：{max_scaled.max():.1f}（第 {int(max_scaled.argmax())} 层）；"
+    f"超过 ln(65504) = 11.09 的层：{NUM_LAYERS} 层中有 {int((max_scaled > math.log(FP16_MAX)).sum())} "
+    f"层；超过 88.7 的：{int((max_scaled > 88.7).sum())} 层")
 
 # %%
 fig = Figure(figsize=(8, 3.6), layout="constrained")
@@ -224,14 +232,20 @@ with track_nonfinite(llm16) as counts, faults.qk_scale_reparam(llm16, C), \
 kl = {name: metrics.mean_kl(ref32, r) for name, r in
       (("fp16", plain16), ("fp16 + reparam, engine order", rep16),
        ("fp16, eager order, no reparam", eager16))}
-print(f"float32, reparam c={C:g}: logits bit-identical to the unmodified model: "
-      f"{torch.equal(rep32, ref32)}")
+say(f"float32, reparam c={C:g}: logits bit-identical to the unmodified model: "
+    f"{'True' if torch.equal(rep32, ref32) else 'False'}",
+    f"float32，重参数化 c={C:g}：logits 与未修改的模型逐位相同："
+    f"{'是' if torch.equal(rep32, ref32) else '否'}")
 for name, v in kl.items():
     print(f"KL vs float32 ({len(ids)} tokens), {name}: {v:.2e} nats")
-print(f"fp16 + reparam, eager order: non-finite logit rows "
-      f"{int((~torch.isfinite(bad16)).any(-1).sum())} of {len(ids)}; first module with "
-      f"NaN/inf: {counts.first()}; predicted from the survey (first layer whose largest "
-      f"positive q.k x {C:g} > 65504): layer {first_pos}")
+say(f"fp16 + reparam, eager order: non-finite logit rows "
+    f"{int((~torch.isfinite(bad16)).any(-1).sum())} of {len(ids)}; first module with "
+    f"NaN/inf: {counts.first()}; predicted from the survey (first layer whose largest "
+    f"positive q.k x {C:g} > 65504): layer {first_pos}",
+    f"fp16 + 重参数化，eager 顺序：非有限的 logit 行 {len(ids)} 行中有 "
+    f"{int((~torch.isfinite(bad16)).any(-1).sum())} 行；第一个出现 "
+    f"NaN/inf 的模块：{counts.first()}；由探查预言（最大正 q.k x {C:g} > 65504 的"
+    f"第一层）：第 {first_pos} 层")
 
 # %%
 chats = [[{"role": "user", "content": q}] for q in
@@ -246,7 +260,8 @@ with faults.qk_scale_reparam(llm16, C):
 for ob, oo in zip(outs_bad, outs_ok):
     print(f"eager: finish_reason={ob.outputs[0].finish_reason!r} text={ob.outputs[0].text!r} | "
           f"engine order: {oo.outputs[0].text!r}")
-print(f"corrupted requests counted by the engine (vllm:corrupted_requests): {corrupted}")
+say(f"corrupted requests counted by the engine (vllm:corrupted_requests): {corrupted}",
+    f"引擎计数的已损坏请求（vllm:corrupted_requests）：{corrupted}")
 
 # %% [markdown]
 # The same weights, the same fp16 engine, the same exact reparametrization: the engine's
@@ -269,12 +284,18 @@ with faults.softmax_without_max(llm32):
 first_exp = int(np.argmax(survey48[:, 2] > math.log(FP16_MAX)))
 with track_nonfinite(llm16) as counts_nm, faults.softmax_without_max(llm16):
     nomax16 = llm16.score(ids, output="logits")
-print(f"float32: KL vs the reference {metrics.mean_kl(ref32, nomax32):.1e} nats (largest "
-      f"scaled score here {survey48[:, 2].max():.1f} "
-      + ("< 88.7: no overflow)" if survey48[:, 2].max() < F32_LN_MAX else ">= 88.7: overflow)"))
-print(f"float16: non-finite logit rows {int((~torch.isfinite(nomax16)).any(-1).sum())} of "
-      f"{len(ids)}; first NaN/inf in {counts_nm.first()}; predicted: first layer with a "
-      f"scaled score > 11.09 = layer {first_exp}")
+say(f"float32: KL vs the reference {metrics.mean_kl(ref32, nomax32):.1e} nats (largest "
+    f"scaled score here {survey48[:, 2].max():.1f} "
+    f"{'< 88.7: no overflow)' if survey48[:, 2].max() < F32_LN_MAX else '>= 88.7: overflow)'}",
+    f"float32：相对参考实现的 KL {metrics.mean_kl(ref32, nomax32):.1e} nats（此处乘过缩放因子的"
+    f"最大分数 {survey48[:, 2].max():.1f} "
+    f"{'< 88.7：无溢出）' if survey48[:, 2].max() < F32_LN_MAX else '>= 88.7：溢出）'}")
+say(f"float16: non-finite logit rows {int((~torch.isfinite(nomax16)).any(-1).sum())} of "
+    f"{len(ids)}; first NaN/inf in {counts_nm.first()}; predicted: first layer with a "
+    f"scaled score > 11.09 = layer {first_exp}",
+    f"float16：非有限的 logit 行 {len(ids)} 行中有 {int((~torch.isfinite(nomax16)).any(-1).sum())} "
+    f"行；第一个 NaN/inf 出现在 {counts_nm.first()}；预言：乘过缩放因子的分数 > 11.09 的"
+    f"第一层 = 第 {first_exp} 层")
 
 # %% [markdown]
 # ## 5. Fully masked rows
@@ -443,8 +464,12 @@ def prefill_kq_fp32(q, k, v, scale):
 with faults.qk_scale_reparam(llm16, C), llm16.swap_step("attention.prefill", prefill_kq_fp32):
     fixed16 = llm16.score(ids, output="logits")
 kl_fixed = metrics.mean_kl(ref32, fixed16)
-print(f"fp16 + reparam c={C:g}, KQ in float32: finite {bool(torch.isfinite(fixed16).all())}, "
-      f"KL vs float32 {kl_fixed:.2e} nats (unmodified fp16: {kl['fp16']:.2e})")
+say(f"fp16 + reparam c={C:g}, KQ in float32: finite "
+    f"{'True' if bool(torch.isfinite(fixed16).all()) else 'False'}, "
+    f"KL vs float32 {kl_fixed:.2e} nats (unmodified fp16: {kl['fp16']:.2e})",
+    f"fp16 + 重参数化 c={C:g}，KQ 用 float32："
+    f"{'全部有限' if bool(torch.isfinite(fixed16).all()) else '并非全部有限'}，"
+    f"相对 float32 的 KL {kl_fixed:.2e} nats（未修改的 fp16：{kl['fp16']:.2e}）")
 
 # %% [markdown]
 # ## 8. Claim vs measurement
@@ -454,52 +479,95 @@ nan_c = FP16_MAX / survey48[:, 0].max()  # the smallest c at which a positive q.
 nomax16_bad = int((~torch.isfinite(nomax16)).any(-1).sum())
 both_finite = bool(torch.isfinite(rep16).all()) and bool(torch.isfinite(fixed16).all())
 e_row, s_row, g_row = masked_row.values()
-print("| claim (source) | what we measured here |")
-print("|---|---|")
-print(f"| max \\|q.k\\| after rotary is 119-486 per layer over 512 corpus tokens "
-      f"(course plan) | "
-      f"{max_abs.min():.0f}-{max_abs.max():.0f} over {len(ids_long)} tokens; the largest "
-      + ("are negative" if -min_neg.min() > max_pos.max() else "are positive")
-      + f": the largest positive q.k is {max_pos.max():.0f} (layer {int(max_pos.argmax())}), "
-      f"the most negative {min_neg.min():.0f} (layer {int(min_neg.argmin())}) |")
-print("| that is 135x below 65504, so fp16 QK overflow does not happen naturally "
-      "(course plan) | "
-      + ("yes" if max_pos.max() < FP16_MAX else "no")
-      + f": {FP16_MAX / max_abs.max():.0f}x below in magnitude, "
-      f"{FP16_MAX / max_pos.max():.0f}x for positive products, the only ones that hurt |")
-print("| eager fp16 overflows for c >~ 135 and yields NaN (course plan) | "
-      + ("not from c ~ 135" if nan_c > 135 else "yes")
-      + f": a negative overflow is a -inf score, a zero weight; NaN needs a positive one: "
-      f"c > 65504 / {survey48[:, 0].max():.0f} = {nan_c:.0f} on the "
-      f"{len(ids)}-token passage. At c = {C:g}: NaN first in {counts.first()}, predicted "
-      f"layer {first_pos} |")
-print("| the reparametrization is exact | "
-      + ("yes" if torch.equal(rep32, ref32) else "no")
-      + f": float32 logits bit-identical: {torch.equal(rep32, ref32)}; fp16, engine order: "
-      f"bit-identical {torch.equal(rep16, plain16)}, KL "
-      f"{kl['fp16 + reparam, engine order']:.2e} against {kl['fp16']:.2e} unmodified |")
-print("| pre-scaling q or accumulating KQ in fp32 never overflows (course plan; llama.cpp PR "
-      "#8412) | engine order (SDPA) and the KQ-in-fp32 eager step "
-      + ("both finite" if both_finite else "NOT both finite")
-      + f" at c = {C:g}; KL {kl['fp16 + reparam, engine order']:.2e} and {kl_fixed:.2e} |")
-print("| max subtraction is needed | in float16 on the unmodified model: "
-      + (f"yes, {nomax16_bad} of {len(ids)} rows non-finite, NaN first in "
-         f"{counts_nm.first()} (predicted layer {first_exp}, scaled score "
-         f"{survey48[first_exp, 2]:.1f} > 11.09)" if nomax16_bad else "no non-finite row")
-      + "; in float32 this model "
-      + ("does not need it" if max_scaled.max() < F32_LN_MAX else "needs it")
-      + f" (largest scaled score {max_scaled.max():.1f} "
-      + ("<" if max_scaled.max() < F32_LN_MAX else ">=") + f" {F32_LN_MAX:.1f}) |")
-print("| a fully masked row gives NaN (unsloth #9848) | padding row, finite / NaN keys: "
-      f"the written-out softmax: {e_row[0]} / {e_row[1]}; this PyTorch's SDPA: {s_row[0]} / "
-      f"{s_row[1]}; the engine's guard: {g_row[0]} / {g_row[1]} |")
-print("| online softmax is exact; accumulator precision decays with length (vllm #23813) | "
-      f"tiling: max error against float64 {max(tile_err.values()):.1e} over tile sizes "
-      f"{list(tile_err)} (one tile of all {L} keys, a plain float32 softmax: "
-      f"{tile_err[L]:.1e}); a bf16 running sum: error "
-      f"{err_bf16[0]:.0e} at {lengths[0]} keys, {err_bf16[-1]:.0e} at {lengths[-1]} "
-      + ("(grows" if err_bf16[-1] > err_bf16[0] else "(does not grow")
-      + f", synthetic); per-tile partials summed in fp32: {max(err_flush):.0e} at most |")
+rep_exact = torch.equal(rep32, ref32)
+nomax_part = (Bi(f"yes, {nomax16_bad} of {len(ids)} rows non-finite, NaN first in "
+                 f"{counts_nm.first()} (predicted layer {first_exp}, scaled score "
+                 f"{survey48[first_exp, 2]:.1f} > 11.09)",
+                 f"是，{len(ids)} 行中有 {nomax16_bad} 行非有限，NaN 最早出现在 "
+                 f"{counts_nm.first()}（预言为第 {first_exp} 层，乘过缩放因子的分数 "
+                 f"{survey48[first_exp, 2]:.1f} > 11.09）")
+              if nomax16_bad else Bi("no non-finite row", "没有非有限的行"))
+f32_part = Bi(f"in float32 this model "
+              f"{'does not need it' if max_scaled.max() < F32_LN_MAX else 'needs it'}"
+              f" (largest scaled score {max_scaled.max():.1f} "
+              f"{'<' if max_scaled.max() < F32_LN_MAX else '>='} {F32_LN_MAX:.1f})",
+              f"在 float32 中这个模型"
+              f"{'不需要它' if max_scaled.max() < F32_LN_MAX else '需要它'}"
+              f"（乘过缩放因子的最大分数 {max_scaled.max():.1f} "
+              f"{'<' if max_scaled.max() < F32_LN_MAX else '>='} {F32_LN_MAX:.1f}）")
+claims_table([
+    (Bi("max \\|q.k\\| after rotary is 119-486 per layer over 512 corpus tokens (course plan)",
+        "施加旋转之后的最大 \\|q.k\\| 在 512 个语料 token 上每层为 119-486（课程计划）"),
+     Bi(f"{max_abs.min():.0f}-{max_abs.max():.0f} over {len(ids_long)} tokens; the largest "
+        f"{'are negative' if -min_neg.min() > max_pos.max() else 'are positive'}"
+        f": the largest positive q.k is {max_pos.max():.0f} (layer {int(max_pos.argmax())}), "
+        f"the most negative {min_neg.min():.0f} (layer {int(min_neg.argmin())})",
+        f"{len(ids_long)} 个 token 上为 {max_abs.min():.0f}-{max_abs.max():.0f}；绝对值最大的"
+        f"{'是负的' if -min_neg.min() > max_pos.max() else '是正的'}"
+        f"：最大的正 q.k 为 {max_pos.max():.0f}（第 {int(max_pos.argmax())} 层），"
+        f"最负的为 {min_neg.min():.0f}（第 {int(min_neg.argmin())} 层）")),
+    (Bi("that is 135x below 65504, so fp16 QK overflow does not happen naturally (course plan)",
+        "即比 65504 低 135x，所以 fp16 QK 溢出不会自然发生（课程计划）"),
+     Bi(f"{'yes' if max_pos.max() < FP16_MAX else 'no'}"
+        f": {FP16_MAX / max_abs.max():.0f}x below in magnitude, "
+        f"{FP16_MAX / max_pos.max():.0f}x for positive products, the only ones that hurt",
+        f"{'是' if max_pos.max() < FP16_MAX else '否'}"
+        f"：按绝对值低 {FP16_MAX / max_abs.max():.0f}x，"
+        f"正乘积低 {FP16_MAX / max_pos.max():.0f}x，而只有正乘积有害")),
+    (Bi("eager fp16 overflows for c >~ 135 and yields NaN (course plan)",
+        "eager fp16 在 c >~ 135 时溢出并产生 NaN（课程计划）"),
+     Bi(f"{'not from c ~ 135' if nan_c > 135 else 'yes'}"
+        f": a negative overflow is a -inf score, a zero weight; NaN needs a positive one: "
+        f"c > 65504 / {survey48[:, 0].max():.0f} = {nan_c:.0f} on the "
+        f"{len(ids)}-token passage. At c = {C:g}: NaN first in {counts.first()}, predicted "
+        f"layer {first_pos}",
+        f"{'并非从 c ~ 135 起' if nan_c > 135 else '是'}"
+        f"：负向溢出是 -inf 分数，即零权重；NaN 需要正向溢出："
+        f"在 {len(ids)} 个 token 的段落上 c > 65504 / {survey48[:, 0].max():.0f} = {nan_c:.0f}。"
+        f"c = {C:g} 时：NaN 最早出现在 {counts.first()}，预言为第 {first_pos} 层")),
+    (Bi("the reparametrization is exact", "重参数化是精确的"),
+     Bi(f"{'yes' if rep_exact else 'no'}: float32 logits bit-identical: "
+        f"{'True' if rep_exact else 'False'}; fp16, engine order: "
+        f"bit-identical {'True' if torch.equal(rep16, plain16) else 'False'}, KL "
+        f"{kl['fp16 + reparam, engine order']:.2e} against {kl['fp16']:.2e} unmodified",
+        f"{'是' if rep_exact else '否'}：float32 logits 逐位相同："
+        f"{'是' if rep_exact else '否'}；fp16、引擎顺序："
+        f"逐位相同 {'是' if torch.equal(rep16, plain16) else '否'}，KL "
+        f"{kl['fp16 + reparam, engine order']:.2e}，未修改时为 {kl['fp16']:.2e}")),
+    (Bi("pre-scaling q or accumulating KQ in fp32 never overflows (course plan; llama.cpp PR "
+        "#8412)",
+        "预先缩放 q 或在 fp32 中累加 KQ 永远不会溢出（课程计划；llama.cpp PR #8412）"),
+     Bi(f"engine order (SDPA) and the KQ-in-fp32 eager step "
+        f"{'both finite' if both_finite else 'NOT both finite'}"
+        f" at c = {C:g}; KL {kl['fp16 + reparam, engine order']:.2e} and {kl_fixed:.2e}",
+        f"引擎顺序（SDPA）与 KQ 用 fp32 的 eager 步骤在 c = {C:g} 时"
+        f"{'都是有限的' if both_finite else '并非都是有限的'}"
+        f"；KL 分别为 {kl['fp16 + reparam, engine order']:.2e} 和 {kl_fixed:.2e}")),
+    (Bi("max subtraction is needed", "需要减去最大值"),
+     Bi("in float16 on the unmodified model: " + nomax_part.en + "; " + f32_part.en,
+        "在未修改的模型上用 float16：" + nomax_part.zh + "；" + f32_part.zh)),
+    (Bi("a fully masked row gives NaN (unsloth #9848)", "全遮蔽行给出 NaN（unsloth #9848）"),
+     Bi(f"padding row, finite / NaN keys: the written-out softmax: {e_row[0]} / {e_row[1]}; "
+        f"this PyTorch's SDPA: {s_row[0]} / {s_row[1]}; the engine's guard: {g_row[0]} / "
+        f"{g_row[1]}",
+        f"填充行，key 有限 / key 为 NaN：直接写出的 softmax：{e_row[0]} / {e_row[1]}；"
+        f"这个 PyTorch 的 SDPA：{s_row[0]} / {s_row[1]}；引擎的防护：{g_row[0]} / "
+        f"{g_row[1]}")),
+    (Bi("online softmax is exact; accumulator precision decays with length (vllm #23813)",
+        "在线 softmax 是精确的；累加器精度随长度衰减（vllm #23813）"),
+     Bi(f"tiling: max error against float64 {max(tile_err.values()):.1e} over tile sizes "
+        f"{list(tile_err)} (one tile of all {L} keys, a plain float32 softmax: "
+        f"{tile_err[L]:.1e}); a bf16 running sum: error "
+        f"{err_bf16[0]:.0e} at {lengths[0]} keys, {err_bf16[-1]:.0e} at {lengths[-1]} "
+        f"{'(grows' if err_bf16[-1] > err_bf16[0] else '(does not grow'}"
+        f", synthetic); per-tile partials summed in fp32: {max(err_flush):.0e} at most",
+        f"分块：在 tile 大小 {list(tile_err)} 上相对 float64 的最大误差 "
+        f"{max(tile_err.values()):.1e}（一个 tile 装下全部 {L} 个 key，即普通 float32 softmax："
+        f"{tile_err[L]:.1e}）；bf16 运行和：{lengths[0]} 个 key 时误差 {err_bf16[0]:.0e}，"
+        f"{lengths[-1]} 个 key 时 {err_bf16[-1]:.0e}"
+        f"{'（增长' if err_bf16[-1] > err_bf16[0] else '（不增长'}"
+        f"，合成数据）；逐 tile 部分和在 fp32 中相加：最多 {max(err_flush):.0e}")),
+], header=(Bi("claim (source)", "论断（来源）"), Bi("what we measured here", "本次实测结果")))
 
 # %% [markdown]
 # ## Common misconceptions
