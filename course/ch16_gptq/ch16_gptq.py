@@ -73,6 +73,7 @@ import torch
 from matplotlib.figure import Figure
 
 from minivllm import LLM, SamplingParams
+from minivllm.i18n import Bi, claims_table, say
 from minivllm.precision import evalsets, metrics
 from minivllm.quantization import weight_quant as wq
 from minivllm.quantization.calibration import observe_inputs
@@ -201,9 +202,12 @@ for n in NAMES:
         print(f"| {n} | {v} | {ERR[n, v][0]:.4f} | {ERR[n, v][1]:.4f} | "
               f"{ERR[n, v][1] / ERR[n, 'RTN'][1]:.2f} |")
 for n in NAMES:
-    print(f"{n}: AutoGPTQ's defaults cut the calibration error {ERR[n, 'RTN'][0] / ERR[n, AUTO][0]:.1f}x "
-          f"and put the held-out error at {ERR[n, AUTO][1] / ERR[n, 'RTN'][1]:.2f}x RTN's; damp 1.0: "
-          f"{ERR[n, 'RTN'][0] / ERR[n, DAMPED][0]:.1f}x and {ERR[n, DAMPED][1] / ERR[n, 'RTN'][1]:.2f}x")
+    say(f"{n}: AutoGPTQ's defaults cut the calibration error {ERR[n, 'RTN'][0] / ERR[n, AUTO][0]:.1f}x "
+        f"and put the held-out error at {ERR[n, AUTO][1] / ERR[n, 'RTN'][1]:.2f}x RTN's; damp 1.0: "
+        f"{ERR[n, 'RTN'][0] / ERR[n, DAMPED][0]:.1f}x and {ERR[n, DAMPED][1] / ERR[n, 'RTN'][1]:.2f}x",
+        f"{n}：AutoGPTQ 默认设置把校准误差缩小了 {ERR[n, 'RTN'][0] / ERR[n, AUTO][0]:.1f} 倍，"
+        f"留出误差则是 RTN 的 {ERR[n, AUTO][1] / ERR[n, 'RTN'][1]:.2f} 倍；damp 1.0：校准误差缩小 "
+        f"{ERR[n, 'RTN'][0] / ERR[n, DAMPED][0]:.1f} 倍，留出误差为 RTN 的 {ERR[n, DAMPED][1] / ERR[n, 'RTN'][1]:.2f} 倍")
 
 # %%
 fig = Figure(figsize=(10, 3.4), layout="constrained")
@@ -264,9 +268,12 @@ for v in VARIANTS:
     dw = ERR[n, v][2].double() - W[n].double()
     SHARE[v] = float(empty_part(dw).pow(2).sum() / dw.pow(2).sum())
     EMPTY_ERR[v] = float((xh @ empty_part(dw).T).norm() / y_held.norm())
-print(f"{n}: {n_empty} of {xc.shape[1]} directions are empty (eigenvalue below damping 0.01's "
-      f"{0.01 * mean_diag:.3g}); held-out prose puts {held_empty:.2%} of its input energy there, "
-      f"the calibration chat {cal_empty:.3%}.")
+say(f"{n}: {n_empty} of {xc.shape[1]} directions are empty (eigenvalue below damping 0.01's "
+    f"{0.01 * mean_diag:.3g}); held-out prose puts {held_empty:.2%} of its input energy there, "
+    f"the calibration chat {cal_empty:.3%}.",
+    f"{n}：{xc.shape[1]} 个方向中有 {n_empty} 个是空的（特征值低于阻尼 0.01 所加的 "
+    f"{0.01 * mean_diag:.3g}）；留出的散文有 {held_empty:.2%} 的输入能量落在那里，"
+    f"校准用的对话只有 {cal_empty:.3%}。")
 print("| weights | share of ‖ΔW‖² in empty directions | held-out output error from that part | "
       "total held-out error |\n|---|---|---|---|")
 for v in VARIANTS:
@@ -376,9 +383,12 @@ REF = {"windows": base.score(windows, output="logits"),
 base_ok = [float(evalsets.answer_matches(o.outputs[0].text, it.answers)) for o, it in zip(base_out, qa)]
 RESULTS = {"float32": {"kl": 0.0, "kl_ci": (0.0, 0.0), "top1": 1.0, "answer_kl": 0.0,
                        "answer_kl_ci": (0.0, 0.0), "bytes": base.weight_bytes()["total"]}}
-print(f"{len(windows)} prose windows x {len(windows[0])} tokens; {len(qa)} QA prompts with "
-      f"float32's greedy answers ({sum(map(len, answer_rows))} answer positions; float32 answers "
-      f"{sum(base_ok):.0f} of them correctly)")
+say(f"{len(windows)} prose windows x {len(windows[0])} tokens; {len(qa)} QA prompts with "
+    f"float32's greedy answers ({sum(map(len, answer_rows))} answer positions; float32 answers "
+    f"{sum(base_ok):.0f} of them correctly)",
+    f"{len(windows)} 个散文窗口 x {len(windows[0])} 个 token；{len(qa)} 个 QA 提示词，附 "
+    f"float32 的贪心答案（{sum(map(len, answer_rows))} 个答案位置；float32 答对其中 "
+    f"{sum(base_ok):.0f} 题）")
 # Greedy QA accuracy on all 176 questions, from benchmarks/RESULTS.md (weight quantization
 # table; `python benchmarks/quantization.py`): float32, int4-sym-g128, gptq-sym-g128-damp0.01,
 # gptq-sym-g128-actorder-damp1.
@@ -490,48 +500,80 @@ o5, w28 = NAMES
 kept = {k: RESULTS[k]["acc"] / RESULTS["float32"]["acc"] for k in E2E[1:]}
 lo_fix, hi_fix = (v / RESULTS["float32"]["acc"] for v in r_fix["acc_ci"])
 claims = [
-    ("AWQ / modern methods keep over 95 % of the original performance at 4 bits "
-     "(seed 000 §2.4.4)",
-     f"not on this 135M model: damped GPTQ g128 keeps {kept['GPTQ, act-order + damp 1.0']:.0%} "
-     f"of float32's correct QA answers [CI {lo_fix:.0%}, {hi_fix:.0%}] (176 questions, "
-     f"RESULTS.md), with AutoGPTQ's defaults {kept['GPTQ, AutoGPTQ defaults']:.0%}; top-1 "
-     f"agreement on prose {100 * r_fix['top1']:.0f}% (measured here); AWQ 47.7-73.3 % "
-     "(chapter 15)"),
-    ("GPTQ minimises each layer's error, so it beats round-to-nearest",
-     f"on the calibration data, yes ({w28}: {ERR[w28, AUTO][0]:.3f} against RTN's "
-     f"{ERR[w28, 'RTN'][0]:.3f}); on held-out prose AutoGPTQ's defaults are worse "
-     f"({ERR[w28, AUTO][1]:.3f} against {ERR[w28, 'RTN'][1]:.3f}; {o5}: {ERR[o5, AUTO][1]:.3f} "
-     f"against {ERR[o5, 'RTN'][1]:.3f}); end to end KL {r_weak['kl']:.3g} against RTN's "
-     f"{r_rtn['kl']:.3g}; full set (RESULTS.md): perplexity ratio 1.75 against 1.57, QA "
-     "25.6 % against 46.0 %"),
-    ("act-order is what fixes GPTQ",
-     f"not alone: act-order at damp 0.01 leaves {w28}'s held-out error at "
-     f"{ERR[w28, ACT][1]:.3f} (RTN {ERR[w28, 'RTN'][1]:.3f}); damping "
-     f"1.0 brings it to {ERR[w28, DAMPED][1]:.3f}; full model (RESULTS.md): act-order alone "
-     "KL 0.361, with damp 1.0 0.303, RTN 0.588"),
-    ("128 calibration samples are enough (AutoGPTQ #650's advice)",
-     f"the count is not the point, coverage is: with weak damping, doubling the chat "
-     f"tokens moves {w28}'s held-out error from {FIX['384 chat tokens', 0.01]:.3f} to "
-     f"{FIX['768 chat tokens', 0.01]:.3f}, swapping half of them for prose to "
-     f"{FIX['192 chat + 192 prose tokens', 0.01]:.3f} (RTN {rtn_held:.3f}); the full model "
-     "with 4,096 chat tokens still loses to RTN on QA and perplexity (RESULTS.md)"),
-    ("a quantizer cannot overfit: it has no trainable parameters",
-     f"it fits 4-bit codes to one Hessian: {SHARE[AUTO]:.0%} of weak GPTQ's weight error on "
-     f"{w28} lies in directions the calibration set leaves empty (RTN {SHARE['RTN']:.0%}), "
-     f"and that part alone costs a held-out output error of {EMPTY_ERR[AUTO]:.3f} (RTN's whole "
-     f"error: {ERR[w28, 'RTN'][1]:.3f}), though held-out inputs carry only {held_empty:.1%} of "
-     "their energy there"),
-    ("damped GPTQ beats RTN end to end",
-     f"here on KL {r_fix['kl']:.3g} [{r_fix['kl_ci'][0]:.3g}, {r_fix['kl_ci'][1]:.3g}] against "
-     f"{r_rtn['kl']:.3g} [{r_rtn['kl_ci'][0]:.3g}, {r_rtn['kl_ci'][1]:.3g}] and answer KL "
-     f"{r_fix['answer_kl']:.3g} against {r_rtn['answer_kl']:.3g}; QA (RESULTS.md, 176 "
-     f"questions) {100 * r_fix['acc']:.1f}% [{100 * r_fix['acc_ci'][0]:.1f}, "
-     f"{100 * r_fix['acc_ci'][1]:.1f}] against {100 * r_rtn['acc']:.1f}% "
-     f"[{100 * r_rtn['acc_ci'][0]:.1f}, {100 * r_rtn['acc_ci'][1]:.1f}]"),
+    (Bi("AWQ / modern methods keep over 95 % of the original performance at 4 bits "
+        "(seed 000 §2.4.4)",
+        "AWQ / 现代方法在 4 位下能保留 95 % 以上的原始性能（seed 000 §2.4.4）"),
+     Bi(f"not on this 135M model: damped GPTQ g128 keeps {kept['GPTQ, act-order + damp 1.0']:.0%} "
+        f"of float32's correct QA answers [CI {lo_fix:.0%}, {hi_fix:.0%}] (176 questions, "
+        f"RESULTS.md), with AutoGPTQ's defaults {kept['GPTQ, AutoGPTQ defaults']:.0%}; top-1 "
+        f"agreement on prose {100 * r_fix['top1']:.0f}% (measured here); AWQ 47.7-73.3 % "
+        "(chapter 15)",
+        f"在这个 135M 模型上不成立：加阻尼的 GPTQ g128 保留了 float32 答对的 QA 题中的 "
+        f"{kept['GPTQ, act-order + damp 1.0']:.0%} [CI {lo_fix:.0%}, {hi_fix:.0%}]（176 道题，"
+        f"RESULTS.md），采用 AutoGPTQ 默认设置时为 {kept['GPTQ, AutoGPTQ defaults']:.0%}；散文上的 top-1 "
+        f"一致率 {100 * r_fix['top1']:.0f}%（本次实测）；AWQ 为 47.7-73.3 %"
+        "（第 15 章）")),
+    (Bi("GPTQ minimises each layer's error, so it beats round-to-nearest",
+        "GPTQ 让每一层的误差最小，所以它胜过就近取整量化（RTN）"),
+     Bi(f"on the calibration data, yes ({w28}: {ERR[w28, AUTO][0]:.3f} against RTN's "
+        f"{ERR[w28, 'RTN'][0]:.3f}); on held-out prose AutoGPTQ's defaults are worse "
+        f"({ERR[w28, AUTO][1]:.3f} against {ERR[w28, 'RTN'][1]:.3f}; {o5}: {ERR[o5, AUTO][1]:.3f} "
+        f"against {ERR[o5, 'RTN'][1]:.3f}); end to end KL {r_weak['kl']:.3g} against RTN's "
+        f"{r_rtn['kl']:.3g}; full set (RESULTS.md): perplexity ratio 1.75 against 1.57, QA "
+        "25.6 % against 46.0 %",
+        f"在校准数据上是的（{w28}：{ERR[w28, AUTO][0]:.3f}，RTN 为 "
+        f"{ERR[w28, 'RTN'][0]:.3f}）；在留出的散文上，AutoGPTQ 默认设置更差"
+        f"（{ERR[w28, AUTO][1]:.3f} 对 {ERR[w28, 'RTN'][1]:.3f}；{o5}：{ERR[o5, AUTO][1]:.3f} "
+        f"对 {ERR[o5, 'RTN'][1]:.3f}）；端到端 KL {r_weak['kl']:.3g}，RTN 为 "
+        f"{r_rtn['kl']:.3g}；完整题集（RESULTS.md）：困惑度比 1.75 对 1.57，QA "
+        "25.6 % 对 46.0 %")),
+    (Bi("act-order is what fixes GPTQ", "修好 GPTQ 的是 act-order"),
+     Bi(f"not alone: act-order at damp 0.01 leaves {w28}'s held-out error at "
+        f"{ERR[w28, ACT][1]:.3f} (RTN {ERR[w28, 'RTN'][1]:.3f}); damping "
+        f"1.0 brings it to {ERR[w28, DAMPED][1]:.3f}; full model (RESULTS.md): act-order alone "
+        "KL 0.361, with damp 1.0 0.303, RTN 0.588",
+        f"单靠它不行：damp 0.01 下的 act-order 让 {w28} 的留出误差停在 "
+        f"{ERR[w28, ACT][1]:.3f}（RTN {ERR[w28, 'RTN'][1]:.3f}）；阻尼 "
+        f"1.0 把它降到 {ERR[w28, DAMPED][1]:.3f}；完整模型（RESULTS.md）：单开 act-order "
+        "KL 0.361，加 damp 1.0 为 0.303，RTN 为 0.588")),
+    (Bi("128 calibration samples are enough (AutoGPTQ #650's advice)",
+        "128 条校准样本就够了（AutoGPTQ #650 的建议）"),
+     Bi(f"the count is not the point, coverage is: with weak damping, doubling the chat "
+        f"tokens moves {w28}'s held-out error from {FIX['384 chat tokens', 0.01]:.3f} to "
+        f"{FIX['768 chat tokens', 0.01]:.3f}, swapping half of them for prose to "
+        f"{FIX['192 chat + 192 prose tokens', 0.01]:.3f} (RTN {rtn_held:.3f}); the full model "
+        "with 4,096 chat tokens still loses to RTN on QA and perplexity (RESULTS.md)",
+        f"关键不在数量，而在覆盖面：弱阻尼下，把对话 token 加倍使 {w28} 的留出误差从 "
+        f"{FIX['384 chat tokens', 0.01]:.3f} 变为 {FIX['768 chat tokens', 0.01]:.3f}，"
+        f"把其中一半换成散文则变为 "
+        f"{FIX['192 chat + 192 prose tokens', 0.01]:.3f}（RTN {rtn_held:.3f}）；用 4,096 个对话 "
+        "token 的完整模型在 QA 和困惑度上仍输给 RTN（RESULTS.md）")),
+    (Bi("a quantizer cannot overfit: it has no trainable parameters",
+        "量化器不会过拟合：它没有可训练的参数"),
+     Bi(f"it fits 4-bit codes to one Hessian: {SHARE[AUTO]:.0%} of weak GPTQ's weight error on "
+        f"{w28} lies in directions the calibration set leaves empty (RTN {SHARE['RTN']:.0%}), "
+        f"and that part alone costs a held-out output error of {EMPTY_ERR[AUTO]:.3f} (RTN's whole "
+        f"error: {ERR[w28, 'RTN'][1]:.3f}), though held-out inputs carry only {held_empty:.1%} of "
+        "their energy there",
+        f"它把 4 位编码拟合到一个 Hessian 上：弱阻尼 GPTQ 在 {w28} 上的权重误差有 {SHARE[AUTO]:.0%} "
+        f"落在校准集留空的方向（RTN {SHARE['RTN']:.0%}），"
+        f"仅这一部分就造成 {EMPTY_ERR[AUTO]:.3f} 的留出输出误差（RTN 的全部"
+        f"误差：{ERR[w28, 'RTN'][1]:.3f}），而留出输入在那里的能量只占 {held_empty:.1%}")),
+    (Bi("damped GPTQ beats RTN end to end", "加阻尼的 GPTQ 端到端胜过 RTN"),
+     Bi(f"here on KL {r_fix['kl']:.3g} [{r_fix['kl_ci'][0]:.3g}, {r_fix['kl_ci'][1]:.3g}] against "
+        f"{r_rtn['kl']:.3g} [{r_rtn['kl_ci'][0]:.3g}, {r_rtn['kl_ci'][1]:.3g}] and answer KL "
+        f"{r_fix['answer_kl']:.3g} against {r_rtn['answer_kl']:.3g}; QA (RESULTS.md, 176 "
+        f"questions) {100 * r_fix['acc']:.1f}% [{100 * r_fix['acc_ci'][0]:.1f}, "
+        f"{100 * r_fix['acc_ci'][1]:.1f}] against {100 * r_rtn['acc']:.1f}% "
+        f"[{100 * r_rtn['acc_ci'][0]:.1f}, {100 * r_rtn['acc_ci'][1]:.1f}]",
+        f"这里 KL 为 {r_fix['kl']:.3g} [{r_fix['kl_ci'][0]:.3g}, {r_fix['kl_ci'][1]:.3g}]，对 "
+        f"{r_rtn['kl']:.3g} [{r_rtn['kl_ci'][0]:.3g}, {r_rtn['kl_ci'][1]:.3g}]；答案 KL "
+        f"{r_fix['answer_kl']:.3g} 对 {r_rtn['answer_kl']:.3g}；QA（RESULTS.md，176 "
+        f"道题）{100 * r_fix['acc']:.1f}% [{100 * r_fix['acc_ci'][0]:.1f}, "
+        f"{100 * r_fix['acc_ci'][1]:.1f}] 对 {100 * r_rtn['acc']:.1f}% "
+        f"[{100 * r_rtn['acc_ci'][0]:.1f}, {100 * r_rtn['acc_ci'][1]:.1f}]")),
 ]
-print("| claim | measured |\n|---|---|")
-for c, m in claims:
-    print(f"| {c} | {m} |")
+claims_table(claims, header=(Bi("claim", "论断"), Bi("measured", "实测")))
 
 # %% [markdown]
 # ## Common misconceptions
