@@ -73,6 +73,7 @@ import torch
 from matplotlib.figure import Figure
 
 from minivllm import LLM
+from minivllm.i18n import Bi, claims_table, say
 from minivllm.precision import evalsets, faults, metrics
 from minivllm.quantization.calibration import calibration_forward
 from minivllm.quantization.kv_cache import dequantize_kv, kv_scales_from_amax, quantize_kv
@@ -95,6 +96,12 @@ H, D, GROUP = attn.num_kv_heads, attn.head_dim, attn.num_heads // attn.num_kv_he
 print(f"{len(model.layers)} layers, {attn.num_heads} query heads sharing {H} KV heads "
       f"({GROUP} each), head_dim {D}; calibration on tokens 0-255, KL on "
       f"{len(windows)} windows of 96 tokens from token 2048 on")
+
+
+def cat(*parts):
+    """One Bi from Bi pieces and plain strings (text the same in both languages)."""
+    return Bi("".join(x if isinstance(x, str) else x.en for x in parts),
+              "".join(x if isinstance(x, str) else x.zh for x in parts))
 
 # %% [markdown]
 # ## 1. What this model stores in K, channel by channel
@@ -214,8 +221,10 @@ def overlap(a, b):
 
 for fmt in ("fp8_e4m3", "int8"):
     a, b = plain[fmt, "per head"], plain[fmt, "per tensor"]
-    print(f"{fmt}: per head / per tensor KL {a['kl'] / b['kl']:.2f}, CIs overlap: {overlap(a, b)}")
-print(f"int8 dynamic vs int8 per tensor: {plain['int8', 'per tensor']['kl'] / plain['int8', 'dynamic']['kl']:.1f}x lower KL")
+    say(f"{fmt}: per head / per tensor KL {a['kl'] / b['kl']:.2f}, CIs overlap: {overlap(a, b)}",
+        f"{fmt}：逐头 / 逐张量 KL 之比 {a['kl'] / b['kl']:.2f}，置信区间重叠：{overlap(a, b)}")
+say(f"int8 dynamic vs int8 per tensor: {plain['int8', 'per tensor']['kl'] / plain['int8', 'dynamic']['kl']:.1f}x lower KL",
+    f"int8 动态对比 int8 逐张量：KL 低 {plain['int8', 'per tensor']['kl'] / plain['int8', 'dynamic']['kl']:.1f}x")
 
 # %% [markdown]
 # On the unmodified model, per-head scales buy nothing over per-tensor ones, in either
@@ -264,13 +273,17 @@ ka1, va1 = K1.abs().amax(1), V1.abs().amax(1)
 pd = [d for _, _, d in dims]
 print(f"planted: layer {L}, KV head {h}, dimensions {pd} (query heads {h * GROUP}-{h * GROUP + GROUP - 1} "
       f"scaled by 1/{C:g})")
-print(f"float32 KV cache, logits with the fault bit-identical to without: {same}")
+say(f"float32 KV cache, logits with the fault bit-identical to without: {same}",
+    f"float32 KV cache，有故障时的 logits 与没有故障时逐位相同：{same}")
 expect = ka0.clone()
 expect[L, h, pd] *= C
-print(f"K amax of the planted channels: {ka0[L, h, pd].tolist()} -> {ka1[L, h, pd].tolist()}; "
-      f"every channel equal to the unmodified one, the planted two times {C:g} exactly: "
-      f"{torch.equal(ka1, expect)}")
-print(f"V unchanged: {torch.equal(va1, va0)}")
+say(f"K amax of the planted channels: {ka0[L, h, pd].tolist()} -> {ka1[L, h, pd].tolist()}; "
+    f"every channel equal to the unmodified one, the planted two times {C:g} exactly: "
+    f"{torch.equal(ka1, expect)}",
+    f"被植入通道的 K amax：{ka0[L, h, pd].tolist()} -> {ka1[L, h, pd].tolist()}；"
+    f"每个通道都等于未修改时的值，被植入的两个通道恰好乘以 {C:g}："
+    f"{torch.equal(ka1, expect)}")
+say(f"V unchanged: {torch.equal(va1, va0)}", f"V 不变：{torch.equal(va1, va0)}")
 
 # %%
 fig = Figure(figsize=(9, 3.2), layout="constrained")
@@ -342,8 +355,10 @@ for key in err1:
     print(f"| {key[0]} | {key[1]} | " + " | ".join(
         f"{a[g]:.3f} -> {b[g]:.3f}" for g in groups) + f" | {a['zeros']:.0%} -> {b['zeros']:.0%} |")
 sat = float((K1[L].abs() > 448).float().mean())
-print(f"\ne4m3 at scale 1.0: {sat:.2%} of layer {L}'s K values exceed 448 and saturate "
-      f"(largest {float(K1[L].abs().max()):.0f})")
+say(f"\ne4m3 at scale 1.0: {sat:.2%} of layer {L}'s K values exceed 448 and saturate "
+    f"(largest {float(K1[L].abs().max()):.0f})",
+    f"\ne4m3 在缩放因子 1.0 时：第 {L} 层 K 的数值中有 {sat:.2%} 超过 448 而饱和"
+    f"（最大为 {float(K1[L].abs().max()):.0f}）")
 
 # %% [markdown]
 # Read the int8 rows first. **Per tensor**, one scale serves the whole layer, and the
@@ -379,7 +394,8 @@ print(f"| fp8_e4m3 | scale 1.0, c = 512 (amax {512 * float(ka0[L, h, pd].max()):
       f"{fmt_kl(sat512)} | {sat512['kl'] / plain['fp8_e4m3', 'scale 1.0']['kl']:.1f}x |")
 pc_same = torch.equal(torch.cat(outl["int8", "per channel (K)"]["logits"]),
                       torch.cat(plain["int8", "per channel (K)"]["logits"]))
-print(f"\nint8 per channel: logits with the outliers bit-identical to without: {pc_same}")
+say(f"\nint8 per channel: logits with the outliers bit-identical to without: {pc_same}",
+    f"\nint8 逐通道：有离群值时的 logits 与没有离群值时逐位相同：{pc_same}")
 
 # %%
 fig = Figure(figsize=(9, 4), layout="constrained")
@@ -440,11 +456,14 @@ def choose(res):
     return min(ok, key=lambda k: (bytes_per_token(k), res[k]["kl"])) if ok else None
 
 
-for name, res in (("unmodified", plain), ("with the outliers", outl)):
+for name, res in ((Bi("unmodified", "未修改"), plain), (Bi("with the outliers", "植入离群值后"), outl)):
     fits = [f"{k[0]} {k[1]}" for k in CONFIGS if res[k]["hi"] <= budget]
-    print(f"{name}: budget {budget:.3g} nats; within it: {fits}; chosen: {choose(res)}")
-print(f"the best static int8 cache (per channel) against dynamic int8, unmodified: "
-      f"{plain['int8', 'per channel (K)']['kl'] / plain['int8', 'dynamic']['kl']:.1f}x the KL")
+    say(cat(name, Bi(f": budget {budget:.3g} nats; within it: {fits}; chosen: {choose(res)}",
+                     f"：预算 {budget:.3g} nats；在预算之内：{fits}；选中：{choose(res)}")))
+say(f"the best static int8 cache (per channel) against dynamic int8, unmodified: "
+    f"{plain['int8', 'per channel (K)']['kl'] / plain['int8', 'dynamic']['kl']:.1f}x the KL",
+    f"最好的静态 int8 cache（逐通道）对比动态 int8，未修改模型：KL 为其 "
+    f"{plain['int8', 'per channel (K)']['kl'] / plain['int8', 'dynamic']['kl']:.1f}x")
 
 # %% [markdown]
 # ## 7. Claim vs measurement
@@ -466,65 +485,106 @@ crushed = {f: err1[f, "per tensor"]["rest of the head"] >= CRUSH * err0[f, "per 
 rescued = (err1[I8, "per head"]["other heads"] <= 1.25 * err0[I8, "per head"]["other heads"]
            and o[I8, "per head"]["hi"] < o[I8, "per tensor"]["lo"])
 has_qk_norm = any(n.endswith(("q_norm", "k_norm")) for n, _ in model.named_modules())
+YES, NO = Bi("yes", "是"), Bi("no", "否")
 claims = [
-    ("benchmarks/RESULTS.md: on SmolLM2 per-head static scales are no better than per-tensor "
-     "(e4m3 7.52e-3 vs 6.54e-3, int8 3.45e-3 vs 3.34e-3)",
-     ("confirmed" if head_no_better else "not confirmed")
-     + f" on {sum(map(len, windows))} positions (per head's and per tensor's 95 % CIs "
-     f"{'overlap in both formats' if head_no_better else 'do not overlap in every format'}): "
-     f"e4m3 {p[E4, 'per head']['kl']:.3g} vs {p[E4, 'per tensor']['kl']:.3g}, int8 "
-     f"{p[I8, 'per head']['kl']:.3g} vs {p[I8, 'per tensor']['kl']:.3g} (CIs in section 2)"),
-    ("benchmarks/RESULTS.md: int8 dynamic per token is the best 8-bit cache (6.9e-4)",
-     ("yes" if best_plain == (I8, "dynamic") else f"no ({best_plain[0]} {best_plain[1]} is)")
-     + f" on the unmodified model: {fmt_kl(p[I8, 'dynamic'])} here; with one outlier pair "
-     f"{o[I8, 'dynamic']['kl']:.3g}, {o[I8, 'dynamic']['kl'] / p[I8, 'dynamic']['kl']:.0f}x "
-     + ("worse: per-token scales do not separate channels" if moved[I8, "dynamic"]
-        else "its unmodified KL, CIs overlapping")),
-    ("verl PR #4435: K outliers break an fp8 KV cache",
-     ("for e4m3 only without a calibrated scale" if e4_raw_broken and e4_calibrated_unmoved else
-      f"e4m3 without a calibrated scale: {'broken' if e4_raw_broken else 'not broken'}, "
-      f"calibrated: {'unmoved' if e4_calibrated_unmoved else 'moved'}")
-     + f": scale 1.0 {o[E4, 'scale 1.0']['kl']:.3g} at c = 64, {sat512['kl']:.3g} at c = 512 (vs "
-     f"{p[E4, 'scale 1.0']['kl']:.3g}); calibrated per tensor "
-     f"{o[E4, 'per tensor']['kl']:.3g} vs {p[E4, 'per tensor']['kl']:.3g}: "
-     + ("unmoved (CIs overlap)" if overlap(o[E4, "per tensor"], p[E4, "per tensor"])
-        else "moved (CIs apart)") + ". "
-     + ("int8 per tensor is the cache they break" if moved[I8, "per tensor"]
-        else "int8 per tensor is not broken either")
-     + f": {o[I8, 'per tensor']['kl']:.3g} vs {p[I8, 'per tensor']['kl']:.3g}"),
-    ("a per-tensor scale crushes the other channels",
-     f"int8: {'yes' if crushed[I8] else 'no'} (threshold: {CRUSH:g}x the unmodified error), the rest "
-     f"of the head goes from {err0[I8, 'per tensor']['rest of the head']:.3f} "
-     f"to {err1[I8, 'per tensor']['rest of the head']:.3f} relative error "
-     f"({err1[I8, 'per tensor']['zeros']:.0%} stored as 0); e4m3: {'yes' if crushed[E4] else 'no'}, "
-     f"{err0[E4, 'per tensor']['rest of the head']:.3f} -> "
-     f"{err1[E4, 'per tensor']['rest of the head']:.3f}"),
-    ("per-head scales rescue the other heads",
-     ("yes" if rescued else "no")
-     + " (other heads' error within 1.25x of unmodified, KL's CI below per tensor's): int8 "
-     f"other heads {err1[I8, 'per head']['other heads']:.3f} (unmodified "
-     f"{err0[I8, 'per head']['other heads']:.3f}); KL {o[I8, 'per head']['kl']:.3g} vs "
-     f"per tensor {o[I8, 'per tensor']['kl']:.3g}, still "
-     f"{o[I8, 'per head']['kl'] / p[I8, 'per head']['kl']:.1f}x its unmodified KL"),
-    ("per-channel K scales (KIVI) fix it",
-     ("exactly" if pc_same else "not exactly")
-     + f": int8 per channel {o[I8, 'per channel (K)']['kl']:.3g} with the outliers, "
-     f"bit-identical logits to without: {pc_same}"),
-    ("verl PR #4435: QK-norm keeps K outliers small",
-     ("not testable here" if not has_qk_norm else "testable here, not tested")
-     + f": SmolLM2 {'has no' if not has_qk_norm else 'has a'} QK-norm module, and "
-     + ("no outlier channel either" if float(ratio.max()) < 10 else "an outlier channel")
-     + f" (largest channel / median {float(ratio.max()):.1f} at most, counted as an outlier from "
-     f"10; largest |K| {float(ka0.max()):.1f})"),
-    ("course plan (lab idea): multiply 2 channels of K in layer 3 by 50",
-     ("done exactly" if same and torch.equal(ka1, expect) else "not exact")
-     + f", with c = {C:g} and the query compensated by 1/{C:g} so the model is unchanged "
-     f"(float32 logits bit-identical: {same}); multiplying K alone would be a different model, "
-     "not an outlier"),
+    (Bi("benchmarks/RESULTS.md: on SmolLM2 per-head static scales are no better than per-tensor "
+        "(e4m3 7.52e-3 vs 6.54e-3, int8 3.45e-3 vs 3.34e-3)",
+        "benchmarks/RESULTS.md：在 SmolLM2 上，逐头静态缩放因子并不比逐张量的更好"
+        "（e4m3 7.52e-3 对 6.54e-3，int8 3.45e-3 对 3.34e-3）"),
+     cat(Bi("confirmed", "得到证实") if head_no_better else Bi("not confirmed", "未得到证实"),
+         Bi(f" on {sum(map(len, windows))} positions (per head's and per tensor's 95 % CIs "
+            f"{'overlap in both formats' if head_no_better else 'do not overlap in every format'}): "
+            f"e4m3 {p[E4, 'per head']['kl']:.3g} vs {p[E4, 'per tensor']['kl']:.3g}, int8 "
+            f"{p[I8, 'per head']['kl']:.3g} vs {p[I8, 'per tensor']['kl']:.3g} (CIs in section 2)",
+            f"（{sum(map(len, windows))} 个位置；逐头与逐张量的 95 % 置信区间"
+            f"{'在两种格式中都重叠' if head_no_better else '并非在每种格式中都重叠'}）："
+            f"e4m3 {p[E4, 'per head']['kl']:.3g} 对 {p[E4, 'per tensor']['kl']:.3g}，int8 "
+            f"{p[I8, 'per head']['kl']:.3g} 对 {p[I8, 'per tensor']['kl']:.3g}（置信区间见第 2 节）"))),
+    (Bi("benchmarks/RESULTS.md: int8 dynamic per token is the best 8-bit cache (6.9e-4)",
+        "benchmarks/RESULTS.md：int8 动态逐 token 是最好的 8 位 cache（6.9e-4）"),
+     cat(YES if best_plain == (I8, "dynamic") else
+         Bi(f"no ({best_plain[0]} {best_plain[1]} is)", f"否（最好的是 {best_plain[0]} {best_plain[1]}）"),
+         Bi(f" on the unmodified model: {fmt_kl(p[I8, 'dynamic'])} here; with one outlier pair "
+            f"{o[I8, 'dynamic']['kl']:.3g}, {o[I8, 'dynamic']['kl'] / p[I8, 'dynamic']['kl']:.0f}x ",
+            f"（未修改模型）：此处为 {fmt_kl(p[I8, 'dynamic'])}；植入一对离群值后为 "
+            f"{o[I8, 'dynamic']['kl']:.3g}，{o[I8, 'dynamic']['kl'] / p[I8, 'dynamic']['kl']:.0f}x "),
+         Bi("worse: per-token scales do not separate channels",
+            "（变差：逐 token 缩放因子无法分开通道）") if moved[I8, "dynamic"]
+         else Bi("its unmodified KL, CIs overlapping", "（相对其未修改时的 KL），置信区间重叠"))),
+    (Bi("verl PR #4435: K outliers break an fp8 KV cache",
+        "verl PR #4435：K 的离群值会破坏 fp8 KV cache"),
+     cat(Bi("for e4m3 only without a calibrated scale", "仅对不带校准缩放因子的 e4m3 成立")
+         if e4_raw_broken and e4_calibrated_unmoved else
+         Bi(f"e4m3 without a calibrated scale: {'broken' if e4_raw_broken else 'not broken'}, "
+            f"calibrated: {'unmoved' if e4_calibrated_unmoved else 'moved'}",
+            f"不带校准缩放因子的 e4m3：{'被破坏' if e4_raw_broken else '未被破坏'}，"
+            f"校准后：{'不受影响' if e4_calibrated_unmoved else '受到影响'}"),
+         Bi(f": scale 1.0 {o[E4, 'scale 1.0']['kl']:.3g} at c = 64, {sat512['kl']:.3g} at c = 512 (vs "
+            f"{p[E4, 'scale 1.0']['kl']:.3g}); calibrated per tensor "
+            f"{o[E4, 'per tensor']['kl']:.3g} vs {p[E4, 'per tensor']['kl']:.3g}: ",
+            f"：缩放因子 1.0 在 c = 64 时为 {o[E4, 'scale 1.0']['kl']:.3g}，在 c = 512 时为 "
+            f"{sat512['kl']:.3g}（未修改时为 {p[E4, 'scale 1.0']['kl']:.3g}）；校准的逐张量为 "
+            f"{o[E4, 'per tensor']['kl']:.3g} 对 {p[E4, 'per tensor']['kl']:.3g}："),
+         Bi("unmoved (CIs overlap)", "不受影响（置信区间重叠）")
+         if overlap(o[E4, "per tensor"], p[E4, "per tensor"])
+         else Bi("moved (CIs apart)", "受到影响（置信区间分离）"),
+         Bi(". ", "。"),
+         Bi("int8 per tensor is the cache they break", "被破坏的是 int8 逐张量 cache")
+         if moved[I8, "per tensor"] else Bi("int8 per tensor is not broken either", "int8 逐张量也未被破坏"),
+         Bi(f": {o[I8, 'per tensor']['kl']:.3g} vs {p[I8, 'per tensor']['kl']:.3g}",
+            f"：{o[I8, 'per tensor']['kl']:.3g} 对 {p[I8, 'per tensor']['kl']:.3g}"))),
+    (Bi("a per-tensor scale crushes the other channels", "逐张量缩放因子会压垮其他通道"),
+     Bi(f"int8: {'yes' if crushed[I8] else 'no'} (threshold: {CRUSH:g}x the unmodified error), the rest "
+        f"of the head goes from {err0[I8, 'per tensor']['rest of the head']:.3f} "
+        f"to {err1[I8, 'per tensor']['rest of the head']:.3f} relative error "
+        f"({err1[I8, 'per tensor']['zeros']:.0%} stored as 0); e4m3: {'yes' if crushed[E4] else 'no'}, "
+        f"{err0[E4, 'per tensor']['rest of the head']:.3f} -> "
+        f"{err1[E4, 'per tensor']['rest of the head']:.3f}",
+        f"int8：{'是' if crushed[I8] else '否'}（阈值：未修改误差的 {CRUSH:g}x），该头其余部分的"
+        f"相对误差从 {err0[I8, 'per tensor']['rest of the head']:.3f} "
+        f"变为 {err1[I8, 'per tensor']['rest of the head']:.3f}"
+        f"（{err1[I8, 'per tensor']['zeros']:.0%} 被存成 0）；e4m3：{'是' if crushed[E4] else '否'}，"
+        f"{err0[E4, 'per tensor']['rest of the head']:.3f} -> "
+        f"{err1[E4, 'per tensor']['rest of the head']:.3f}")),
+    (Bi("per-head scales rescue the other heads", "逐头缩放因子能救回其他头"),
+     cat(YES if rescued else NO,
+         Bi(" (other heads' error within 1.25x of unmodified, KL's CI below per tensor's): int8 "
+            f"other heads {err1[I8, 'per head']['other heads']:.3f} (unmodified "
+            f"{err0[I8, 'per head']['other heads']:.3f}); KL {o[I8, 'per head']['kl']:.3g} vs "
+            f"per tensor {o[I8, 'per tensor']['kl']:.3g}, still "
+            f"{o[I8, 'per head']['kl'] / p[I8, 'per head']['kl']:.1f}x its unmodified KL",
+            "（判据：其他头的误差在未修改时的 1.25x 以内，且 KL 的置信区间低于逐张量的）：int8 "
+            f"其他头 {err1[I8, 'per head']['other heads']:.3f}（未修改 "
+            f"{err0[I8, 'per head']['other heads']:.3f}）；KL {o[I8, 'per head']['kl']:.3g} 对"
+            f"逐张量 {o[I8, 'per tensor']['kl']:.3g}，仍为其未修改 KL 的 "
+            f"{o[I8, 'per head']['kl'] / p[I8, 'per head']['kl']:.1f}x"))),
+    (Bi("per-channel K scales (KIVI) fix it", "逐通道 K 缩放因子（KIVI）能解决它"),
+     cat(Bi("exactly", "精确解决") if pc_same else Bi("not exactly", "并非精确解决"),
+         Bi(f": int8 per channel {o[I8, 'per channel (K)']['kl']:.3g} with the outliers, "
+            f"bit-identical logits to without: {pc_same}",
+            f"：有离群值时 int8 逐通道为 {o[I8, 'per channel (K)']['kl']:.3g}，"
+            f"logits 与没有离群值时逐位相同：{pc_same}"))),
+    (Bi("verl PR #4435: QK-norm keeps K outliers small", "verl PR #4435：QK-norm 让 K 的离群值保持较小"),
+     cat(Bi("not testable here", "此处无法检验") if not has_qk_norm
+         else Bi("testable here, not tested", "此处可检验，但未检验"),
+         Bi(f": SmolLM2 {'has no' if not has_qk_norm else 'has a'} QK-norm module, and ",
+            f"：SmolLM2 {'没有' if not has_qk_norm else '有'} QK-norm 模块，"),
+         Bi("no outlier channel either", "也没有离群通道") if float(ratio.max()) < 10
+         else Bi("an outlier channel", "并有一个离群通道"),
+         Bi(f" (largest channel / median {float(ratio.max()):.1f} at most, counted as an outlier from "
+            f"10; largest |K| {float(ka0.max()):.1f})",
+            f"（最大通道 / 中位数最多为 {float(ratio.max()):.1f}，从 10 起算作离群值；"
+            f"最大 |K| 为 {float(ka0.max()):.1f}）"))),
+    (Bi("course plan (lab idea): multiply 2 channels of K in layer 3 by 50",
+        "课程计划（实验构想）：把第 3 层 K 的 2 个通道乘以 50"),
+     cat(Bi("done exactly", "已精确实现") if same and torch.equal(ka1, expect) else Bi("not exact", "并不精确"),
+         Bi(f", with c = {C:g} and the query compensated by 1/{C:g} so the model is unchanged "
+            f"(float32 logits bit-identical: {same}); multiplying K alone would be a different model, "
+            "not an outlier",
+            f"，取 c = {C:g}，并以 1/{C:g} 补偿 query，使模型不变"
+            f"（float32 logits 逐位相同：{same}）；只乘 K 会成为另一个模型，而不是离群值"))),
 ]
-print("| claim | measured |\n|---|---|")
-for c, m in claims:
-    print(f"| {c} | {m} |")
+claims_table(claims, header=(Bi("claim", "论断"), Bi("measured", "实测")))
 
 # %% [markdown]
 # ## Common misconceptions
