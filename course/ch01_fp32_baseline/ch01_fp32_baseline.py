@@ -54,6 +54,7 @@ import numpy as np
 import torch
 
 from minivllm import LLM, SamplingParams
+from minivllm.i18n import Bi, claims_table, say
 from minivllm.precision import ReferenceModel, evalsets, metrics
 from minivllm.precision.noise import permuted_mlp_reduction
 
@@ -141,12 +142,16 @@ for kv in KV_DTYPES:
     del rows
 
 summary = {kv: summary_line(d) for kv, d in drift.items()}
-print("| KV cache | mean KL (nats) [95% CI] | top-1 agreement | PPL ratio | above noise floor |")
-print("|---|---|---|---|---|")
+lines = [Bi("| KV cache | mean KL (nats) [95% CI] | top-1 agreement | PPL ratio | above noise floor |",
+            "| KV cache | 平均 KL (nats) [95% CI] | Top-1 一致率 | PPL 比值 | 高于噪声基底 |"),
+         Bi("|---|---|---|---|---|", "|---|---|---|---|---|")]
 for kv, (s, ci) in summary.items():
     above = ci[0] > noise_ci[1]
-    print(f"| {kv} | {s.mean_kl:.2e} [{ci[0]:.1e}, {ci[1]:.1e}] | "
-          f"{100 * s.top1_agreement:.2f}% | {s.ppl_ratio:.4f} | {'yes' if above else 'no'} |")
+    lines.append(Bi(f"| {kv} | {s.mean_kl:.2e} [{ci[0]:.1e}, {ci[1]:.1e}] | "
+                    f"{100 * s.top1_agreement:.2f}% | {s.ppl_ratio:.4f} | {'yes' if above else 'no'} |",
+                    f"| {kv} | {s.mean_kl:.2e} [{ci[0]:.1e}, {ci[1]:.1e}] | "
+                    f"{100 * s.top1_agreement:.2f}% | {s.ppl_ratio:.4f} | {'是' if above else '否'} |"))
+say("\n".join(x.en for x in lines), "\n".join(x.zh for x in lines))
 
 # %%
 def kl_by_turn(drifts, spans):
@@ -185,9 +190,11 @@ noise_turns = kl_by_turn(noise, spans)[:10]
 noise_growth = float(noise_turns[-3:].mean() / noise_turns[:3].mean())
 spread = max(summary[kv][0].mean_kl for kv in KV_DTYPES) / min(summary[kv][0].mean_kl
                                                                  for kv in KV_DTYPES)
-print("KL of turns 8-10 over turns 1-3: " + ", ".join(f"{kv} {g:.2f}x" for kv, g in
-                                                      GROWTH.items())
-      + f"; noise floor {noise_growth:.2f}x. Between the dtypes: {spread:,.0f}x")
+growth_list = ", ".join(f"{kv} {g:.2f}x" for kv, g in GROWTH.items())
+say(f"KL of turns 8-10 over turns 1-3: {growth_list}; noise floor {noise_growth:.2f}x. "
+    f"Between the dtypes: {spread:,.0f}x",
+    f"第 8-10 轮的 KL 与第 1-3 轮之比：{growth_list}；噪声基底 {noise_growth:.2f}x。"
+    f"各 dtype 之间相差：{spread:,.0f}x")
 
 # %% [markdown]
 # Read the line above: a KV-cache dtype whose error accumulated turn by turn would grow
@@ -264,12 +271,17 @@ m16 = {kv: LLM(MODEL, dtype="float16", kv_cache_dtype=kv, max_model_len=256,
 ids16 = seqs[0][:128]
 logits16 = {kv: e.score(ids16, output="logits") for kv, e in m16.items()}
 same16 = torch.equal(logits16["float16"], logits16["float32"])
-print(f"fp16 model, {len(ids16)} tokens: logits with a float32 KV cache bit-identical to a "
-      f"float16 KV cache: {same16} (max |diff| "
-      f"{(logits16['float16'] - logits16['float32']).abs().max().item():.1e})")
+say(f"fp16 model, {len(ids16)} tokens: logits with a float32 KV cache bit-identical to a "
+    f"float16 KV cache: {'True' if same16 else 'False'} (max |diff| "
+    f"{(logits16['float16'] - logits16['float32']).abs().max().item():.1e})",
+    f"fp16 模型，{len(ids16)} 个 token：配 float32 KV cache 的 logits 与配 "
+    f"float16 KV cache 的逐位相同：{'是' if same16 else '否'}（最大 |diff| "
+    f"{(logits16['float16'] - logits16['float32']).abs().max().item():.1e}）")
 kl16 = metrics.mean_kl(base_rows[0][:len(ids16)], torch.log_softmax(logits16["float16"], -1))
-print(f"the fp16 model itself vs the float32 engine: mean KL {kl16:.2e} nats "
-      f"(the float16 *KV cache* alone: {summary['float16'][0].mean_kl:.2e})")
+say(f"the fp16 model itself vs the float32 engine: mean KL {kl16:.2e} nats "
+    f"(the float16 *KV cache* alone: {summary['float16'][0].mean_kl:.2e})",
+    f"fp16 模型本身相对 float32 引擎：平均 KL {kl16:.2e} nats"
+    f"（仅 float16 *KV cache* 一项：{summary['float16'][0].mean_kl:.2e}）")
 del m16
 
 # %% [markdown]
@@ -290,7 +302,8 @@ with torch.inference_mode():
     out = hf16(input_ids=torch.tensor([seqs[0][:16]]), use_cache=True)
 cache = out.past_key_values
 layer0 = cache.layers[0].keys if hasattr(cache, "layers") else cache[0][0]
-print("transformers fp16 model: KV cache dtype =", layer0.dtype)
+say(f"transformers fp16 model: KV cache dtype = {layer0.dtype}",
+    f"transformers fp16 模型：KV cache dtype = {layer0.dtype}")
 _ = ref.model.to(torch.float32)  # back to the reference (assigned: no model printout)
 
 # %% [markdown]
@@ -299,31 +312,53 @@ _ = ref.model.to(torch.float32)  # back to the reference (assigned: no model pri
 # %%
 n_conv = sum(len(x) for x in seqs)
 g_max = max(GROWTH.values())
-print("| the seed says | what we measured here |")
-print("|---|---|")
-print(f"| FP16 KV cache degrades answers after ~10 turns | float16 KV: KL "
-      f"{summary['float16'][0].mean_kl:.1e}, turns 8-10 at {GROWTH['float16']:.2f}x turns 1-3 "
-      f"(plot above); greedy answers as in the table in section 3 |")
-print(f"| the error accumulates turn by turn | rounding happens once per stored entry; over ten "
-      f"turns the per-turn KL changes by at most {g_max:.1f}x for any dtype, while the dtypes "
-      f"differ by {spread:,.0f}x: {'no accumulation' if g_max < 10 else 'it grows here'} |")
-print(f"| switching the KV cache to FP32 fixed it | with the seed's fp16 model the logits are "
-      f"{'bit-identical' if same16 else 'NOT bit-identical'} with a float32 cache (section 6): "
-      f"the switch {'changed nothing' if same16 else 'changed the logits'}; `float32` is not a "
-      f"vLLM `--kv-cache-dtype` value (0.4.2: `auto`, `fp8`) |")
-print("| an FP32 KV cache removes KV rounding | true for float32 weights, by construction (KL 0 "
-      "against the float32 engine) |")
-print("| the cost: 'memory +30 %, concurrency 32 -> 24' | vLLM preallocates the KV pool "
-      "(`gpu_memory_utilization`), so memory use does not grow; a float32 cache holds half the "
-      "tokens of float16 in the same pool (section 5), so at a fixed `max_model_len` "
-      "concurrency halves: 32 -> 16, not 24 |")
-print(f"| degradation starts after ~2000 tokens | not tested here: the conversation has {n_conv} "
-      f"tokens; its per-turn KL changes by at most {g_max:.1f}x, nothing to extrapolate to a "
-      f"threshold |")
 fp8_above = summary["fp8_e4m3"][1][0] > noise_ci[1]
-print(f"| (implied) low-precision KV is harmless | not for fp8 without scales: "
-      f"{'above' if fp8_above else 'not above'} the noise floor (KL "
-      f"{summary['fp8_e4m3'][0].mean_kl:.1e}); greedy answers in section 3 |")
+claims_table([
+    (Bi("FP16 KV cache degrades answers after ~10 turns",
+        "FP16 KV cache 在约 10 轮对话后使回答变差"),
+     Bi(f"float16 KV: KL {summary['float16'][0].mean_kl:.1e}, turns 8-10 at "
+        f"{GROWTH['float16']:.2f}x turns 1-3 (plot above); greedy answers as in the table in "
+        f"section 3",
+        f"float16 KV：KL {summary['float16'][0].mean_kl:.1e}，第 8-10 轮为第 1-3 轮的 "
+        f"{GROWTH['float16']:.2f}x（见上图）；贪心回答见第 3 节的表格")),
+    (Bi("the error accumulates turn by turn", "误差逐轮累积"),
+     Bi(f"rounding happens once per stored entry; over ten turns the per-turn KL changes by at "
+        f"most {g_max:.1f}x for any dtype, while the dtypes differ by {spread:,.0f}x: "
+        f"{'no accumulation' if g_max < 10 else 'it grows here'}",
+        f"每个存储的条目只舍入一次；十轮之内，任一 dtype 的逐轮 KL 变化至多 {g_max:.1f}x，"
+        f"而各 dtype 之间相差 {spread:,.0f}x："
+        f"{'没有累积' if g_max < 10 else '此处确有增长'}")),
+    (Bi("switching the KV cache to FP32 fixed it", "把 KV cache 换成 FP32 解决了问题"),
+     Bi(f"with the seed's fp16 model the logits are "
+        f"{'bit-identical' if same16 else 'NOT bit-identical'} with a float32 cache (section 6): "
+        f"the switch {'changed nothing' if same16 else 'changed the logits'}; `float32` is not a "
+        f"vLLM `--kv-cache-dtype` value (0.4.2: `auto`, `fp8`)",
+        f"在种子课程的 fp16 模型上，配 float32 缓存时 logits "
+        f"{'逐位相同' if same16 else '并非逐位相同'}（第 6 节）："
+        f"这一切换{'什么也没改变' if same16 else '改变了 logits'}；`float32` 不是 "
+        f"vLLM `--kv-cache-dtype` 的取值（0.4.2：`auto`、`fp8`）")),
+    (Bi("an FP32 KV cache removes KV rounding", "FP32 KV cache 消除了 KV 的舍入"),
+     Bi("true for float32 weights, by construction (KL 0 against the float32 engine)",
+        "对 float32 权重成立，按构造即如此（相对 float32 引擎 KL 为 0）")),
+    (Bi("the cost: 'memory +30 %, concurrency 32 -> 24'",
+        "代价：“内存 +30 %，并发 32 -> 24”"),
+     Bi("vLLM preallocates the KV pool (`gpu_memory_utilization`), so memory use does not grow; "
+        "a float32 cache holds half the tokens of float16 in the same pool (section 5), so at a "
+        "fixed `max_model_len` concurrency halves: 32 -> 16, not 24",
+        "vLLM 预先分配 KV 池（`gpu_memory_utilization`），所以内存占用不会增长；在同样大小的池中，"
+        "float32 缓存容纳的 token 数只有 float16 的一半（第 5 节），所以在固定的 `max_model_len` 下"
+        "并发数减半：32 -> 16，而不是 24")),
+    (Bi("degradation starts after ~2000 tokens", "质量下降在约 2000 个 token 之后开始"),
+     Bi(f"not tested here: the conversation has {n_conv} tokens; its per-turn KL changes by at "
+        f"most {g_max:.1f}x, nothing to extrapolate to a threshold",
+        f"此处未测试：这段对话有 {n_conv} 个 token；其逐轮 KL 变化至多 {g_max:.1f}x，"
+        f"没有可以外推出阈值的趋势")),
+    (Bi("(implied) low-precision KV is harmless", "（隐含的）低精度 KV 无害"),
+     Bi(f"not for fp8 without scales: {'above' if fp8_above else 'not above'} the noise floor "
+        f"(KL {summary['fp8_e4m3'][0].mean_kl:.1e}); greedy answers in section 3",
+        f"对没有缩放因子的 fp8 不成立：{'高于' if fp8_above else '不高于'}噪声基底"
+        f"（KL {summary['fp8_e4m3'][0].mean_kl:.1e}）；贪心回答见第 3 节")),
+], header=(Bi("the seed says", "种子课程的说法"), Bi("what we measured here", "本次实测")))
 
 # %% [markdown]
 # The "PPL ratio" column above is the candidate's perplexity over the float32 engine's on
