@@ -58,6 +58,7 @@ from matplotlib.figure import Figure
 from minivllm import LLM, SamplingParams
 from minivllm.attention.backends.torch_ref import decode_attention_ref
 from minivllm.layers.linear import float_linear
+from minivllm.i18n import Bi, claims_table, say
 from minivllm.precision.batching import decode_logits_beside
 
 torch.manual_seed(0)
@@ -118,10 +119,13 @@ for name, ids in runs.items():
 SEED_BATCH_DIV = first_divergence(ref_seeded, runs["seed 1234, beside a 30-token prompt"])
 RUN_TO_RUN = {k: first_divergence(runs[f"{k}, alone, run 1"], runs[f"{k}, alone, run 2"]) is None
               for k in ("greedy", "seed 1234")}
-print(f"\nrun to run, alone: greedy reproducible {RUN_TO_RUN['greedy']}, seeded reproducible "
-      f"{RUN_TO_RUN['seed 1234']}; the seeded text beside another request "
-      + ("is the same this time" if SEED_BATCH_DIV is None else
-         f"differs from token {SEED_BATCH_DIV} on"))
+print()
+say(f"run to run, alone: greedy reproducible {RUN_TO_RUN['greedy']}, seeded reproducible "
+    f"{RUN_TO_RUN['seed 1234']}; the seeded text beside another request "
+    f"{'is the same this time' if SEED_BATCH_DIV is None else f'differs from token {SEED_BATCH_DIV} on'}",
+    f"单独运行、每次之间：贪心可复现 {RUN_TO_RUN['greedy']}，带随机种子的采样可复现 "
+    f"{RUN_TO_RUN['seed 1234']}；与另一个请求并列时，带随机种子的文本"
+    f"{'这次相同' if SEED_BATCH_DIV is None else f'从第 {SEED_BATCH_DIV} 个 token 起不同'}")
 
 # %% [markdown]
 # Run to run, on one engine and one batch, both should be reproducible, and the line
@@ -160,8 +164,9 @@ for s, a, b, d in zip(SHORTS, alone16, batched16, div16):
     if d is not None:
         print(f"   alone:   {tok.decode(a)!r}\n   batched: {tok.decode(b)!r}")
 N_DIV16 = sum(d is not None for d in div16)
-print(f"default engine, bfloat16: {N_DIV16} of {len(SHORTS)} prompts change their greedy "
-      "text when batched")
+say(f"default engine, bfloat16: {N_DIV16} of {len(SHORTS)} prompts change their greedy "
+    "text when batched",
+    f"默认引擎，bfloat16：{len(SHORTS)} 个提示词中有 {N_DIV16} 个在成批运行时贪心文本发生改变")
 
 # %% [markdown]
 # ## 3. Measured: how large are the differences, and where do they start?
@@ -197,9 +202,12 @@ for name, llm in (("bfloat16", d16), ("float32", d32)):
     pre_batch = llm.score([TARGET, LONG_IDS], output="logits")[0]
     summary[name] = (float(diff.max()), int((diff > 0).sum()), flips,
                      torch.equal(pre_alone, pre_batch))
-    print(f"{name}: decode mode, max |dlogit| {diff.max():.3g}, positions not bitwise equal "
-          f"{int((diff > 0).sum())} of {len(TARGET)}, first at {int((diff > 0).float().argmax())}, "
-          f"argmax flips {flips}; prefill mode bitwise equal: {summary[name][3]}")
+    say(f"{name}: decode mode, max |dlogit| {diff.max():.3g}, positions not bitwise equal "
+        f"{int((diff > 0).sum())} of {len(TARGET)}, first at {int((diff > 0).float().argmax())}, "
+        f"argmax flips {flips}; prefill mode bitwise equal: {summary[name][3]}",
+        f"{name}：decode 模式，max |dlogit| {diff.max():.3g}，{len(TARGET)} 个位置中有 "
+        f"{int((diff > 0).sum())} 个不逐位相等，第一个在位置 {int((diff > 0).float().argmax())}，"
+        f"argmax 翻转 {flips} 次；prefill 模式逐位相等：{summary[name][3]}")
 
 # %%
 fig = Figure(figsize=(7, 3.2), layout="constrained")
@@ -264,10 +272,14 @@ for dtype in (torch.float32, torch.bfloat16):
     # section 3's prefill: the same 12 rows in a GEMM of 12 rows (alone) and of 42 (batched)
     prefill_rows_kept[str(dtype)] = torch.equal(engine_linear(x[:M_PREFILL], w)[:len(TARGET)],
                                                 engine_linear(x[:len(TARGET)], w))
-    print(f"{dtype}: padded SDPA differs from the unpadded one for {changed} of 64 pad "
-          f"lengths; GEMM rows that differ from the same row alone, by M: {gemm_rows}; "
-          f"the first {len(TARGET)} rows have the same bits at M = {len(TARGET)} and "
-          f"M = {M_PREFILL}: {prefill_rows_kept[str(dtype)]}")
+    say(f"{dtype}: padded SDPA differs from the unpadded one for {changed} of 64 pad "
+        f"lengths; GEMM rows that differ from the same row alone, by M: {gemm_rows}; "
+        f"the first {len(TARGET)} rows have the same bits at M = {len(TARGET)} and "
+        f"M = {M_PREFILL}: {prefill_rows_kept[str(dtype)]}",
+        f"{dtype}：在 64 种填充长度中，有 {changed} 种使填充后的 SDPA 与未填充的结果不同；"
+        f"按 M 统计、与同一行单独计算时不同的 GEMM 行数：{gemm_rows}；"
+        f"前 {len(TARGET)} 行在 M = {len(TARGET)} 与 "
+        f"M = {M_PREFILL} 时比特相同：{prefill_rows_kept[str(dtype)]}")
 
 # %% [markdown]
 # What these counts are depends on the CPU, because the kernels do. PyTorch's CPU GEMMs
@@ -299,30 +311,48 @@ def first_changed_m(by_m):
 (F32_PADS, F32_GEMM), (B16_PADS, B16_GEMM) = pad_rows["torch.float32"], pad_rows["torch.bfloat16"]
 M32, M16 = first_changed_m(F32_GEMM), first_changed_m(B16_GEMM)
 dl32, dl16 = summary["float32"][0], summary["bfloat16"][0]
-print(f"- attention: the pad length changes the bits for {F32_PADS} of 64 pad lengths in "
-      f"float32 and {B16_PADS} of 64 in bfloat16"
-      + (" (it depends on the padding in both dtypes)" if F32_PADS and B16_PADS else ""))
-print(f"- section 3, decode mode: float32's logits moved by up to {dl32:.2g}, bfloat16's by "
-      f"{dl16:.2g}" + (f" ({dl16 / dl32:,.0f}x more)" if dl32 else ""))
-print("- float32 GEMM: " + (f"rows change from M = {M32} ({F32_GEMM[M32]} of {M32} rows), "
-                            f"{F32_GEMM[max(F32_GEMM)]} of {max(F32_GEMM)} at M = {max(F32_GEMM)}"
-                            if M32 else "no row changes up to M = 64"))
+say(f"- attention: the pad length changes the bits for {F32_PADS} of 64 pad lengths in "
+    f"float32 and {B16_PADS} of 64 in bfloat16"
+    f"{' (it depends on the padding in both dtypes)' if F32_PADS and B16_PADS else ''}",
+    f"- 注意力：填充长度改变了比特的情况，float32 为 64 种填充长度中的 {F32_PADS} 种，"
+    f"bfloat16 为 64 种中的 {B16_PADS} 种"
+    f"{'（在两种 dtype 中都取决于填充）' if F32_PADS and B16_PADS else ''}")
+say(f"- section 3, decode mode: float32's logits moved by up to {dl32:.2g}, bfloat16's by "
+    f"{dl16:.2g}{f' ({dl16 / dl32:,.0f}x more)' if dl32 else ''}",
+    f"- 第 3 节，decode 模式：float32 的 logits 最多变化 {dl32:.2g}，bfloat16 的变化 "
+    f"{dl16:.2g}{f'（多 {dl16 / dl32:,.0f}x）' if dl32 else ''}")
+say(Bi(f"- float32 GEMM: rows change from M = {M32} ({F32_GEMM[M32]} of {M32} rows), "
+       f"{F32_GEMM[max(F32_GEMM)]} of {max(F32_GEMM)} at M = {max(F32_GEMM)}",
+       f"- float32 GEMM：从 M = {M32} 起有行改变（{M32} 行中的 {F32_GEMM[M32]} 行），"
+       f"M = {max(F32_GEMM)} 时 {max(F32_GEMM)} 行中有 {F32_GEMM[max(F32_GEMM)]} 行")
+    if M32 else Bi("- float32 GEMM: no row changes up to M = 64",
+                   "- float32 GEMM：直到 M = 64 都没有行改变"))
 if M16 is None:
-    print("- bfloat16 GEMM: no row changes up to M = 64, so with these shapes the padding is "
-          "the whole story in bfloat16")
+    say("- bfloat16 GEMM: no row changes up to M = 64, so with these shapes the padding is "
+        "the whole story in bfloat16",
+        "- bfloat16 GEMM：直到 M = 64 都没有行改变，所以在这些形状下，bfloat16 的问题完全来自填充")
 else:
     below = [m for m in B16_GEMM if m < M16]
-    print(f"- bfloat16 GEMM: {f'no row changes up to M = {max(below)}; ' if below else ''}"
-          f"from M = {M16} rows change ({B16_GEMM[M16]} of {M16}, {B16_GEMM[max(B16_GEMM)]} "
-          f"of {max(B16_GEMM)} at M = {max(B16_GEMM)}). A step of {M16} rows or more (a "
-          "prefill chunk beside the decodes reaches that easily) has two causes in bfloat16; "
-          f"decode steps alone of fewer than {M16} sequences have only the padding")
+    say(f"- bfloat16 GEMM: {f'no row changes up to M = {max(below)}; ' if below else ''}"
+        f"from M = {M16} rows change ({B16_GEMM[M16]} of {M16}, {B16_GEMM[max(B16_GEMM)]} "
+        f"of {max(B16_GEMM)} at M = {max(B16_GEMM)}). A step of {M16} rows or more (a "
+        "prefill chunk beside the decodes reaches that easily) has two causes in bfloat16; "
+        f"decode steps alone of fewer than {M16} sequences have only the padding",
+        f"- bfloat16 GEMM：{f'直到 M = {max(below)} 都没有行改变；' if below else ''}"
+        f"从 M = {M16} 起有行改变（{M16} 行中的 {B16_GEMM[M16]} 行，M = {max(B16_GEMM)} 时 "
+        f"{max(B16_GEMM)} 行中的 {B16_GEMM[max(B16_GEMM)]} 行）。{M16} 行或更多行的步骤"
+        "（与 decode 并列的一个 prefill 分块很容易达到）在 bfloat16 中有两个原因；"
+        f"只有少于 {M16} 个序列的纯 decode 步骤则只有填充这一个原因")
 for name in ("bfloat16", "float32"):
     kept = prefill_rows_kept["torch." + name]
-    print(f"- prefill mode, {name}: scores alone and batched are "
-          f"{'bitwise equal' if summary[name][3] else 'NOT bitwise equal'}; this {name} GEMM "
-          f"{'keeps' if kept else 'changes'} the first {len(TARGET)} rows' bits between "
-          f"M = {len(TARGET)} and M = {M_PREFILL}")
+    say(f"- prefill mode, {name}: scores alone and batched are "
+        f"{'bitwise equal' if summary[name][3] else 'NOT bitwise equal'}; this {name} GEMM "
+        f"{'keeps' if kept else 'changes'} the first {len(TARGET)} rows' bits between "
+        f"M = {len(TARGET)} and M = {M_PREFILL}",
+        f"- prefill 模式，{name}：单独与成批的打分"
+        f"{'逐位相等' if summary[name][3] else '不逐位相等'}；这个 {name} GEMM 在 "
+        f"M = {len(TARGET)} 与 M = {M_PREFILL} 之间{'保持' if kept else '改变'}了"
+        f"前 {len(TARGET)} 行的比特")
 
 # %% [markdown]
 # Nothing here is random: each composition gives the same bits every time (section 1
@@ -355,8 +385,20 @@ batched_i16 = tokens(i16, SHORTS + [LONG], greedy16)
 secs_i16 = time.perf_counter() - t
 div_i16 = [first_divergence(a, b) for a, b in zip(alone16, batched_i16)]
 N_DIV_I16 = sum(d is not None for d in div_i16)
-print(f"batch_invariant, bfloat16: {N_DIV_I16} of {len(SHORTS)} prompts change their greedy "
-      f"text when batched (first divergences {div_i16})")
+say(f"batch_invariant, bfloat16: {N_DIV_I16} of {len(SHORTS)} prompts change their greedy "
+    f"text when batched (first divergences {div_i16})",
+    f"batch_invariant，bfloat16：{len(SHORTS)} 个提示词中有 {N_DIV_I16} 个在成批运行时贪心文本"
+    f"发生改变（首次分歧位置 {div_i16}）")
+COMPANIONS_ZH = {"beside the 30-token prompt": "与 30 token 的提示词并列",
+                 "beside 3 prompts (5, 30, 12 tokens)": "与 3 个提示词并列（5、30、12 个 token）"}
+
+
+def checks_text(eq, lang):
+    """``eq`` ({companions: bool}) as printed: the dict itself in English, its keys translated
+    in Chinese."""
+    return str(eq) if lang == "en" else str({COMPANIONS_ZH[c]: v for c, v in eq.items()})
+
+
 inv_checks = {}
 for name, llm, dflt in (("bfloat16", i16, d16), ("float32", i32, d32)):
     alone = decode_logits(llm, [])
@@ -371,8 +413,10 @@ for name, llm, dflt in (("bfloat16", i16, d16), ("float32", i32, d32)):
         if c == "beside the 30-token prompt":
             score_secs[("batch_invariant", name)] = time.perf_counter() - t
     inv_checks[name] = eq
-    print(f"{name}: decode logits bitwise equal to alone: {eq}; alone equals the default "
-          f"engine's alone: {torch.equal(alone, alone_default[name])}")
+    say(f"{name}: decode logits bitwise equal to alone: {checks_text(eq, 'en')}; alone equals "
+        f"the default engine's alone: {torch.equal(alone, alone_default[name])}",
+        f"{name}：decode logits 与单独运行时逐位相等：{checks_text(eq, 'zh')}；单独运行的结果等于"
+        f"默认引擎单独运行的结果：{torch.equal(alone, alone_default[name])}")
 
 # %% [markdown]
 # The cost, measured side by side in this run: the batched generation of section 2 (4
@@ -391,13 +435,32 @@ for name in ("bfloat16", "float32"):
     n_tok = 2 * len(TARGET) + 1  # the 12 scored positions and the 13 generated beside them
     cost[f"{name} decode score"] = (n_tok / score_secs[("default", name)],
                                     n_tok / score_secs[("batch_invariant", name)])
+COST_ZH = {"bfloat16 generate": "bfloat16 生成", "bfloat16 decode score": "bfloat16 decode 打分",
+           "float32 decode score": "float32 decode 打分"}
+
+
+def tr(text, lang):
+    """The ``lang`` ("en" or "zh") text of a ``Bi``."""
+    return getattr(text, lang)
+
+
+def cost_name(name, lang):
+    """A ``cost`` key in ``lang``."""
+    return name if lang == "en" else COST_ZH[name]
+
+
 def slower(d, i):
-    """The mode's cost as a ratio of default to batch-invariant tokens/s, in words."""
-    return f"{d / i:.2f}x slower" if d >= i else f"{i / d:.2f}x FASTER (no cost in this sample)"
+    """The mode's cost as a ratio of default to batch-invariant tokens/s, in words (Bi)."""
+    return (Bi(f"{d / i:.2f}x slower", f"慢 {d / i:.2f} 倍") if d >= i else
+            Bi(f"{i / d:.2f}x FASTER (no cost in this sample)",
+               f"反而快 {i / d:.2f} 倍（本次采样中没有代价）"))
 
 
 for name, (d, i) in cost.items():
-    print(f"{name}: default {d:.1f} tok/s, batch_invariant {i:.1f} tok/s: {slower(d, i)}")
+    say(f"{cost_name(name, 'en')}: default {d:.1f} tok/s, batch_invariant {i:.1f} tok/s: "
+        f"{tr(slower(d, i), 'en')}",
+        f"{cost_name(name, 'zh')}：默认 {d:.1f} tok/s，batch_invariant {i:.1f} tok/s："
+        f"{tr(slower(d, i), 'zh')}")
 
 fig2 = Figure(figsize=(7, 2.8), layout="constrained")
 ax = fig2.add_subplot()
@@ -419,55 +482,86 @@ fig2
 # of this engine) and from the incidents; the right column is this run.
 
 # %%
-def holds(ok):
-    return "holds here" if ok else "does NOT hold here"
+def holds(ok, lang):
+    """A verdict in ``lang`` ("en" or "zh")."""
+    return tr(Bi("holds here", "此处成立") if ok else Bi("does NOT hold here", "此处不成立"), lang)
 
 
+def prefill_inference(n):
+    """Section 3's two checks for dtype ``n``, in words (Bi)."""
+    dep, eq = summary[n][1], summary[n][3]
+    why = (Bi(" (the batch, not prefill, changes the text)", "（改变文本的是批次，而不是 prefill）")
+           if dep and eq else
+           Bi(" (prefill depends on the batch too: its GEMM, section 4)",
+              "（prefill 也依赖批次：原因在它的 GEMM，第 4 节）") if not eq else Bi("", ""))
+    return Bi(f"{n}: decode logits {'depend' if dep else 'do not depend'} on the batch, "
+              f"prefill scores {'are bitwise equal' if eq else 'change'} batched{tr(why, 'en')}",
+              f"{n}：decode logits {'依赖' if dep else '不依赖'}批次，prefill 打分在成批时"
+              f"{'逐位相等' if eq else '改变'}{tr(why, 'zh')}")
+
+
+DTYPES = ("bfloat16", "float32")
 rows = [
-    ("Temperature 0 gives the same text every run",
-     f"run to run, on one batch (section 1): {holds(RUN_TO_RUN['greedy'])}"),
-    ("A per-request seed makes sampling reproducible",
-     f"alone, run to run: {holds(RUN_TO_RUN['seed 1234'])}; beside another prompt "
-     + ("the seeded text was the same this time" if SEED_BATCH_DIV is None else
-        f"NO: the seeded text first differs at token {SEED_BATCH_DIV}")),
-    ("bf16: 2 of 3 chat prompts diverge when batched (plan, at tokens 31 and 32)",
-     f"{N_DIV16} of 3 short prompts diverge, first divergences {div16}"),
-    ("fp32: decode logits alone vs batched differ up to 4.8e-5 (plan)",
-     f"max |dlogit| {summary['float32'][0]:.2g} here, {summary['float32'][1]} of 12 "
-     f"positions not bitwise equal"),
-    ("bf16 decode logits alone vs batched",
-     f"max |dlogit| {summary['bfloat16'][0]:.3g}, argmax flips {summary['bfloat16'][2]}"),
-    ("Prefill scoring in a batch is bitwise equal (plan)",
-     "; ".join(f"{n}: {holds(summary[n][3])} (GEMM rows kept from M = {len(TARGET)} to "
-               f"{M_PREFILL}: {prefill_rows_kept['torch.' + n]})" for n in ("bfloat16", "float32"))),
-    ("Seed 000: the same prompt gives different outputs across requests, so the "
-     "problem is in prefill",
-     "the inference does not follow: " + "; ".join(
-         f"{n}: decode logits {'depend' if summary[n][1] else 'do not depend'} on the batch, "
-         f"prefill scores {'are bitwise equal' if summary[n][3] else 'change'} batched"
-         + (" (the batch, not prefill, changes the text)" if summary[n][1] and summary[n][3]
-            else " (prefill depends on the batch too: its GEMM, section 4)"
-            if not summary[n][3] else "")
-         for n in ("bfloat16", "float32"))
-     + ": varying outputs point at the batch, and only a per-path check says which path"),
-    ("Padded SDPA depends on the pad length (plan: every pad length 1..300)",
-     f"fp32 {pad_rows['torch.float32'][0]} of 64, bf16 {pad_rows['torch.bfloat16'][0]} "
-     "of 64 pad lengths"),
-    ("Linears: fp32 MKL not M-invariant, bf16 M-invariant (plan)",
-     f"fp32 not M-invariant: {holds(M32 is not None)}; bf16 M-invariant up to M = 64: "
-     f"{holds(M16 is None)}{f' (rows change from M = {M16})' if M16 else ''}; rows differing "
-     f"by M: fp32 {F32_GEMM}, bf16 {B16_GEMM}"),
-    ("Batch-invariant mode: 80 -> 1 distinct completions (Thinking Machines)",
-     f"{N_DIV_I16} of 3 prompts diverge; decode logits bitwise equal batched and alone: "
-     f"bf16 {all(inv_checks['bfloat16'].values())}, fp32 {all(inv_checks['float32'].values())}"),
-    ("It costs ~1.6x in tokens/s (vLLM summary)",
-     "here " + ", ".join(f"{slower(d, i)} ({n})" for n, (d, i) in cost.items())
-     + ", one sample each on CPU"),
+    (Bi("Temperature 0 gives the same text every run", "temperature 0 每次运行都给出相同的文本"),
+     Bi(f"run to run, on one batch (section 1): {holds(RUN_TO_RUN['greedy'], 'en')}",
+        f"同一批次上每次运行之间（第 1 节）：{holds(RUN_TO_RUN['greedy'], 'zh')}")),
+    (Bi("A per-request seed makes sampling reproducible", "逐请求随机种子让采样可复现"),
+     Bi(f"alone, run to run: {holds(RUN_TO_RUN['seed 1234'], 'en')}; beside another prompt "
+        f"{'the seeded text was the same this time' if SEED_BATCH_DIV is None else f'NO: the seeded text first differs at token {SEED_BATCH_DIV}'}",
+        f"单独运行、每次之间：{holds(RUN_TO_RUN['seed 1234'], 'zh')}；与另一个提示词并列时"
+        f"{'带随机种子的文本这次相同' if SEED_BATCH_DIV is None else f'不成立：带随机种子的文本从第 {SEED_BATCH_DIV} 个 token 起不同'}")),
+    (Bi("bf16: 2 of 3 chat prompts diverge when batched (plan, at tokens 31 and 32)",
+        "bf16：3 个对话提示词中有 2 个在成批时出现分歧（plan，分别在第 31 和第 32 个 token）"),
+     Bi(f"{N_DIV16} of 3 short prompts diverge, first divergences {div16}",
+        f"3 个短提示词中有 {N_DIV16} 个出现分歧，首次分歧位置 {div16}")),
+    (Bi("fp32: decode logits alone vs batched differ up to 4.8e-5 (plan)",
+        "fp32：decode logits 单独与成批相比最多相差 4.8e-5（plan）"),
+     Bi(f"max |dlogit| {summary['float32'][0]:.2g} here, {summary['float32'][1]} of 12 "
+        f"positions not bitwise equal",
+        f"此处 max |dlogit| {summary['float32'][0]:.2g}，12 个位置中有 {summary['float32'][1]} "
+        f"个不逐位相等")),
+    (Bi("bf16 decode logits alone vs batched", "bf16 decode logits：单独与成批对比"),
+     Bi(f"max |dlogit| {summary['bfloat16'][0]:.3g}, argmax flips {summary['bfloat16'][2]}",
+        f"max |dlogit| {summary['bfloat16'][0]:.3g}，argmax 翻转 {summary['bfloat16'][2]} 次")),
+    (Bi("Prefill scoring in a batch is bitwise equal (plan)", "成批的 prefill 打分逐位相等（plan）"),
+     Bi("; ".join(f"{n}: {holds(summary[n][3], 'en')} (GEMM rows kept from M = {len(TARGET)} to "
+                  f"{M_PREFILL}: {prefill_rows_kept['torch.' + n]})" for n in DTYPES),
+        "；".join(f"{n}：{holds(summary[n][3], 'zh')}（GEMM 行从 M = {len(TARGET)} 到 "
+                 f"{M_PREFILL} 保持不变：{prefill_rows_kept['torch.' + n]}）" for n in DTYPES))),
+    (Bi("Seed 000: the same prompt gives different outputs across requests, so the "
+        "problem is in prefill",
+        "种子课程 000：同一个提示词在不同请求中给出不同的输出，所以问题出在 prefill"),
+     Bi("the inference does not follow: " + "; ".join(prefill_inference(n).en for n in DTYPES)
+        + ": varying outputs point at the batch, and only a per-path check says which path",
+        "这一推论不成立：" + "；".join(prefill_inference(n).zh for n in DTYPES)
+        + "：输出变化指向的是批次，只有逐条路径的检查才能说明是哪条路径")),
+    (Bi("Padded SDPA depends on the pad length (plan: every pad length 1..300)",
+        "填充后的 SDPA 取决于填充长度（plan：1..300 的每一种填充长度）"),
+     Bi(f"fp32 {pad_rows['torch.float32'][0]} of 64, bf16 {pad_rows['torch.bfloat16'][0]} "
+        "of 64 pad lengths",
+        f"fp32：64 种填充长度中有 {pad_rows['torch.float32'][0]} 种，bf16：64 种中有 "
+        f"{pad_rows['torch.bfloat16'][0]} 种")),
+    (Bi("Linears: fp32 MKL not M-invariant, bf16 M-invariant (plan)",
+        "线性层：fp32 MKL 不具备 M 不变性，bf16 具备 M 不变性（plan）"),
+     Bi(f"fp32 not M-invariant: {holds(M32 is not None, 'en')}; bf16 M-invariant up to M = 64: "
+        f"{holds(M16 is None, 'en')}{f' (rows change from M = {M16})' if M16 else ''}; rows differing "
+        f"by M: fp32 {F32_GEMM}, bf16 {B16_GEMM}",
+        f"fp32 不具备 M 不变性：{holds(M32 is not None, 'zh')}；bf16 直到 M = 64 都具备 M 不变性："
+        f"{holds(M16 is None, 'zh')}{f'（从 M = {M16} 起有行改变）' if M16 else ''}；按 M 统计"
+        f"不同的行数：fp32 {F32_GEMM}，bf16 {B16_GEMM}")),
+    (Bi("Batch-invariant mode: 80 -> 1 distinct completions (Thinking Machines)",
+        "批不变模式：不同的补全从 80 -> 1 种（Thinking Machines）"),
+     Bi(f"{N_DIV_I16} of 3 prompts diverge; decode logits bitwise equal batched and alone: "
+        f"bf16 {all(inv_checks['bfloat16'].values())}, fp32 {all(inv_checks['float32'].values())}",
+        f"3 个提示词中有 {N_DIV_I16} 个出现分歧；decode logits 成批与单独逐位相等："
+        f"bf16 {all(inv_checks['bfloat16'].values())}，fp32 {all(inv_checks['float32'].values())}")),
+    (Bi("It costs ~1.6x in tokens/s (vLLM summary)", "它在 tokens/s 上的代价约为 1.6x（vLLM 的总结）"),
+     Bi("here " + ", ".join(f"{slower(d, i).en} ({n})" for n, (d, i) in cost.items())
+        + ", one sample each on CPU",
+        "此处 " + "，".join(f"{slower(d, i).zh}（{COST_ZH[n]}）" for n, (d, i) in cost.items())
+        + "，均为 CPU 上的单次采样")),
 ]
-w = max(len(c) for c, _ in rows)
-print(f"{'claim':<{w}}  measured here")
-for c, m in rows:
-    print(f"{c:<{w}}  {m}")
+claims_table(rows)
 
 # %% [markdown]
 # ## 7. Misconceptions
