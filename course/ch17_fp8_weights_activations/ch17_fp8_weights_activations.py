@@ -79,6 +79,7 @@ import torch
 from matplotlib.figure import Figure
 
 from minivllm import LLM, SamplingParams
+from minivllm.i18n import Bi, claims_table, say
 from minivllm.layers.linear import QuantLinear
 from minivllm.precision import evalsets, faults, metrics
 from minivllm.quantization import weight_quant as wq
@@ -337,8 +338,10 @@ def qa_acc(llm, label):
 f32_texts = [tok.decode(tok.encode(it.reference_output, add_special_tokens=False)[:12]) for it in qa]
 f32_ok = [float(evalsets.answer_matches(t, it.answers)) for t, it in zip(f32_texts, qa)]
 RES["float32"] = {"acc": float(np.mean(f32_ok)), "acc_ci": metrics.bootstrap_ci(f32_ok), "ok": f32_ok}
-print(f"float32 (stored answers, first 12 tokens): {RES['float32']['acc']:.0%} of {len(qa)} "
-      f"questions ({', '.join(sorted({it.category for it in qa}))})")
+say(f"float32 (stored answers, first 12 tokens): {RES['float32']['acc']:.0%} of {len(qa)} "
+    f"questions ({', '.join(sorted({it.category for it in qa}))})",
+    f"float32（存储的答案，前 12 个 token）：{len(qa)} 道题中答对 {RES['float32']['acc']:.0%}"
+    f"（{', '.join(sorted({it.category for it in qa}))}）")
 
 
 def dynamic(x, q_w, w_scale, x_scale, bias):
@@ -379,8 +382,10 @@ for label in (STATIC, DYN, DROP_ALL):
 print(f"| {CHAN} (not run here: RESULTS.md, 2,560 positions) | 0.0254 [0.0233, 0.0275] | - | - | "
       f"90.04% | - | {bench_cell(CHAN)} |")
 _a, _b = RES[DROP_ALL]["acc_ci"], RES[DYN]["acc_ci"]
-print(f"QA on {len(qa)} questions, missing scale against dynamic: the CIs "
-      f"{'overlap' if _a[0] <= _b[1] and _b[0] <= _a[1] else 'do not overlap'}")
+say(f"QA on {len(qa)} questions, missing scale against dynamic: the CIs "
+    f"{'overlap' if _a[0] <= _b[1] and _b[0] <= _a[1] else 'do not overlap'}",
+    f"{len(qa)} 道题上的 QA，缺失缩放因子对比动态：CI "
+    f"{'重叠' if _a[0] <= _b[1] and _b[0] <= _a[1] else '不重叠'}")
 
 # %% [markdown]
 # Dynamic per-token scales have a lower KL than the calibrated static scale (on these
@@ -418,11 +423,15 @@ amax_chat = {n: m.input_scale.clone() * 448 for n, m in FP8_LAYERS.items()}
 ratio = {n: float(amax_corpus[n] / amax_chat[n]) for n in FP8_LAYERS}
 grown = {n: r for n, r in ratio.items() if r > 1}
 worst = sorted(grown.items(), key=lambda kv: -kv[1])[:4]
-print(f"layers whose prose amax exceeds the chat calibration's: {len(grown)} of {len(ratio)}; "
-      f"the largest ratios: {', '.join(f'{n} {r:.2f}x' for n, r in worst)}")
+say(f"layers whose prose amax exceeds the chat calibration's: {len(grown)} of {len(ratio)}; "
+    f"the largest ratios: {', '.join(f'{n} {r:.2f}x' for n, r in worst)}",
+    f"散文 amax 超过对话校准值的层：{len(ratio)} 个中有 {len(grown)} 个；"
+    f"最大的比值：{', '.join(f'{n} {r:.2f}x' for n, r in worst)}")
 sat_eval = {n: int((X[n].abs() > amax_chat[n]).sum()) for n in FP8_LAYERS}
-print(f"evaluation windows: {sum(sat_eval.values())} input values saturate under the chat "
-      f"scales, in {sum(v > 0 for v in sat_eval.values())} layers")
+say(f"evaluation windows: {sum(sat_eval.values())} input values saturate under the chat "
+    f"scales, in {sum(v > 0 for v in sat_eval.values())} layers",
+    f"评测窗口：在对话缩放因子下有 {sum(sat_eval.values())} 个输入值饱和，"
+    f"分布在 {sum(v > 0 for v in sat_eval.values())} 个层中")
 
 
 def set_scales(scales):
@@ -441,8 +450,9 @@ print(HEAD)
 for label in (CAL_CHAT, CAL_CORPUS, DYN):
     print(row(label))
 _a, _b = RES[CAL_CHAT]["ci"], RES[CAL_CORPUS]["ci"]
-cal_overlap = "overlap" if _a[0] <= _b[1] and _b[0] <= _a[1] else "do not overlap"
-print(f"chats-calibrated against prose-calibrated: the CIs {cal_overlap}")
+cal_ov = _a[0] <= _b[1] and _b[0] <= _a[1]
+say(f"chats-calibrated against prose-calibrated: the CIs {'overlap' if cal_ov else 'do not overlap'}",
+    f"对话校准对比散文校准：CI {'重叠' if cal_ov else '不重叠'}")
 
 # %% [markdown]
 # Prose pushes about a third of the layers past the chat calibration's maxima (the lines
@@ -484,13 +494,20 @@ w_over_kv = RES[DYN]["kl"] / RES[KV]["kl"]
 sep = RES[DYN]["ci"][0] > RES[KV]["ci"][1]
 print(f"float32 QA on the same questions: {RES['float32']['acc']:.0%}")
 _accs = {RES[k]["acc"] for k in ("float32", DYN, KV, BOTH)}
-qa_note = ("the same for all" if len(_accs) == 1 else "CIs overlap"
-           if max(RES[k]["acc_ci"][0] for k in (DYN, KV, BOTH)) <= min(RES[k]["acc_ci"][1] for k in (DYN, KV, BOTH))
-           else "CIs separate")
-print(f"QA, W8A8 / KV / both on {len(qa)} questions: {qa_note}")
-print(f"\nW8A8 / KV-cache KL: {w_over_kv:.1f}x; the CIs "
-      f"{'do not overlap' if sep else 'overlap'}; both together / sum of the two alone: "
-      f"{RES[BOTH]['kl'] / (RES[DYN]['kl'] + RES[KV]['kl']):.2f}")
+qa_same = len(_accs) == 1
+qa_ov = (max(RES[k]["acc_ci"][0] for k in (DYN, KV, BOTH))
+         <= min(RES[k]["acc_ci"][1] for k in (DYN, KV, BOTH)))
+say(f"QA, W8A8 / KV / both on {len(qa)} questions: "
+    f"{'the same for all' if qa_same else 'CIs overlap' if qa_ov else 'CIs separate'}",
+    f"{len(qa)} 道题上的 QA，W8A8 / KV / 两者兼有："
+    f"{'全部相同' if qa_same else 'CI 重叠' if qa_ov else 'CI 分开'}")
+print()
+say(f"W8A8 / KV-cache KL: {w_over_kv:.1f}x; the CIs "
+    f"{'do not overlap' if sep else 'overlap'}; both together / sum of the two alone: "
+    f"{RES[BOTH]['kl'] / (RES[DYN]['kl'] + RES[KV]['kl']):.2f}",
+    f"W8A8 / KV cache 的 KL 之比：{w_over_kv:.1f}x；CI "
+    f"{'不重叠' if sep else '重叠'}；两者兼有 / 两者单独之和："
+    f"{RES[BOTH]['kl'] / (RES[DYN]['kl'] + RES[KV]['kl']):.2f}")
 
 # %%
 labels = [STATIC, CAL_CORPUS, DYN, KV, BOTH, DROP_3, DROP_ALL]
@@ -613,18 +630,25 @@ for label, fn in SCHEMES.items():
           f"{b['e1']:.4f} | {b['eb']:.4f} |")
 q_all, _ = int8_activation(x_batch, True)
 bound = int((q_all.abs().double() @ w_q8.abs().double().T).max())  # exact in float64
-print(f"int8 per token: the largest sum of |products| in any output is {bound:,}; below 2^24 "
-      f"= {2 ** 24:,} (every partial sum an exact float32 integer, in any order): "
-      f"{bound < 2 ** 24}")
+say(f"int8 per token: the largest sum of |products| in any output is {bound:,}; below 2^24 "
+    f"= {2 ** 24:,} (every partial sum an exact float32 integer, in any order): "
+    f"{bound < 2 ** 24}",
+    f"int8 逐 token：任一输出中 |乘积| 之和的最大值为 {bound:,}；低于 2^24 "
+    f"= {2 ** 24:,}（无论什么顺序，每个部分和都是精确的 float32 整数）："
+    f"{bound < 2 ** 24}")
 s_step8 = BATCH["int8, one dynamic scale per step"]["sb"]
 zero8 = float((torch.round(x_alone / s_step8) == 0).float().mean())
 s_step_fp8 = BATCH["fp8, one dynamic scale per step (vLLM's online fp8)"]["sb"]
 s_own_fp8 = BATCH["fp8, one dynamic scale per step (vLLM's online fp8)"]["s1"]
 sub_own = float((x_alone.abs() < 2.0 ** -6 * s_own_fp8).float().mean())
 sub_step = float((x_alone.abs() < 2.0 ** -6 * s_step_fp8).float().mean())
-print(f"A with the step's scale: int8 stores {zero8:.0%} of A's values as 0; fp8 puts "
-      f"{sub_step:.0%} of them below 2^-6 · s (subnormal or 0), against {sub_own:.0%} with "
-      f"A's own scale  ({time.perf_counter() - t:.1f} s)")
+elapsed = time.perf_counter() - t
+say(f"A with the step's scale: int8 stores {zero8:.0%} of A's values as 0; fp8 puts "
+    f"{sub_step:.0%} of them below 2^-6 · s (subnormal or 0), against {sub_own:.0%} with "
+    f"A's own scale  ({elapsed:.1f} s)",
+    f"A 使用这一步的缩放因子时：int8 把 A 的值中的 {zero8:.0%} 存为 0；fp8 把其中 "
+    f"{sub_step:.0%} 推到 2^-6 · s 以下（次正规数或 0），而用 A 自己的缩放因子时为 {sub_own:.0%}"
+    f"（{elapsed:.1f} s）")
 
 # %% [markdown]
 # Read the first three rows by their two "bit-identical" columns, the last two by their
@@ -648,62 +672,108 @@ print(f"A with the step's scale: int8 stores {zero8:.0%} of A's values as 0; fp8
 
 # %%
 r = RES
+dyn_best = all(r[DYN]["kl"] < r[k]["kl"] for k in (STATIC, CAL_CORPUS, CAL_CHAT, DROP_ALL, DROP_3))
 claims = [
-    ("seed 000 §2.4.3: fp8 weights hurt less than an fp8 KV cache (91.5 % vs 89 % from 92 %)",
-     ("reversed here" if sep and w_over_kv > 1 else "as claimed here" if sep else
-      "not resolved here (CIs overlap)")
-     + f": KL W8A8 {r[DYN]['kl']:.3g} [{r[DYN]['ci'][0]:.3g}, {r[DYN]['ci'][1]:.3g}] "
-     f"vs fp8 KV {r[KV]['kl']:.3g} [{r[KV]['ci'][0]:.3g}, {r[KV]['ci'][1]:.3g}] ({w_over_kv:.1f}x), "
-     f"both {r[BOTH]['kl']:.3g}; QA on {len(qa)} questions: {r[DYN]['acc']:.0%}, {r[KV]['acc']:.0%}, "
-     f"{r[BOTH]['acc']:.0%} ({qa_note}: QA on so few questions cannot rank them, KL can)"),
-    ("the layer-11 down_proj input reaches about 2,800, above e4m3's 448",
-     f"here {per_layer['layers.11.mlp.down_proj']:,.0f} (layer 28: "
-     f"{per_layer['layers.28.mlp.down_proj']:,.0f}, 29: {per_layer['layers.29.mlp.down_proj']:,.0f}), "
-     f"at the first token of every window only; every other input <= {rest:.0f}"),
-    ("a missing input scale (1.0) saturates the outlier and costs a large KL at that token",
-     ("confirmed" if r[DROP_ALL]["kl_first"] > 10 * r[STATIC]["kl_first"] else "not confirmed")
-     + f": first-position KL {r[DROP_ALL]['kl_first']:.2f} nats vs "
-     f"{r[STATIC]['kl_first']:.3g} calibrated; the other positions {r[DROP_ALL]['kl_rest']:.3g} vs "
-     f"{r[STATIC]['kl_rest']:.3g}; planted in layers 11/28/29 alone: {r[DROP_3]['kl']:.3g} "
-     f"(all layers {r[DROP_ALL]['kl']:.3g}); QA {r[DROP_ALL]['acc']:.0%} vs dynamic "
-     f"{r[DYN]['acc']:.0%}, float32 {r['float32']['acc']:.0%}"),
-    ("RESULTS: fp8 dynamic per tensor KL 0.0241, static 0.0292, per channel 0.0254",
-     ("same order here" if r[DYN]["kl"] < r[STATIC]["kl"] else "the other order here")
-     + f" on {sum(map(len, windows))} positions: dynamic {r[DYN]['kl']:.3g}, static "
-     f"{r[STATIC]['kl']:.3g}, "
-     f"per channel 0.0254 (RESULTS; not run here)"),
-    ("static scales calibrated on chats saturate on prose (vllm PR #4570's failure)",
-     f"{len(grown)} of {len(ratio)} layers see larger prose inputs (up to {worst[0][1]:.1f}x); "
-     f"{sum(sat_eval.values())} evaluation values saturate; KL chats-calibrated "
-     f"{r[CAL_CHAT]['kl']:.3g}, prose-calibrated {r[CAL_CORPUS]['kl']:.3g} (CIs {cal_overlap})"),
-    ("the fix is dynamic per-token scales (vllm PR #33972's dynamic input scaling)",
-     f"dynamic KL {r[DYN]['kl']:.3g}, "
-     + ("below every static variant" if all(r[DYN]["kl"] < r[k]["kl"]
-                                            for k in (STATIC, CAL_CORPUS, CAL_CHAT, DROP_ALL, DROP_3))
-        else "not below every static variant")
-     + " and independent of any delivered scale (the lab restores the broken engine this way)"),
+    (Bi("seed 000 §2.4.3: fp8 weights hurt less than an fp8 KV cache (91.5 % vs 89 % from 92 %)",
+        "seed 000 §2.4.3：fp8 权重的损害小于 fp8 KV cache（从 92 % 降到 91.5 % 对 89 %）"),
+     Bi(f"{'reversed here' if sep and w_over_kv > 1 else 'as claimed here' if sep else 'not resolved here (CIs overlap)'}"
+        f": KL W8A8 {r[DYN]['kl']:.3g} [{r[DYN]['ci'][0]:.3g}, {r[DYN]['ci'][1]:.3g}] "
+        f"vs fp8 KV {r[KV]['kl']:.3g} [{r[KV]['ci'][0]:.3g}, {r[KV]['ci'][1]:.3g}] ({w_over_kv:.1f}x), "
+        f"both {r[BOTH]['kl']:.3g}; QA on {len(qa)} questions: {r[DYN]['acc']:.0%}, {r[KV]['acc']:.0%}, "
+        f"{r[BOTH]['acc']:.0%} ({'the same for all' if qa_same else 'CIs overlap' if qa_ov else 'CIs separate'}"
+        f": QA on so few questions cannot rank them, KL can)",
+        f"{'这里结论相反' if sep and w_over_kv > 1 else '这里与论断一致' if sep else '这里无法判定（CI 重叠）'}"
+        f"：KL W8A8 {r[DYN]['kl']:.3g} [{r[DYN]['ci'][0]:.3g}, {r[DYN]['ci'][1]:.3g}] "
+        f"对 fp8 KV {r[KV]['kl']:.3g} [{r[KV]['ci'][0]:.3g}, {r[KV]['ci'][1]:.3g}]（{w_over_kv:.1f}x），"
+        f"两者兼有 {r[BOTH]['kl']:.3g}；{len(qa)} 道题上的 QA：{r[DYN]['acc']:.0%}、{r[KV]['acc']:.0%}、"
+        f"{r[BOTH]['acc']:.0%}（{'全部相同' if qa_same else 'CI 重叠' if qa_ov else 'CI 分开'}"
+        f"：题目这么少，QA 无法给它们排序，KL 可以）")),
+    (Bi("the layer-11 down_proj input reaches about 2,800, above e4m3's 448",
+        "第 11 层 down_proj 的输入达到约 2,800，超过 e4m3 的 448"),
+     Bi(f"here {per_layer['layers.11.mlp.down_proj']:,.0f} (layer 28: "
+        f"{per_layer['layers.28.mlp.down_proj']:,.0f}, 29: {per_layer['layers.29.mlp.down_proj']:,.0f}), "
+        f"at the first token of every window only; every other input <= {rest:.0f}",
+        f"这里为 {per_layer['layers.11.mlp.down_proj']:,.0f}（第 28 层："
+        f"{per_layer['layers.28.mlp.down_proj']:,.0f}，第 29 层：{per_layer['layers.29.mlp.down_proj']:,.0f}），"
+        f"只出现在每个窗口的第一个 token；其他所有输入 <= {rest:.0f}")),
+    (Bi("a missing input scale (1.0) saturates the outlier and costs a large KL at that token",
+        "缺失的输入缩放因子（1.0）让离群值饱和，并在那个 token 上造成很大的 KL"),
+     Bi(f"{'confirmed' if r[DROP_ALL]['kl_first'] > 10 * r[STATIC]['kl_first'] else 'not confirmed'}"
+        f": first-position KL {r[DROP_ALL]['kl_first']:.2f} nats vs "
+        f"{r[STATIC]['kl_first']:.3g} calibrated; the other positions {r[DROP_ALL]['kl_rest']:.3g} vs "
+        f"{r[STATIC]['kl_rest']:.3g}; planted in layers 11/28/29 alone: {r[DROP_3]['kl']:.3g} "
+        f"(all layers {r[DROP_ALL]['kl']:.3g}); QA {r[DROP_ALL]['acc']:.0%} vs dynamic "
+        f"{r[DYN]['acc']:.0%}, float32 {r['float32']['acc']:.0%}",
+        f"{'得到证实' if r[DROP_ALL]['kl_first'] > 10 * r[STATIC]['kl_first'] else '未得到证实'}"
+        f"：第一个位置的 KL 为 {r[DROP_ALL]['kl_first']:.2f} nats，校准时为 "
+        f"{r[STATIC]['kl_first']:.3g}；其他位置 {r[DROP_ALL]['kl_rest']:.3g} 对 "
+        f"{r[STATIC]['kl_rest']:.3g}；只植入第 11/28/29 层：{r[DROP_3]['kl']:.3g}"
+        f"（所有层 {r[DROP_ALL]['kl']:.3g}）；QA {r[DROP_ALL]['acc']:.0%}，动态为 "
+        f"{r[DYN]['acc']:.0%}，float32 为 {r['float32']['acc']:.0%}")),
+    (Bi("RESULTS: fp8 dynamic per tensor KL 0.0241, static 0.0292, per channel 0.0254",
+        "RESULTS：fp8 动态逐张量 KL 0.0241，静态 0.0292，逐通道 0.0254"),
+     Bi(f"{'same order here' if r[DYN]['kl'] < r[STATIC]['kl'] else 'the other order here'}"
+        f" on {sum(map(len, windows))} positions: dynamic {r[DYN]['kl']:.3g}, static "
+        f"{r[STATIC]['kl']:.3g}, "
+        f"per channel 0.0254 (RESULTS; not run here)",
+        f"{'这里顺序相同' if r[DYN]['kl'] < r[STATIC]['kl'] else '这里顺序相反'}"
+        f"（{sum(map(len, windows))} 个位置）：动态 {r[DYN]['kl']:.3g}，静态 "
+        f"{r[STATIC]['kl']:.3g}，"
+        f"逐通道 0.0254（RESULTS；这里没有运行）")),
+    (Bi("static scales calibrated on chats saturate on prose (vllm PR #4570's failure)",
+        "在对话上校准的静态缩放因子在散文上饱和（vllm PR #4570 的故障）"),
+     Bi(f"{len(grown)} of {len(ratio)} layers see larger prose inputs (up to {worst[0][1]:.1f}x); "
+        f"{sum(sat_eval.values())} evaluation values saturate; KL chats-calibrated "
+        f"{r[CAL_CHAT]['kl']:.3g}, prose-calibrated {r[CAL_CORPUS]['kl']:.3g} "
+        f"(CIs {'overlap' if cal_ov else 'do not overlap'})",
+        f"{len(ratio)} 个层中有 {len(grown)} 个看到更大的散文输入（最多 {worst[0][1]:.1f}x）；"
+        f"{sum(sat_eval.values())} 个评测值饱和；KL 对话校准 "
+        f"{r[CAL_CHAT]['kl']:.3g}，散文校准 {r[CAL_CORPUS]['kl']:.3g}"
+        f"（CI {'重叠' if cal_ov else '不重叠'}）")),
+    (Bi("the fix is dynamic per-token scales (vllm PR #33972's dynamic input scaling)",
+        "修复方法是逐 token 的动态缩放因子（vllm PR #33972 的动态输入缩放）"),
+     Bi(f"dynamic KL {r[DYN]['kl']:.3g}, "
+        f"{'below every static variant' if dyn_best else 'not below every static variant'}"
+        " and independent of any delivered scale (the lab restores the broken engine this way)",
+        f"动态 KL {r[DYN]['kl']:.3g}，"
+        f"{'低于每一种静态方案' if dyn_best else '并非低于每一种静态方案'}"
+        "，且不依赖任何送达的缩放因子（实验就用这种方式修复出问题的引擎）")),
 ]
 _tok = [k for k in BATCH if "per token" in k]
 _step = [k for k in BATCH if "per step" in k]
 _int8_same = all(BATCH[k]["same"] for k in _tok[:2])
+_tok_same = ", ".join(f"{k.split(' (')[0]} {BATCH[k]['same']}" for k in _tok)   # labels: data
+_codes_same = all(BATCH[k]["codes"] for k in _tok)
+_step_moves = all(not BATCH[k]["codes"] for k in _step)
+s0, s1 = _step                                       # int8 and fp8, one dynamic scale per step
 claims += [
-    ("per-token dynamic W8A8 makes a request's output depend on its batch (vllm #9567's "
-     "symptom)",
-     ("no for int8: " if _int8_same else "the int8 rows differed here: ")
-     + "A's row alone and in a 97-row step bit-identical: "
-     + ", ".join(f"{k.split(' (')[0]} {BATCH[k]['same']}" for k in _tok)
-     + f"; A's scale and codes identical in all three: "
-     f"{all(BATCH[k]['codes'] for k in _tok)} (int8 sums exact: bound {bound:,} < 2^24 "
-     f"{bound < 2 ** 24}; a difference in the fp8 row comes from the float32 GEMM, chapter 5)"),
-    ("a dynamic per-tensor activation scale (vLLM's online fp8) ties a request to its batch",
-     ("yes" if all(not BATCH[k]["codes"] for k in _step) else "not here")
-     + ": A's scale grows " + ", ".join(
-         f"{BATCH[k]['sb'] / BATCH[k]['s1']:.0f}x ({k.split(',')[0]}: error "
-         f"{BATCH[k]['e1']:.3f} alone, {BATCH[k]['eb']:.3f} batched)" for k in _step)),
+    (Bi("per-token dynamic W8A8 makes a request's output depend on its batch (vllm #9567's "
+        "symptom)",
+        "逐 token 的动态 W8A8 让请求的输出依赖于它的批次（vllm #9567 的症状）"),
+     Bi(f"{'no for int8: ' if _int8_same else 'the int8 rows differed here: '}"
+        f"A's row alone and in a 97-row step bit-identical: {_tok_same}"
+        f"; A's scale and codes identical in all three: "
+        f"{_codes_same} (int8 sums exact: bound {bound:,} < 2^24 "
+        f"{bound < 2 ** 24}; a difference in the fp8 row comes from the float32 GEMM, chapter 5)",
+        f"{'对 int8 不会：' if _int8_same else '这里 int8 的行出现了差异：'}"
+        f"A 的行单独计算与在 97 行的步骤中计算是否逐位相同：{_tok_same}"
+        f"；三种方案中 A 的缩放因子和编码都相同："
+        f"{_codes_same}（int8 的和是精确的：界 {bound:,} < 2^24 "
+        f"{bound < 2 ** 24}；fp8 那一行若有差异，来自 float32 GEMM，见第 5 章）")),
+    (Bi("a dynamic per-tensor activation scale (vLLM's online fp8) ties a request to its batch",
+        "动态的逐张量激活缩放因子（vLLM 的在线 fp8）把请求和它的批次绑在一起"),
+     Bi(f"{'yes' if _step_moves else 'not here'}"
+        f": A's scale grows {BATCH[s0]['sb'] / BATCH[s0]['s1']:.0f}x ({s0.split(',')[0]}: error "
+        f"{BATCH[s0]['e1']:.3f} alone, {BATCH[s0]['eb']:.3f} batched), "
+        f"{BATCH[s1]['sb'] / BATCH[s1]['s1']:.0f}x ({s1.split(',')[0]}: error "
+        f"{BATCH[s1]['e1']:.3f} alone, {BATCH[s1]['eb']:.3f} batched)",
+        f"{'是的' if _step_moves else '这里没有'}"
+        f"：A 的缩放因子增大 {BATCH[s0]['sb'] / BATCH[s0]['s1']:.0f}x（{s0.split(',')[0]}：误差 "
+        f"单独 {BATCH[s0]['e1']:.3f}，成批 {BATCH[s0]['eb']:.3f}），"
+        f"{BATCH[s1]['sb'] / BATCH[s1]['s1']:.0f}x（{s1.split(',')[0]}：误差 "
+        f"单独 {BATCH[s1]['e1']:.3f}，成批 {BATCH[s1]['eb']:.3f}）")),
 ]
-print("| claim | measured |\n|---|---|")
-for c, m in claims:
-    print(f"| {c} | {m} |")
+claims_table(claims, header=(Bi("claim", "论断"), Bi("measured", "实测")))
 
 # %% [markdown]
 # ## Common misconceptions
