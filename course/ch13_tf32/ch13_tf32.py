@@ -67,6 +67,7 @@ import torch
 from matplotlib.figure import Figure
 
 from minivllm import LLM, SamplingParams
+from minivllm.i18n import Bi, claims_table, say
 from minivllm.layers.linear import linear_ref
 from minivllm.numerics import FORMATS, round_to_tf32, tf32_linear
 from minivllm.precision import evalsets, metrics, plots
@@ -268,8 +269,9 @@ def table(names):
 table(["noise floor (fp32, reordered sum)", "tf32", "tf32 in the LM head only"])
 r, c = torch.cat(rows["float32"]), torch.cat(rows["tf32"])
 flipped = (r.argmax(-1) != c.argmax(-1)).nonzero().flatten()
-print("float32's gap between its top two logits where TF32 flips the top-1:",
-      [round(float(v[0] - v[1]), 4) for v in r[flipped].topk(2, dim=-1).values] or "no flips")
+gaps = [round(float(v[0] - v[1]), 4) for v in r[flipped].topk(2, dim=-1).values]
+say(f"float32's gap between its top two logits where TF32 flips the top-1: {gaps or 'no flips'}",
+    f"TF32 翻转 top-1 之处，float32 最大两个 logits 之差：{gaps or '没有翻转'}")
 del r, c
 
 # %% [markdown]
@@ -321,8 +323,10 @@ def digit_stats(name):
 
 for name in ["float32", "tf32"]:
     right, flips, total = digit_stats(name)
-    print(f"{name:8}: digit accuracy {right}/{total} = {100 * right / total:.1f}%, "
-          f"top-1 flips against float32 at answer digits: {flips}/{total}")
+    say(f"{name:8}: digit accuracy {right}/{total} = {100 * right / total:.1f}%, "
+        f"top-1 flips against float32 at answer digits: {flips}/{total}",
+        f"{name:8}：数字准确率 {right}/{total} = {100 * right / total:.1f}%，"
+        f"答案数字处相对 float32 的 top-1 翻转：{flips}/{total}")
 
 # %%
 def upper95(k: int, n: int) -> float:
@@ -337,8 +341,10 @@ def upper95(k: int, n: int) -> float:
 
 
 _, f_tf, n_dig = digit_stats("tf32")
-print(f"TF32 digit flips {f_tf}/{n_dig}: the flip rate is below {100 * upper95(f_tf, n_dig):.1f}% "
-      f"with 95 % confidence (the seed: 8 %)")
+say(f"TF32 digit flips {f_tf}/{n_dig}: the flip rate is below {100 * upper95(f_tf, n_dig):.1f}% "
+    f"with 95 % confidence (the seed: 8 %)",
+    f"TF32 数字翻转 {f_tf}/{n_dig}：以 95 % 的置信度，翻转率低于 {100 * upper95(f_tf, n_dig):.1f}%"
+    f"（种子课程：8 %）")
 
 # %% [markdown]
 # And what a user would see: greedy answers to new lines of each kind, each after two
@@ -481,7 +487,8 @@ _pairs += [(_g["matmul_error"][a], float(f"{LOG['matmul_error'][b]:.3g}")) for a
            [("float32", "float32"), ("tf32", "tf32 (real)"),
             ("3xtf32 (three real tf32 matmuls)", "3xtf32 (real tf32 matmuls)")]]
 assert all(a == b for a, b in _pairs), _pairs
-print(f"the dict agrees with gpu_tf32_h200.log on {len(_pairs)} numbers (TFLOP/s, #53635, matmul errors)")
+say(f"the dict agrees with gpu_tf32_h200.log on {len(_pairs)} numbers (TFLOP/s, #53635, matmul errors)",
+    f"该字典与 gpu_tf32_h200.log 在 {len(_pairs)} 个数字上一致（TFLOP/s、#53635、矩阵乘法误差）")
 
 # The same [1024 x 4096] @ [4096 x 1024] product on this CPU, from the same generator seed
 # (torch's CPU generator, as both GPU scripts use), so the inputs are identical:
@@ -506,17 +513,29 @@ print("[1024x4096] @ [4096x1024], mean |err| / (|A||B|) against float64")
 print(f"{'':8} {'this CPU (emulated), now':>25} {'H200 (real), ' + run['date']:>24}")
 for k in cpu:
     print(f"{k:8} {cpu[k]:>25.3g} {gpu[k]:>24.3g}")
-print(f"\nH200, {run['date']}: exact ties rounded to even in "
-      f"{100 * run['bit_equal']['ties to even, exact ties only']:.0f}% of cases; 1024.5 @ I = "
-      f"{ones['[1x1] (as in #53635)']} for one row, {ones['[16x16]']} for 16 rows")
-print(f"tensor-core accumulation alone: {acc['tensor cores (tf32 on)']:.3g} "
-      f"({acc['tensor cores (tf32 on)'] / acc['float32 units (tf32 off)']:.0f}x float32 units'), "
-      f"mean signed error toward |y| {acc['tensor cores, mean signed error toward |y|']:.2g}")
-print(f"3xtf32 on the H200: {gpu['tf32'] / gpu['3xtf32']:.0f}x below tf32, "
-      f"{gpu['3xtf32'] / gpu['float32']:.0f}x above float32, at "
-      f"{speed['3xtf32 (operands pre-split)'] / speed['float32']:.1f}x float32's speed "
-      f"({speed['float32']:g} / {speed['tf32']:g} / {speed['3xtf32 (operands pre-split)']:g} "
-      f"TFLOP/s for float32 / tf32 / 3xtf32)")
+print()
+say(f"H200, {run['date']}: exact ties rounded to even in "
+    f"{100 * run['bit_equal']['ties to even, exact ties only']:.0f}% of cases; 1024.5 @ I = "
+    f"{ones['[1x1] (as in #53635)']} for one row, {ones['[16x16]']} for 16 rows",
+    f"H200，{run['date']}：恰好平局的情形中有 "
+    f"{100 * run['bit_equal']['ties to even, exact ties only']:.0f}% 按偶数优先舍入；1024.5 @ I = "
+    f"{ones['[1x1] (as in #53635)']}（单行），{ones['[16x16]']}（16 行）")
+say(f"tensor-core accumulation alone: {acc['tensor cores (tf32 on)']:.3g} "
+    f"({acc['tensor cores (tf32 on)'] / acc['float32 units (tf32 off)']:.0f}x float32 units'), "
+    f"mean signed error toward |y| {acc['tensor cores, mean signed error toward |y|']:.2g}",
+    f"仅 tensor core 累加：{acc['tensor cores (tf32 on)']:.3g}"
+    f"（float32 运算单元的 {acc['tensor cores (tf32 on)'] / acc['float32 units (tf32 off)']:.0f}x），"
+    f"朝 |y| 方向的平均有符号误差 {acc['tensor cores, mean signed error toward |y|']:.2g}")
+say(f"3xtf32 on the H200: {gpu['tf32'] / gpu['3xtf32']:.0f}x below tf32, "
+    f"{gpu['3xtf32'] / gpu['float32']:.0f}x above float32, at "
+    f"{speed['3xtf32 (operands pre-split)'] / speed['float32']:.1f}x float32's speed "
+    f"({speed['float32']:g} / {speed['tf32']:g} / {speed['3xtf32 (operands pre-split)']:g} "
+    f"TFLOP/s for float32 / tf32 / 3xtf32)",
+    f"H200 上的 3xtf32：比 tf32 低 {gpu['tf32'] / gpu['3xtf32']:.0f}x，"
+    f"比 float32 高 {gpu['3xtf32'] / gpu['float32']:.0f}x，速度为 float32 的 "
+    f"{speed['3xtf32 (operands pre-split)'] / speed['float32']:.1f}x"
+    f"（float32 / tf32 / 3xtf32 分别为 {speed['float32']:g} / {speed['tf32']:g} / "
+    f"{speed['3xtf32 (operands pre-split)']:g} TFLOP/s）")
 
 # %% [markdown]
 # What the recorded H200 run says (the numbers printed above), and what it means for the
@@ -603,53 +622,86 @@ floor = drift("noise floor (fp32, reordered sum)")["kl"]
 r32, _, n_dig = digit_stats("float32")
 r_tf, f_tf, _ = digit_stats("tf32")
 rms = float(delta_rms)
+no_repro = upper95(f_tf, n_dig) < 0.08
+tf32_less = FORMATS["tf32"].mantissa_bits < FORMATS["float16"].mantissa_bits
+about15 = abs(1 - speed["float32"] / speed["tf32"] - 0.15) <= 0.05
+rules_1025 = [r_ for r_ in ["ties to even", "ties away (rna)", "truncate"] if by_rule(1024.5, r_) == 1025]
+ok_cpu, ok_gpu = d_3x["kl_prose"] <= 2 * floor, gpu["3xtf32"] <= 2 * gpu["float32"]
 claims = [
-    ("digit errors fell from 8 % to 0.1 % when TF32 was turned off (seed 000 §2.2.3)",
-     ("not reproduced" if upper95(f_tf, n_dig) < 0.08 else "not ruled out")
-     + f" here (8 % against the 95 % upper bound): TF32 flips {f_tf} of {n_dig} answer digits "
-     f"(95 % upper bound {100 * upper95(f_tf, n_dig):.1f}%) "
-     f"and changes {changed} of {len(queries)} greedy answers; digit accuracy "
-     f"{100 * r32 / n_dig:.1f}% in float32, {100 * r_tf / n_dig:.1f}% in TF32"),
-    ("TF32 has 'far less mantissa than FP16' (seed 000 §2.2.3)",
-     ("no" if FORMATS["tf32"].mantissa_bits >= FORMATS["float16"].mantissa_bits else "yes")
-     + f": TF32 keeps {FORMATS['tf32'].mantissa_bits} mantissa bits, float16 "
-     f"{FORMATS['float16'].mantissa_bits}; TF32 has float32's range "
-     f"(max {FORMATS['tf32'].max_normal:.2g} against {FORMATS['float16'].max_normal:g})"),
-    ("vLLM enables TF32 by default (seed 000)",
-     "PyTorch turned TF32 off for matmuls in 1.12; vLLM PR #29897 answered torch.compile's "
-     "'TF32 available but not enabled' warning by setting 'highest' explicitly, with "
-     "VLLM_FLOAT32_MATMUL_PRECISION=high to opt in; and dtype='auto' serves float32 "
-     "checkpoints in bfloat16, where TF32 does not apply at all"),
-    ("NVIDIA_TF32_OVERRIDE=0 turns TF32 off and costs about 15 % speed (seed 000 §2.2.3)",
-     f"the variable is NVIDIA's (cuBLAS/cuDNN read it, whatever the framework asks); the cost "
-     f"is the float32 GEMMs' share of the time: on the H200 ({run['date']}) one 8192 GEMM ran "
-     f"{speed['tf32'] / speed['float32']:.1f}x faster in TF32 ({speed['tf32']:g} against "
-     f"{speed['float32']:g} TFLOP/s), so a float32 model loses up to "
-     f"{100 * (1 - speed['float32'] / speed['tf32']):.0f} % of its GEMM speed, "
-     + ("not about 15 %" if abs(1 - speed["float32"] / speed["tf32"] - 0.15) > 0.05 else "about 15 %")
-     + "; a bfloat16 or float16 model has no float32 GEMM and loses nothing"),
-    ("[1024.5] @ I = 1025 with TF32 (#53635, RTX 3090)",
-     f"ties to even gives {by_rule(1024.5, 'ties to even'):g} (CPU emulation); H200 "
-     f"({run['date']}): {ones['[16x16]']:g} from 16 rows up, {ones['[1x1] (as in #53635)']:g} "
-     f"for the report's single row; 1025 comes from: "
-     + (", ".join(r_ for r_ in ["ties to even", "ties away (rna)", "truncate"]
-                  if by_rule(1024.5, r_) == 1025) or "none of the three rules")),
-    ("TF32 costs about 1e-3 absolute logit error (lightning-thunder #2579, NanoGPT)",
-     f"here |Δlogit| rms {rms:.2g} ({rms / 1e-3:.1f}x 1e-3), max {d_tf['max_dlogit']:.2g}; KL {d_tf['kl']:.2g} nats "
-     f"({d_tf['kl_prose'] / floor:,.0f}x the float32 noise floor on the prose), "
-     f"top-1 agreement {100 * d_tf['top1']:.2f}%"),
-    ("3xTF32 restores float32 accuracy on TF32 units",
-     "on this CPU " + ("yes" if d_3x["kl_prose"] <= 2 * floor else "no")
-     + f" (KL within 2x the noise floor): KL {d_3x['kl']:.2g} ({d_3x['kl_prose'] / floor:.1f}x the "
-     "noise floor on the prose); on the H200 through cuBLAS "
-     + ("yes" if gpu["3xtf32"] <= 2 * gpu["float32"] else "no")
-     + f" (within 2x float32's matmul error): matmul error {gpu['3xtf32']:.2g}, "
-     f"{gpu['tf32'] / gpu['3xtf32']:.0f}x below TF32's, {gpu['3xtf32'] / gpu['float32']:.0f}x "
-     "float32's (tensor-core accumulation)"),
+    (Bi("digit errors fell from 8 % to 0.1 % when TF32 was turned off (seed 000 §2.2.3)",
+        "关闭 TF32 后数字错误率从 8 % 降到 0.1 %（种子课程 000 §2.2.3）"),
+     Bi(f"{'not reproduced' if no_repro else 'not ruled out'} here (8 % against the 95 % upper bound): "
+        f"TF32 flips {f_tf} of {n_dig} answer digits "
+        f"(95 % upper bound {100 * upper95(f_tf, n_dig):.1f}%) "
+        f"and changes {changed} of {len(queries)} greedy answers; digit accuracy "
+        f"{100 * r32 / n_dig:.1f}% in float32, {100 * r_tf / n_dig:.1f}% in TF32",
+        f"此处{'未复现' if no_repro else '不能排除'}（8 % 对比 95 % 上界）："
+        f"TF32 在 {n_dig} 个答案数字中翻转 {f_tf} 个"
+        f"（95 % 上界 {100 * upper95(f_tf, n_dig):.1f}%），"
+        f"在 {len(queries)} 个贪心答案中改变 {changed} 个；数字准确率 "
+        f"float32 为 {100 * r32 / n_dig:.1f}%，TF32 为 {100 * r_tf / n_dig:.1f}%")),
+    (Bi("TF32 has 'far less mantissa than FP16' (seed 000 §2.2.3)",
+        "TF32 的“尾数远少于 FP16”（种子课程 000 §2.2.3）"),
+     Bi(f"{'yes' if tf32_less else 'no'}: TF32 keeps {FORMATS['tf32'].mantissa_bits} mantissa bits, float16 "
+        f"{FORMATS['float16'].mantissa_bits}; TF32 has float32's range "
+        f"(max {FORMATS['tf32'].max_normal:.2g} against {FORMATS['float16'].max_normal:g})",
+        f"{'是' if tf32_less else '否'}：TF32 保留 {FORMATS['tf32'].mantissa_bits} 位尾数，float16 保留 "
+        f"{FORMATS['float16'].mantissa_bits} 位；TF32 拥有 float32 的范围"
+        f"（最大值 {FORMATS['tf32'].max_normal:.2g}，对比 {FORMATS['float16'].max_normal:g}）")),
+    (Bi("vLLM enables TF32 by default (seed 000)", "vLLM 默认启用 TF32（种子课程 000）"),
+     Bi("PyTorch turned TF32 off for matmuls in 1.12; vLLM PR #29897 answered torch.compile's "
+        "'TF32 available but not enabled' warning by setting 'highest' explicitly, with "
+        "VLLM_FLOAT32_MATMUL_PRECISION=high to opt in; and dtype='auto' serves float32 "
+        "checkpoints in bfloat16, where TF32 does not apply at all",
+        "PyTorch 在 1.12 中关闭了矩阵乘法的 TF32；vLLM PR #29897 针对 torch.compile 的 "
+        "'TF32 available but not enabled' 警告，显式设置了 'highest'，并以 "
+        "VLLM_FLOAT32_MATMUL_PRECISION=high 供用户选择启用；而 dtype='auto' 会以 bfloat16 提供 float32 "
+        "检查点，此时 TF32 根本不起作用")),
+    (Bi("NVIDIA_TF32_OVERRIDE=0 turns TF32 off and costs about 15 % speed (seed 000 §2.2.3)",
+        "NVIDIA_TF32_OVERRIDE=0 关闭 TF32，代价约为 15 % 的速度（种子课程 000 §2.2.3）"),
+     Bi(f"the variable is NVIDIA's (cuBLAS/cuDNN read it, whatever the framework asks); the cost "
+        f"is the float32 GEMMs' share of the time: on the H200 ({run['date']}) one 8192 GEMM ran "
+        f"{speed['tf32'] / speed['float32']:.1f}x faster in TF32 ({speed['tf32']:g} against "
+        f"{speed['float32']:g} TFLOP/s), so a float32 model loses up to "
+        f"{100 * (1 - speed['float32'] / speed['tf32']):.0f} % of its GEMM speed, "
+        f"{'about' if about15 else 'not about'} 15 %"
+        "; a bfloat16 or float16 model has no float32 GEMM and loses nothing",
+        f"这个变量属于 NVIDIA（cuBLAS/cuDNN 会读取它，无论框架要求什么）；代价取决于 float32 GEMM "
+        f"在总时间中的占比：在 H200 上（{run['date']}），一次 8192 的 GEMM 在 TF32 下快 "
+        f"{speed['tf32'] / speed['float32']:.1f}x（{speed['tf32']:g} 对 "
+        f"{speed['float32']:g} TFLOP/s），因此 float32 模型最多损失其 GEMM 速度的 "
+        f"{100 * (1 - speed['float32'] / speed['tf32']):.0f} %，"
+        f"{'约为' if about15 else '并非约'} 15 %"
+        "；bfloat16 或 float16 模型没有 float32 GEMM，不受任何损失")),
+    (Bi("[1024.5] @ I = 1025 with TF32 (#53635, RTX 3090)",
+        "开启 TF32 时 [1024.5] @ I = 1025（#53635，RTX 3090）"),
+     Bi(f"ties to even gives {by_rule(1024.5, 'ties to even'):g} (CPU emulation); H200 "
+        f"({run['date']}): {ones['[16x16]']:g} from 16 rows up, {ones['[1x1] (as in #53635)']:g} "
+        f"for the report's single row; 1025 comes from: {', '.join(rules_1025) or 'none of the three rules'}",
+        f"偶数优先舍入得到 {by_rule(1024.5, 'ties to even'):g}（CPU 模拟）；H200"
+        f"（{run['date']}）：从 16 行起为 {ones['[16x16]']:g}，报告中的单行为 "
+        f"{ones['[1x1] (as in #53635)']:g}；得到 1025 的规则：{'、'.join(rules_1025) or '三种规则都不会'}")),
+    (Bi("TF32 costs about 1e-3 absolute logit error (lightning-thunder #2579, NanoGPT)",
+        "TF32 带来约 1e-3 的 logits 绝对误差（lightning-thunder #2579，NanoGPT）"),
+     Bi(f"here |Δlogit| rms {rms:.2g} ({rms / 1e-3:.1f}x 1e-3), max {d_tf['max_dlogit']:.2g}; KL {d_tf['kl']:.2g} nats "
+        f"({d_tf['kl_prose'] / floor:,.0f}x the float32 noise floor on the prose), "
+        f"top-1 agreement {100 * d_tf['top1']:.2f}%",
+        f"此处 |Δlogit| 均方根 {rms:.2g}（1e-3 的 {rms / 1e-3:.1f}x），最大 {d_tf['max_dlogit']:.2g}；"
+        f"KL {d_tf['kl']:.2g} nats（散文上为 float32 噪声基底的 {d_tf['kl_prose'] / floor:,.0f}x），"
+        f"top-1 一致率 {100 * d_tf['top1']:.2f}%")),
+    (Bi("3xTF32 restores float32 accuracy on TF32 units", "3xTF32 在 TF32 运算单元上恢复 float32 精度"),
+     Bi(f"on this CPU {'yes' if ok_cpu else 'no'} (KL within 2x the noise floor): KL {d_3x['kl']:.2g} "
+        f"({d_3x['kl_prose'] / floor:.1f}x the noise floor on the prose); on the H200 through cuBLAS "
+        f"{'yes' if ok_gpu else 'no'} (within 2x float32's matmul error): matmul error {gpu['3xtf32']:.2g}, "
+        f"{gpu['tf32'] / gpu['3xtf32']:.0f}x below TF32's, {gpu['3xtf32'] / gpu['float32']:.0f}x "
+        "float32's (tensor-core accumulation)",
+        f"在本机 CPU 上：{'是' if ok_cpu else '否'}（判据：KL 在噪声基底的 2x 以内）：KL {d_3x['kl']:.2g}"
+        f"（散文上为噪声基底的 {d_3x['kl_prose'] / floor:.1f}x）；在 H200 上经由 cuBLAS："
+        f"{'是' if ok_gpu else '否'}（判据：在 float32 矩阵乘法误差的 2x 以内）：矩阵乘法误差 {gpu['3xtf32']:.2g}，"
+        f"比 TF32 低 {gpu['tf32'] / gpu['3xtf32']:.0f}x，为 float32 的 {gpu['3xtf32'] / gpu['float32']:.0f}x"
+        "（tensor core 累加）")),
 ]
-print("| claim | measured |\n|---|---|")
-for c, m in claims:
-    print(f"| {c} | {m} |")
+claims_table(claims, header=(Bi("claim", "论断"), Bi("measured", "实测")))
 
 # %% [markdown]
 # ## Common misconceptions
