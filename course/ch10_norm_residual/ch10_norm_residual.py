@@ -55,6 +55,7 @@ import torch
 from matplotlib.figure import Figure
 
 from minivllm import LLM
+from minivllm.i18n import Bi, claims_table, say
 from minivllm.layers.rms_norm import RMSNorm, rms_norm_ref
 from minivllm.precision import evalsets, faults, metrics
 from minivllm.precision.layer_diff import capture_hidden_states, find_first_jump, relative_error
@@ -125,10 +126,14 @@ peaks, mlp11 = stream_max(f32, seqs[0])
 per_layer = peaks.amax(1)
 tok0, rest = peaks[:, 0], peaks[:, 1:].amax(1)
 peak = float(per_layer.max())
-print(f"peak of the residual stream: {peak:.0f} = {100 * peak / FP16_MAX:.0f} % of float16's "
-      f"{FP16_MAX:.0f}, first reached after layer {int((per_layer > 0.9 * peak).nonzero()[0])}")
-print(f"that peak is on token 0 (the first token): max over the other tokens is "
-      f"{float(rest.max()):.0f}")
+say(f"peak of the residual stream: {peak:.0f} = {100 * peak / FP16_MAX:.0f} % of float16's "
+    f"{FP16_MAX:.0f}, first reached after layer {int((per_layer > 0.9 * peak).nonzero()[0])}",
+    f"残差流的峰值：{peak:.0f} = float16 的 {FP16_MAX:.0f} 的 {100 * peak / FP16_MAX:.0f} %，"
+    f"最早在第 {int((per_layer > 0.9 * peak).nonzero()[0])} 层之后达到")
+say(f"that peak is on token 0 (the first token): max over the other tokens is "
+    f"{float(rest.max()):.0f}",
+    f"这个峰值在 token 0（第一个 token）上：其他 token 的最大值为 "
+    f"{float(rest.max()):.0f}")
 print(f"layer 11's MLP output on token 0: {float(mlp11[0]):.0f} (one matmul writes it)")
 grab = []
 handle = f32.llm_engine.model_runner.model.layers[11].register_forward_hook(
@@ -141,8 +146,10 @@ top = grab[-1].topk(3)
 print(f"token 0 after layer 11: dims {top.indices.tolist()} hold "
       f"{', '.join(f'{v:,.0f}' for v in top.values.tolist())}; median |x| of that row "
       f"{float(grab[-1].median()):.3g}")
-print("layers whose stream passes |x| = 255.9 on token 0: "
-      f"{[i for i in range(len(tok0)) if tok0[i] > SQ_MAX]}")
+say(f"layers whose stream passes |x| = 255.9 on token 0: "
+    f"{[i for i in range(len(tok0)) if tok0[i] > SQ_MAX]}",
+    f"token 0 的残差流超过 |x| = 255.9 的层："
+    f"{[i for i in range(len(tok0)) if tok0[i] > SQ_MAX]}")
 print("| layer | 0 | 1 | 2 | 8 | 10 | 11 | 20 | 27 | 28 | 29 |")
 print("|---|---|---|---|---|---|---|---|---|---|---|")
 print("| max abs x, token 0 | " + " | ".join(f"{float(tok0[i]):.0f}" for i in (0, 1, 2, 8, 10, 11, 20, 27, 28, 29)) + " |")
@@ -152,8 +159,10 @@ print("| max abs x, tokens 1.. | " + " | ".join(f"{float(rest[i]):.0f}" for i in
 step = (len(text) - 1000) // 10
 firsts = [1] + [tok.encode(text[s:s + 200])[0] for s in range(500, 500 + 10 * step, step)]
 first_peaks = stream_max(f32, [[t] for t in firsts])[0].amax(0)
-print(f"peak for {len(firsts)} different first tokens: {float(first_peaks.min()):.0f} to "
-      f"{float(first_peaks.max()):.0f} (<|im_start|>: {float(first_peaks[0]):.0f})")
+say(f"peak for {len(firsts)} different first tokens: {float(first_peaks.min()):.0f} to "
+    f"{float(first_peaks.max()):.0f} (<|im_start|>: {float(first_peaks[0]):.0f})",
+    f"{len(firsts)} 个不同的第一个 token 的峰值：{float(first_peaks.min()):.0f} 到 "
+    f"{float(first_peaks.max()):.0f}（<|im_start|>：{float(first_peaks[0]):.0f}）")
 
 # %%
 fig = Figure(figsize=(8, 3.6))
@@ -185,8 +194,10 @@ fig
 # %%
 rows16, rowsbf = score(f16), score(bf16)
 kl16, klbf = kl(ref, rows16), kl(ref, rowsbf)
-print(f"mean KL vs float32: float16 {kl16:.2e} nats, bfloat16 {klbf:.2e} nats "
-      f"(float16 {klbf / kl16:.0f}x closer); non-finite rows: {bad_rows(rows16)}, {bad_rows(rowsbf)}")
+say(f"mean KL vs float32: float16 {kl16:.2e} nats, bfloat16 {klbf:.2e} nats "
+    f"(float16 {klbf / kl16:.0f}x closer); non-finite rows: {bad_rows(rows16)}, {bad_rows(rowsbf)}",
+    f"相对 float32 的平均 KL：float16 {kl16:.2e} nats，bfloat16 {klbf:.2e} nats "
+    f"（float16 接近 {klbf / kl16:.0f}x）；非有限的行：{bad_rows(rows16)}、{bad_rows(rowsbf)}")
 
 # %% [markdown]
 # Float16 has 10 mantissa bits to bfloat16's 7, so while nothing leaves its range it is
@@ -226,9 +237,12 @@ for h in hooks:
     h.remove()
 hit = {k: v for k, v in zeroed.items() if v}
 starts = {0, len(seqs[0])}  # the batch's rows: sequence 0's tokens, then sequence 1's
-print(f"float16 with the fault in every norm: {len(hit)} of {len(zeroed)} norms zeroed rows; "
-      f"the rows zeroed anywhere: {sorted(set().union(*hit.values()))} (the first token of "
-      f"each sequence is row {sorted(starts)}); first norms hit: {list(hit)[:3]}")
+say(f"float16 with the fault in every norm: {len(hit)} of {len(zeroed)} norms zeroed rows; "
+    f"the rows zeroed anywhere: {sorted(set().union(*hit.values()))} (the first token of "
+    f"each sequence is row {sorted(starts)}); first norms hit: {list(hit)[:3]}",
+    f"每个归一化都带故障的 float16：{len(zeroed)} 个归一化中有 {len(hit)} 个清零了某些行；"
+    f"在任意处被清零的行：{sorted(set().union(*hit.values()))}（每个序列的第一个 token 是第 "
+    f"{sorted(starts)} 行）；最早受影响的归一化：{list(hit)[:3]}")
 with faults.rmsnorm_no_upcast(bf16):
     rowsbf_bad = score(bf16)
 with faults.rmsnorm_no_upcast(f32):
@@ -260,8 +274,10 @@ with faults.rmsnorm_no_upcast(f16, where=17):
     cap_bad = capture_hidden_states(f16, seqs[0])
 cap_good = capture_hidden_states(f16, seqs[0])
 errs = {p: relative_error(cap_bad[p], cap_good[p]) for p in cap_good}
-print(f"first jump: {find_first_jump(errs, 30)} (layer, block); relative error of layer 16's "
-      f"stream {errs['layers.16']:.1e}, layer 17's attention output {errs['layers.17.self_attn']:.2f}")
+say(f"first jump: {find_first_jump(errs, 30)} (layer, block); relative error of layer 16's "
+    f"stream {errs['layers.16']:.1e}, layer 17's attention output {errs['layers.17.self_attn']:.2f}",
+    f"第一次跃变：{find_first_jump(errs, 30)}（层，模块）；第 16 层残差流的相对误差 "
+    f"{errs['layers.16']:.1e}，第 17 层注意力输出的相对误差 {errs['layers.17.self_attn']:.2f}")
 
 # %% [markdown]
 # ## 3. Overflowing the residual stream, exactly
@@ -329,8 +345,10 @@ def fused_add_rms_norm_clamped(x, residual, weight, eps):
 
 with f16.swap_step("fused_add_rms_norm", fused_add_rms_norm_clamped):
     rows_c1 = score(f16)
-print(f"unmodified model, float16, clamped adds: bit-identical to the engine's own: "
-      f"{all(torch.equal(a, b) for a, b in zip(rows_c1, rows16))}")
+say(f"unmodified model, float16, clamped adds: bit-identical to the engine's own: "
+    f"{'True' if all(torch.equal(a, b) for a, b in zip(rows_c1, rows16)) else 'False'}",
+    f"未修改的模型，float16，带截断的相加：与引擎自己的结果逐位相同："
+    f"{'是' if all(torch.equal(a, b) for a, b in zip(rows_c1, rows16)) else '否'}")
 cs = [2.75, 3.0, 4.0, 8.0]
 cost = {}
 for c in cs:
@@ -398,47 +416,86 @@ rows_zeroed = set().union(*hit.values())
 rest_over = [i for i in range(len(rest)) if rest[i] > SQ_MAX]
 clamp_fixes = all(cost[c][1] == 0 for c in cs)
 clamp_costs = max(cost[c][2] for c in cs) > kl16  # above float16's KL without overflow
-print("| claim | what we measured here |")
-print("|---|---|")
-print("| Gemma 3 / T5 in fp16: activations pass 65504, inf then NaN (#36822, #9295) | "
-      + ("not on this model by itself" if peak < FP16_MAX else "yes, on this model by itself")
-      + f": its stream peaks at {peak:.0f} ({100 * peak / FP16_MAX:.0f} % of 65504), "
-      + (f"on token 0 only (other tokens at most {float(rest.max()):.0f})"
-         if float(tok0.max()) == peak and float(rest.max()) < peak else "not on token 0 alone")
-      + "; " + ("reproduced" if nan16 else "not reproduced")
-      + f" with the exact reparametrization: at c = {C:g} {nan16} of {n_rows} rows NaN in "
-      f"float16, first non-finite {table['float16'][1]} |")
-print("| bf16 is the safe choice where fp16 overflows | "
-      + ("yes" if nanbf == 0 else "no")
-      + f": at c = {C:g} bfloat16 has {nanbf} non-finite rows and is bit-identical to the "
-      f"unscaled model ({table['bfloat16'][2]}), KL {klbf:.1e} |")
-print("| fp16 is more precise than bf16 while nothing overflows (course plan: KL 1.8e-5 vs "
-      "1.0e-3) | " + ("yes" if kl16 < klbf else "no")
-      + f": {kl16:.1e} vs {klbf:.1e} here ({klbf / kl16:.0f}x) |")
-print("| the clamp proposed in PR #36832 fixes fp16 but costs accuracy (0.752 -> 0.657 lm-eval) "
-      "| " + ("both" if clamp_fixes and clamp_costs else
-              "fixes it at no cost" if clamp_fixes else "does not fix it")
-      + ": " + ("no NaN at any c" if clamp_fixes else
-                f"NaN at c = {[c for c in cs if cost[c][1]]}")
-      + f"; KL {cost[2.75][2]:.1e} at c = 2.75, {cost[4.0][2]:.2f} at c = 4, "
-      f"{cost[8.0][2]:.2f} at c = 8 (float16 without overflow: {kl16:.1e}) |")
-print(f"| course plan: amplify with c = 3 (peak 67.7k) | the peak depends on the first token "
-      f"({float(first_peaks.min()):.0f} to {float(first_peaks.max()):.0f} over "
-      f"{len(firsts)} first tokens), so c = 3 overflows "
-      f"{int((3 * first_peaks > FP16_MAX).sum())} of them; here token 0 is <|im_start|>: "
-      f"{3 * float(tok0.max()):.0f} at c = 3 |")
-print("| the fp16 'forgot to upcast' RMSNorm is severe on this model (\\|x\\| > 256) | "
-      + ("yes" if kl_noup > SEVERE else "no")
-      + f": KL {kl_noup:.2f} nats (severe: > {SEVERE:g}); {len(rows_zeroed)} of {n_rows} token "
-      f"rows zeroed by some norm ("
-      + ("not only the first token: the others pass 255.9 in layers "
-         f"{spans(rest_over)}, section 1's plot" if rows_zeroed - starts else
-         "the first tokens only")
-      + f"); bfloat16 {kl(ref, rowsbf_bad):.1e}; float32 "
-      + ("bit-identical" if same32_noup else "changed") + " |")
-print("| course plan (lab idea): scale one down_proj or norm weight by 1000 | not exact "  # fact, not a measurement
-      "(changes the model); the reparametrization above "
-      + ("changes no float32 bit" if table["float32"][2] else "changes float32 bits too") + " |")
+stream_part = (Bi(f"on token 0 only (other tokens at most {float(rest.max()):.0f})",
+                  f"仅在 token 0 上（其他 token 至多 {float(rest.max()):.0f}）")
+               if float(tok0.max()) == peak and float(rest.max()) < peak
+               else Bi("not on token 0 alone", "不只在 token 0 上"))
+clamp_part = (Bi("no NaN at any c", "任何 c 下都没有 NaN") if clamp_fixes else
+              Bi(f"NaN at c = {[c for c in cs if cost[c][1]]}",
+                 f"c = {[c for c in cs if cost[c][1]]} 时出现 NaN"))
+zeroed_part = (Bi(f"not only the first token: the others pass 255.9 in layers "
+                  f"{spans(rest_over)}, section 1's plot",
+                  f"不只是第一个 token：其他 token 在第 {spans(rest_over)} 层超过 255.9，"
+                  f"见第 1 节的图")
+               if rows_zeroed - starts else Bi("the first tokens only", "只有第一个 token"))
+claims_table([
+    (Bi("Gemma 3 / T5 in fp16: activations pass 65504, inf then NaN (#36822, #9295)",
+        "fp16 下的 Gemma 3 / T5：激活超过 65504，先 inf 后 NaN（#36822、#9295）"),
+     Bi(f"{'not on this model by itself' if peak < FP16_MAX else 'yes, on this model by itself'}"
+        f": its stream peaks at {peak:.0f} ({100 * peak / FP16_MAX:.0f} % of 65504), "
+        + stream_part.en + "; "
+        + f"{'reproduced' if nan16 else 'not reproduced'}"
+        f" with the exact reparametrization: at c = {C:g} {nan16} of {n_rows} rows NaN in "
+        f"float16, first non-finite {table['float16'][1]}",
+        f"{'这个模型本身不会' if peak < FP16_MAX else '会，这个模型本身就会'}"
+        f"：它的残差流峰值为 {peak:.0f}（65504 的 {100 * peak / FP16_MAX:.0f} %），"
+        + stream_part.zh + "；"
+        + f"{'已复现' if nan16 else '未复现'}"
+        f"（使用精确的重参数化）：c = {C:g} 时 float16 的 {n_rows} 行中有 {nan16} 行为 NaN，"
+        f"第一个非有限的是 {table['float16'][1]}")),
+    (Bi("bf16 is the safe choice where fp16 overflows", "在 fp16 溢出的地方，bf16 是安全的选择"),
+     Bi(f"{'yes' if nanbf == 0 else 'no'}"
+        f": at c = {C:g} bfloat16 has {nanbf} non-finite rows and is bit-identical to the "
+        f"unscaled model ({'True' if table['bfloat16'][2] else 'False'}), KL {klbf:.1e}",
+        f"{'是' if nanbf == 0 else '否'}"
+        f"：c = {C:g} 时 bfloat16 有 {nanbf} 个非有限的行，与未缩放的模型逐位相同"
+        f"（{'是' if table['bfloat16'][2] else '否'}），KL {klbf:.1e}")),
+    (Bi("fp16 is more precise than bf16 while nothing overflows (course plan: KL 1.8e-5 vs "
+        "1.0e-3)",
+        "在没有溢出时 fp16 比 bf16 更精确（课程计划：KL 1.8e-5 对 1.0e-3）"),
+     Bi(f"{'yes' if kl16 < klbf else 'no'}"
+        f": {kl16:.1e} vs {klbf:.1e} here ({klbf / kl16:.0f}x)",
+        f"{'是' if kl16 < klbf else '否'}"
+        f"：此处 {kl16:.1e} 对 {klbf:.1e}（{klbf / kl16:.0f}x）")),
+    (Bi("the clamp proposed in PR #36832 fixes fp16 but costs accuracy (0.752 -> 0.657 lm-eval)",
+        "PR #36832 提议的截断修复了 fp16，但损失准确率（lm-eval 0.752 -> 0.657）"),
+     Bi(f"{'both' if clamp_fixes and clamp_costs else 'fixes it at no cost' if clamp_fixes else 'does not fix it'}"
+        ": " + clamp_part.en
+        + f"; KL {cost[2.75][2]:.1e} at c = 2.75, {cost[4.0][2]:.2f} at c = 4, "
+        f"{cost[8.0][2]:.2f} at c = 8 (float16 without overflow: {kl16:.1e})",
+        f"{'两者都对' if clamp_fixes and clamp_costs else '修复了且没有代价' if clamp_fixes else '没有修复'}"
+        "：" + clamp_part.zh
+        + f"；c = 2.75 时 KL {cost[2.75][2]:.1e}，c = 4 时 {cost[4.0][2]:.2f}，"
+        f"c = 8 时 {cost[8.0][2]:.2f}（无溢出的 float16：{kl16:.1e}）")),
+    (Bi("course plan: amplify with c = 3 (peak 67.7k)", "课程计划：用 c = 3 放大（峰值 67.7k）"),
+     Bi(f"the peak depends on the first token "
+        f"({float(first_peaks.min()):.0f} to {float(first_peaks.max()):.0f} over "
+        f"{len(firsts)} first tokens), so c = 3 overflows "
+        f"{int((3 * first_peaks > FP16_MAX).sum())} of them; here token 0 is <|im_start|>: "
+        f"{3 * float(tok0.max()):.0f} at c = 3",
+        f"峰值取决于第一个 token（在 {len(firsts)} 个不同的第一个 token 上为 "
+        f"{float(first_peaks.min()):.0f} 到 {float(first_peaks.max()):.0f}），所以 c = 3 "
+        f"让其中 {int((3 * first_peaks > FP16_MAX).sum())} 个溢出；这里 token 0 是 "
+        f"<|im_start|>：c = 3 时为 {3 * float(tok0.max()):.0f}")),
+    (Bi("the fp16 'forgot to upcast' RMSNorm is severe on this model (\\|x\\| > 256)",
+        "fp16 中“忘了提升精度”的 RMSNorm 在这个模型上很严重（\\|x\\| > 256）"),
+     Bi(f"{'yes' if kl_noup > SEVERE else 'no'}"
+        f": KL {kl_noup:.2f} nats (severe: > {SEVERE:g}); {len(rows_zeroed)} of {n_rows} token "
+        f"rows zeroed by some norm (" + zeroed_part.en
+        + f"); bfloat16 {kl(ref, rowsbf_bad):.1e}; float32 "
+        f"{'bit-identical' if same32_noup else 'changed'}",
+        f"{'是' if kl_noup > SEVERE else '否'}"
+        f"：KL {kl_noup:.2f} nats（严重：> {SEVERE:g}）；{n_rows} 个 token 行中有 "
+        f"{len(rows_zeroed)} 行被某个归一化清零（" + zeroed_part.zh
+        + f"）；bfloat16 {kl(ref, rowsbf_bad):.1e}；float32 "
+        f"{'逐位相同' if same32_noup else '有改变'}")),
+    (Bi("course plan (lab idea): scale one down_proj or norm weight by 1000",
+        "课程计划（实验构想）：把某个 down_proj 或归一化权重放大 1000 倍"),
+     Bi(f"not exact (changes the model); the reparametrization above "  # fact, not a measurement
+        f"{'changes no float32 bit' if table['float32'][2] else 'changes float32 bits too'}",
+        f"不精确（改变了模型）；上面的重参数化"
+        f"{'不改变 float32 的任何一位' if table['float32'][2] else '也改变了 float32 的位'}")),
+], header=(Bi("claim", "论断"), Bi("what we measured here", "本次实测结果")))
 
 # %% [markdown]
 # ## Common misconceptions
