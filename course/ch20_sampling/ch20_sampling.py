@@ -88,6 +88,7 @@ import torch
 from matplotlib.figure import Figure
 
 from minivllm import LLM, SamplingParams
+from minivllm.i18n import Bi, claims_table, say
 from minivllm.layers.sampler import apply_top_k_top_p, penalties_ref
 from minivllm.precision import evalsets, faults, metrics
 
@@ -105,6 +106,12 @@ def chat(text: str) -> list[int]:
     conv = [{"role": "user", "content": text}]
     return tok.encode(tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True),
                       add_special_tokens=False)
+
+
+def cat(*parts) -> Bi:
+    """One Bi from Bi pieces and plain strings (text the same in both languages)."""
+    return Bi("".join(x if isinstance(x, str) else x.en for x in parts),
+              "".join(x if isinstance(x, str) else x.zh for x in parts))
 
 
 def tv(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -213,18 +220,27 @@ changed = [r for r in div_rows if r[2] is not None]
 tot = [sum(r[4][k] for r in changed) for k in range(3)]
 src_count = {s: sum(s in r[3].split("+") for r in changed) for s in ("template", "question", "output")}
 only_template = sum(r[3] == "template" for r in changed)
-print(f"answers changed by the penalty: {len(changed)}/{len(QA)}")
+say(f"answers changed by the penalty: {len(changed)}/{len(QA)}",
+    f"被惩罚改变的回答：{len(changed)}/{len(QA)}")
 if changed:
-    print(f"penalised ids at the first divergence, summed over those {len(changed)} answers: "
-          f"template {tot[0]}, question (not in the template) {tot[1]}, output (not in the "
-          f"prompt) {tot[2]}: the template's share is {tot[0] / sum(tot):.0%}")
-    print(f"the token that lost the argmax was in the template for {src_count['template']}, in the "
-          f"question for {src_count['question']}, in the output so far for {src_count['output']} of "
-          f"{len(changed)} (only in the template: {only_template})")
+    say(f"penalised ids at the first divergence, summed over those {len(changed)} answers: "
+        f"template {tot[0]}, question (not in the template) {tot[1]}, output (not in the "
+        f"prompt) {tot[2]}: the template's share is {tot[0] / sum(tot):.0%}",
+        f"首次分歧位置上被惩罚的 token id，对这 {len(changed)} 个回答求和："
+        f"模板 {tot[0]}，问题（不在模板中）{tot[1]}，输出（不在提示词中）"
+        f"{tot[2]}：模板所占比例为 {tot[0] / sum(tot):.0%}")
+    say(f"the token that lost the argmax was in the template for {src_count['template']}, in the "
+        f"question for {src_count['question']}, in the output so far for {src_count['output']} of "
+        f"{len(changed)} (only in the template: {only_template})",
+        f"在 {len(changed)} 个回答中，失去 argmax 的 token 出现在模板中的有 {src_count['template']} 个，"
+        f"出现在问题中的有 {src_count['question']} 个，出现在目前输出中的有 {src_count['output']} 个"
+        f"（只出现在模板中：{only_template}）")
 eos = tok.eos_token_id
 n_eos = sum(r[2] == eos for r in changed)
-print(f"of which the lost token was the end of turn {tok.decode([eos])!r} (the template writes it "
-      f"after the system prompt and the question): {n_eos}")
+say(f"of which the lost token was the end of turn {tok.decode([eos])!r} (the template writes it "
+    f"after the system prompt and the question): {n_eos}",
+    f"其中失去的 token 是轮次结束 token {tok.decode([eos])!r}（模板在系统提示词和问题之后都会写它）"
+    f"的有：{n_eos}")
 
 # %% [markdown]
 # The same penalty measured without generating: the log-probability of the model's own
@@ -254,10 +270,14 @@ for it, a, (l0, l1, l2) in zip(QA, plain, lp):
     print(f"{it.question[:44]:44s} {len(a.token_ids):6d} {l0:10.2f} {l1:8.2f} {l2:8.2f}")
 drop = [l0 - l1 for l0, l1, _ in lp]
 drop_ex = [l0 - l2 for l0, _, l2 in lp]
-print(f"mean log-prob lost by the unpenalised answer: {sum(drop) / len(drop):.2f} nats with rep {REP}, "
-      f"{sum(drop_ex) / len(drop_ex):.2f} with the template exempt; the exemption "
-      + ("keeps more of it" if sum(drop_ex) < sum(drop) else "does not keep more of it")
-      + f" (every answer: {all(x <= y + 1e-6 for x, y in zip(drop_ex, drop))})")
+say(cat(Bi(f"mean log-prob lost by the unpenalised answer: {sum(drop) / len(drop):.2f} nats with rep {REP}, "
+           f"{sum(drop_ex) / len(drop_ex):.2f} with the template exempt; the exemption ",
+           f"未受惩罚的回答平均损失的对数概率：rep {REP} 时为 {sum(drop) / len(drop):.2f} nats，"
+           f"豁免模板时为 {sum(drop_ex) / len(drop_ex):.2f}；豁免"),
+        Bi("keeps more of it", "保留了更多") if sum(drop_ex) < sum(drop)
+        else Bi("does not keep more of it", "没有保留更多"),
+        Bi(f" (every answer: {all(x <= y + 1e-6 for x, y in zip(drop_ex, drop))})",
+           f"（每个回答都如此：{all(x <= y + 1e-6 for x, y in zip(drop_ex, drop))}）")))
 print(f"section 1: {time.perf_counter() - t1:.1f} s")
 
 # %% [markdown]
@@ -330,9 +350,11 @@ for i, (pn, cn) in enumerate(reqs):
         gen_rows.append((pn[:10], cn, acc, t.count("Paris"), t))
         print(f"{pn[:10]:10s} {cn:14s} {acc:8s} Paris x{t.count('Paris')}: {t!r}")
 n_changed = sum(texts["correct"][i] != texts["buggy"][i] for i in range(len(reqs)))
-print(f"texts changed by the buggy accounting: {n_changed} of {len(reqs)}")
+say(f"texts changed by the buggy accounting: {n_changed} of {len(reqs)}",
+    f"被有 bug 的统计方式改变的文本：{len(reqs)} 个中有 {n_changed} 个")
 REP1_SAME = all(texts["correct"][i] == texts["buggy"][i] for i, (_, cn) in enumerate(reqs) if cn == "rep 1.0")
-print(f"with repetition_penalty 1.0 the two accountings give the same texts: {REP1_SAME}")
+say(f"with repetition_penalty 1.0 the two accountings give the same texts: {REP1_SAME}",
+    f"repetition_penalty 为 1.0 时两种统计方式给出相同的文本：{REP1_SAME}")
 
 # %% [markdown]
 # **What it shows.** SmolLM2-135M-*Instruct* gives another "Paris" after "Paris Paris
@@ -383,7 +405,8 @@ for a, k in enumerate(GRID_K):
               f"rows that differ {int((d > 0).sum())}/{L.shape[0]}")
 only_k = tv(torch.softmax(apply_top_k_top_p(L, torch.full((L.shape[0],), 20), None), -1),
             torch.softmax(faults.top_k_top_p_wrong_order(L, torch.full((L.shape[0],), 20), None), -1))
-print(f"top-k alone (k=20, no top-p): TV max {float(only_k.max()):.1e} (the order cannot matter)")
+say(f"top-k alone (k=20, no top-p): TV max {float(only_k.max()):.1e} (the order cannot matter)",
+    f"只用 top-k（k=20，没有 top-p）：TV 最大值 {float(only_k.max()):.1e}（顺序不可能有影响）")
 
 # %% [markdown]
 # The planted engine-level fault can give other tokens to seeded requests that use both
@@ -398,7 +421,8 @@ ok = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": q_ids}]
 with faults.top_p_before_top_k(llm):
     bad = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": q_ids}] * 2, [both, konly], use_tqdm=False)]
 order_div = [metrics.first_divergence(a, b) for a, b in zip(ok, bad)]
-print(f"first divergence, top_k+top_p: {order_div[0]}; top_k only: {order_div[1]} (None: equal)")
+say(f"first divergence, top_k+top_p: {order_div[0]}; top_k only: {order_div[1]} (None: equal)",
+    f"首次分歧位置，top_k+top_p：{order_div[0]}；只用 top_k：{order_div[1]}（None：相同）")
 
 # %% [markdown]
 # ## 4. Seeds: alone versus in a batch, on chapter 5's compositions
@@ -442,8 +466,10 @@ for name in ["bfloat16", BI, "float32"]:
     alone, batched = alone_vs_batch(engine)
     divs = [metrics.first_divergence(a, b) for a, b in zip(alone, batched)]
     seed_rows[name], alones[name] = divs, alone
-    print(f"{name:32s} seeded samples changed by the batch: {sum(d is not None for d in divs)} of "
-          f"{len(SHORTS)} (first divergences {divs}; None: all 16 tokens equal)")
+    say(f"{name:32s} seeded samples changed by the batch: {sum(d is not None for d in divs)} of "
+        f"{len(SHORTS)} (first divergences {divs}; None: all 16 tokens equal)",
+        f"{name:32s} 被批次改变的带种子采样：{len(SHORTS)} 个中有 "
+        f"{sum(d is not None for d in divs)} 个（首次分歧位置 {divs}；None：16 个 token 全部相同）")
     if name == "bfloat16":
         for s, a, b, d in zip(SHORTS, alone, batched, divs):
             if d is not None:
@@ -451,15 +477,21 @@ for name in ["bfloat16", BI, "float32"]:
 again = llm.generate(SHORTS[0], SEEDED[0])[0].outputs[0].token_ids  # the same request alone, again
 SEED_REPRO = again == alones["float32"][0]
 n_seed = {k: sum(d is not None for d in v) for k, v in seed_rows.items()}
-print(f"float32, the same seeded request alone twice: equal {SEED_REPRO}")
+say(f"float32, the same seeded request alone twice: equal {SEED_REPRO}",
+    f"float32，同一个带种子的请求单独运行两次：相同 {SEED_REPRO}")
 if n_seed["bfloat16"] and not n_seed[BI]:
-    print("verdict: the seed fixed the random stream, the batch moved the probabilities; the "
-          "batch-invariant engine gave every seeded sample its alone tokens")
+    say("verdict: the seed fixed the random stream, the batch moved the probabilities; the "
+        "batch-invariant engine gave every seeded sample its alone tokens",
+        "结论：随机种子固定了随机数流，批次改变了概率；批不变的引擎让每个带种子的采样都得到了"
+        "单独运行时的 token")
 elif n_seed["bfloat16"]:
-    print("verdict: the batch changed seeded samples even on the batch-invariant engine")
+    say("verdict: the batch changed seeded samples even on the batch-invariant engine",
+        "结论：即使在批不变的引擎上，批次也改变了带种子的采样")
 else:
-    print("verdict: null on this CPU: no seeded sample changed in bfloat16 (no race was close "
-          "enough to the batch's logit changes), so the batch-invariant engine was not needed")
+    say("verdict: null on this CPU: no seeded sample changed in bfloat16 (no race was close "
+        "enough to the batch's logit changes), so the batch-invariant engine was not needed",
+        "结论：在这个 CPU 上为零结果：bfloat16 下没有带种子的采样改变（没有哪次竞赛接近到"
+        "足以被批次引起的 logit 变化翻转），因此不需要批不变的引擎")
 print(f"section 4: {time.perf_counter() - t4:.1f} s")
 
 # %% [markdown]
@@ -508,11 +540,16 @@ CLIENT_IS_PLAIN = all(a.token_ids == b.token_ids for a, b in zip(by_client, plai
 n_diff = sum(a.token_ids != b.token_ids for a, b in zip(by_default, by_client))
 ok_default = sum(evalsets.answer_matches(o.text, it.answers) for o, it in zip(by_default, QA))
 ok_client = sum(evalsets.answer_matches(o.text, it.answers) for o, it in zip(by_client, QA))
-print(f"no SamplingParams (the defaults): answers identical to section 1's rep {REP}: "
-      f"{DEFAULT_IS_PEN}; correct {ok_default}/{len(QA)}")
-print(f"the client's SamplingParams(temperature=0, max_tokens=20): answers "
-      f"identical to section 1's unpenalised ones: {CLIENT_IS_PLAIN}; correct {ok_client}/{len(QA)}")
-print(f"answers that differ between the two clients of the same server: {n_diff}/{len(QA)}")
+say(f"no SamplingParams (the defaults): answers identical to section 1's rep {REP}: "
+    f"{DEFAULT_IS_PEN}; correct {ok_default}/{len(QA)}",
+    f"不带 SamplingParams（使用默认值）：回答与第 1 节 rep {REP} 的相同："
+    f"{DEFAULT_IS_PEN}；正确 {ok_default}/{len(QA)}")
+say(f"the client's SamplingParams(temperature=0, max_tokens=20): answers "
+    f"identical to section 1's unpenalised ones: {CLIENT_IS_PLAIN}; correct {ok_client}/{len(QA)}",
+    f"客户端自己的 SamplingParams(temperature=0, max_tokens=20)：回答"
+    f"与第 1 节未受惩罚的相同：{CLIENT_IS_PLAIN}；正确 {ok_client}/{len(QA)}")
+say(f"answers that differ between the two clients of the same server: {n_diff}/{len(QA)}",
+    f"同一服务端的两个客户端之间不同的回答：{n_diff}/{len(QA)}")
 print(f"section 5: {time.perf_counter() - t5:.1f} s")
 
 # %% [markdown]
@@ -572,51 +609,88 @@ n_ok = {k: sum(v) for k, v in correct.items()}
 mean_drop, mean_drop_ex = sum(drop) / len(drop), sum(drop_ex) / len(drop_ex)
 
 
-def yes(b: bool) -> str:
-    return "yes" if b else "no"
+def yes(b: bool) -> Bi:
+    return Bi("yes", "是") if b else Bi("no", "否")
 
 
+paris_counts = ", ".join(f"{c}:{n}" for _, c, acc, n, _ in gen_rows[:6] if acc == "correct")
+seed_changed = Bi(", ".join(f"{k}: {n_seed[k]}/{len(SHORTS)} changed" for k in seed_rows),
+                  "；".join(f"{k}：{n_seed[k]}/{len(SHORTS)} 个改变" for k in seed_rows))
 claims = [
-    ("TGI #1170 / transformers #26902: a repetition penalty that counts the prompt works "
-     "against the chat format",
-     f"{yes(len(changed) > 0 and src_count['template'] > 0)}: rep {REP} changed {len(changed)}/{len(QA)} "
-     f"greedy answers; the token that lost the argmax was in the template in {src_count['template']}, "
-     f"the question in {src_count['question']}, the output in {src_count['output']} (end of turn: "
-     f"{n_eos}); correct {n_ok['none']}/{len(QA)} -> {n_ok[f'rep {REP}']}/{len(QA)}"),
-    ("the template is most of what the penalty counts",
-     (f"{yes(tot[0] > tot[1] + tot[2])}: {tot[0]} template ids, {tot[1]} question, {tot[2]} output "
-      f"at the first divergences") if changed else "not measured: no answer changed"),
-    ("the penalty costs the model's own answer log-probability; exempting the template costs less",
-     f"{yes(mean_drop > 0)}: {mean_drop:.2f} nats lost on average with rep {REP}; template exempt "
-     f"{mean_drop_ex:.2f} ({yes(mean_drop_ex < mean_drop)}, correct {n_ok[f'rep {REP}, template exempt']}/{len(QA)})"),
-    ("#69: repetition penalty must see the prompt on step 1",
-     f"chat prompt, rep 1.3: P(Paris) {r_chat_rep[3]:.2e} correct vs {r_chat_rep[4]:.2e} buggy, "
-     f"TV {r_chat_rep[5]:.4f} ({yes(r_chat_rep[5] > 0)})"),
-    ("#69: frequency/presence must not count the prompt",
-     f"chat prompt, step 2: TV {r_chat_fp[5]:.4f}; greedy texts changed {n_changed}/{len(reqs)}"),
-    ("#69 repro: 'Paris Paris ...' repeats 'Paris'",
-     f"{yes(any(n > 0 for _, _, acc, n, _ in gen_rows[:6] if acc == 'correct'))} on the Instruct model: "
-     "'Paris' count " + ", ".join(f"{c}:{n}" for _, c, acc, n, _ in gen_rows[:6] if acc == 'correct')
-     + " (completion prompt)"),
+    (Bi("TGI #1170 / transformers #26902: a repetition penalty that counts the prompt works "
+        "against the chat format",
+        "TGI #1170 / transformers #26902：统计提示词的重复惩罚会与对话格式作对"),
+     cat(yes(len(changed) > 0 and src_count['template'] > 0),
+         Bi(f": rep {REP} changed {len(changed)}/{len(QA)} "
+            f"greedy answers; the token that lost the argmax was in the template in {src_count['template']}, "
+            f"the question in {src_count['question']}, the output in {src_count['output']} (end of turn: "
+            f"{n_eos}); correct {n_ok['none']}/{len(QA)} -> {n_ok[f'rep {REP}']}/{len(QA)}",
+            f"：rep {REP} 改变了 {len(changed)}/{len(QA)} 个"
+            f"贪心回答；失去 argmax 的 token 出现在模板中的有 {src_count['template']} 个，"
+            f"问题中 {src_count['question']} 个，输出中 {src_count['output']} 个（轮次结束 token："
+            f"{n_eos}）；正确 {n_ok['none']}/{len(QA)} -> {n_ok[f'rep {REP}']}/{len(QA)}"))),
+    (Bi("the template is most of what the penalty counts", "惩罚统计的 token 大部分来自模板"),
+     cat(yes(tot[0] > tot[1] + tot[2]),
+         Bi(f": {tot[0]} template ids, {tot[1]} question, {tot[2]} output at the first divergences",
+            f"：在首次分歧位置上，模板 id {tot[0]} 个，问题 {tot[1]} 个，输出 {tot[2]} 个"))
+     if changed else Bi("not measured: no answer changed", "未测量：没有回答改变")),
+    (Bi("the penalty costs the model's own answer log-probability; exempting the template costs less",
+        "惩罚让模型自己的回答损失对数概率；豁免模板损失更少"),
+     cat(yes(mean_drop > 0),
+         Bi(f": {mean_drop:.2f} nats lost on average with rep {REP}; template exempt {mean_drop_ex:.2f} (",
+            f"：rep {REP} 时平均损失 {mean_drop:.2f} nats；豁免模板时 {mean_drop_ex:.2f}（"),
+         yes(mean_drop_ex < mean_drop),
+         Bi(f", correct {n_ok[f'rep {REP}, template exempt']}/{len(QA)})",
+            f"，正确 {n_ok[f'rep {REP}, template exempt']}/{len(QA)}）"))),
+    (Bi("#69: repetition penalty must see the prompt on step 1", "#69：重复惩罚在第 1 步就必须看到提示词"),
+     cat(Bi(f"chat prompt, rep 1.3: P(Paris) {r_chat_rep[3]:.2e} correct vs {r_chat_rep[4]:.2e} buggy, "
+            f"TV {r_chat_rep[5]:.4f} (",
+            f"对话提示词，rep 1.3：P(Paris) 正确为 {r_chat_rep[3]:.2e}，有 bug 为 {r_chat_rep[4]:.2e}，"
+            f"TV {r_chat_rep[5]:.4f}（"),
+         yes(r_chat_rep[5] > 0), Bi(")", "）"))),
+    (Bi("#69: frequency/presence must not count the prompt", "#69：频率/存在惩罚不得统计提示词"),
+     Bi(f"chat prompt, step 2: TV {r_chat_fp[5]:.4f}; greedy texts changed {n_changed}/{len(reqs)}",
+        f"对话提示词，第 2 步：TV {r_chat_fp[5]:.4f}；贪心文本改变 {n_changed}/{len(reqs)}")),
+    (Bi("#69 repro: 'Paris Paris ...' repeats 'Paris'", "#69 复现：'Paris Paris ...' 会重复 'Paris'"),
+     cat(yes(any(n > 0 for _, _, acc, n, _ in gen_rows[:6] if acc == 'correct')),
+         Bi(f" on the Instruct model: 'Paris' count {paris_counts} (completion prompt)",
+            f"（Instruct 模型）：'Paris' 次数 {paris_counts}（补全提示词）"))),
     ("PR #1885: [.1,.2,.3,.4], k=2, p=0.5 -> [0,0,0,1] vs [0,0,.475,.525]",
      f"{[round(x, 3) for x in right[0].tolist()]} vs {[round(x, 3) for x in wrong[0].tolist()]}"),
-    ("the filter order matters on real logits",
-     f"{yes(float(tv_grid.min()) > 0)}: mean TV {float(tv_grid.min()):.4f}..{float(tv_grid.max()):.4f} "
-     f"over the (k, p) grid; with one filter {yes(float(only_k.max()) > 0)} (max {float(only_k.max()):.0e})"),
-    ("a per-request seed reproduces a sample alone", f"{yes(SEED_REPRO)} (float32, run twice)"),
-    ("PR #2514: batch composition can still change a seeded sample (chapter 5's compositions)",
-     ", ".join(f"{k}: {n_seed[k]}/{len(SHORTS)} changed" for k in seed_rows)),
-    ("a model's generation-config defaults apply where the client leaves fields unset",
-     f"{yes(DEFAULT_IS_PEN)}: override_generation_config's penalty gave section 1's rep {REP} answers"),
-    ("lm-eval #3154: a client's own SamplingParams bypass them",
-     f"{yes(CLIENT_IS_PLAIN)}: the same server gave the unpenalised answers; {n_diff}/{len(QA)} "
-     "answers differ between the two clients"),
-    ("seed claim: T=0 vs 0.8 differs more than quantization",
-     f"{yes(kl_temp > kl_quant and disagree_temp > disagree_quant)}: KL {kl_temp:.4f} vs {kl_quant:.4f} "
-     f"nats; disagreement {disagree_temp:.3f} vs {disagree_quant:.3f}"),
+    (Bi("the filter order matters on real logits", "在真实 logits 上过滤顺序有影响"),
+     cat(yes(float(tv_grid.min()) > 0),
+         Bi(f": mean TV {float(tv_grid.min()):.4f}..{float(tv_grid.max()):.4f} over the (k, p) grid; "
+            "with one filter ",
+            f"：在 (k, p) 网格上平均 TV 为 {float(tv_grid.min()):.4f}..{float(tv_grid.max()):.4f}；"
+            "只用一种过滤时"),
+         yes(float(only_k.max()) > 0),
+         Bi(f" (max {float(only_k.max()):.0e})", f"（最大值 {float(only_k.max()):.0e}）"))),
+    (Bi("a per-request seed reproduces a sample alone", "单独运行时，按请求设置的随机种子能复现一次采样"),
+     cat(yes(SEED_REPRO), Bi(" (float32, run twice)", "（float32，运行两次）"))),
+    (Bi("PR #2514: batch composition can still change a seeded sample (chapter 5's compositions)",
+        "PR #2514：批次组合仍可能改变带种子的采样（第 5 章的组合）"),
+     seed_changed),
+    (Bi("a model's generation-config defaults apply where the client leaves fields unset",
+        "模型 generation-config 中的默认值作用于客户端未设置的字段"),
+     cat(yes(DEFAULT_IS_PEN),
+         Bi(f": override_generation_config's penalty gave section 1's rep {REP} answers",
+            f"：override_generation_config 的惩罚给出了第 1 节 rep {REP} 的回答"))),
+    (Bi("lm-eval #3154: a client's own SamplingParams bypass them",
+        "lm-eval #3154：客户端自己的 SamplingParams 会绕过它们"),
+     cat(yes(CLIENT_IS_PLAIN),
+         Bi(f": the same server gave the unpenalised answers; {n_diff}/{len(QA)} "
+            "answers differ between the two clients",
+            f"：同一服务端给出了未受惩罚的回答；两个客户端之间有 {n_diff}/{len(QA)} "
+            "个回答不同"))),
+    (Bi("seed claim: T=0 vs 0.8 differs more than quantization",
+        "种子课程的论断：T=0 与 0.8 之间的差异比量化更大"),
+     cat(yes(kl_temp > kl_quant and disagree_temp > disagree_quant),
+         Bi(f": KL {kl_temp:.4f} vs {kl_quant:.4f} "
+            f"nats; disagreement {disagree_temp:.3f} vs {disagree_quant:.3f}",
+            f"：KL {kl_temp:.4f} 对 {kl_quant:.4f} "
+            f"nats；不一致率 {disagree_temp:.3f} 对 {disagree_quant:.3f}"))),
 ]
-for c, m in claims:
-    print(f"- {c}\n    measured: {m}")
+claims_table(claims)
 
 # %% [markdown]
 # **Misconceptions.**
