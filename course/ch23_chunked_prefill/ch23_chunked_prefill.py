@@ -62,6 +62,7 @@ from matplotlib.figure import Figure
 
 from minivllm import LLM, SamplingParams
 from minivllm.attention.metadata import chunk_causal_mask, prefill_chunk_ref
+from minivllm.i18n import Bi, say
 from minivllm.precision import evalsets, faults, metrics
 from minivllm.tokenizer import render_chat_ref
 
@@ -282,9 +283,12 @@ for L, name in plan:
     ok = evalsets.passkey_correct(out.text, it.passkey)
     div = metrics.first_divergence(ref_ids, out.token_ids[:len(ref_ids)])
     recall[L, name] = (out.token_ids, out.text, ok, div)
-    print(f"{L}-token prompt, key {it.passkey} at depth {it.depth}, {name:22s}: "
-          f"{out.text!r:50s} key found: {ok}; first divergence from the unchunked answer "
-          f"{it.reference_output!r}: {'none' if div is None else f'token {div}'}")
+    say(f"{L}-token prompt, key {it.passkey} at depth {it.depth}, {name:22s}: "
+        f"{out.text!r:50s} key found: {ok}; first divergence from the unchunked answer "
+        f"{it.reference_output!r}: {'none' if div is None else f'token {div}'}",
+        f"{L} token 提示词，密钥 {it.passkey} 位于深度 {it.depth}，{name:22s}："
+        f"{out.text!r:50s} 找到密钥：{ok}；与不分块答案 "
+        f"{it.reference_output!r} 的首次分歧位置：{'无' if div is None else f'第 {div} 个 token'}")
 
 # %% [markdown]
 # ## 6. The fix, measured
@@ -297,13 +301,18 @@ for L, name in plan:
 # %%
 with budget(llm, 64), llm.swap_step("prefill_chunk", prefill_chunk_fixed):
     fixed = llm.score(x_ids, output="logits")
-print(f"fixed step, 64-token chunks: torch.equal(logits, default chunked engine) = "
-      f"{torch.equal(fixed, rows['fp32', 64])}; mean KL vs unchunked "
-      f"{metrics.mean_kl(rows['fp32', None], fixed):.1e}")
-print(f"greedy on the 1011-token passkey prompt equal to the unchunked answer: "
-      f"{recall[1011, 'fixed'][3] is None}, key found: {recall[1011, 'fixed'][2]}")
-print("mask of the fix == chunk_causal_mask:",
-      torch.equal(prefill_chunk_fixed(torch.arange(4), 30, 10, 16, 64)[1], chunk_causal_mask(10, 40)))
+say(f"fixed step, 64-token chunks: torch.equal(logits, default chunked engine) = "
+    f"{torch.equal(fixed, rows['fp32', 64])}; mean KL vs unchunked "
+    f"{metrics.mean_kl(rows['fp32', None], fixed):.1e}",
+    f"修复后的步骤，64 token 分块：torch.equal(logits, 默认分块引擎) = "
+    f"{torch.equal(fixed, rows['fp32', 64])}；相对不分块的平均 KL "
+    f"{metrics.mean_kl(rows['fp32', None], fixed):.1e}")
+say(f"greedy on the 1011-token passkey prompt equal to the unchunked answer: "
+    f"{recall[1011, 'fixed'][3] is None}, key found: {recall[1011, 'fixed'][2]}",
+    f"1011 token 密钥提示词上的贪心输出等于不分块的答案："
+    f"{recall[1011, 'fixed'][3] is None}，找到密钥：{recall[1011, 'fixed'][2]}")
+mask_ok = torch.equal(prefill_chunk_fixed(torch.arange(4), 30, 10, 16, 64)[1], chunk_causal_mask(10, 40))
+say(f"mask of the fix == chunk_causal_mask: {mask_ok}", f"修复的掩码 == chunk_causal_mask：{mask_ok}")
 
 # %% [markdown]
 # ## 7. Claim vs measurement
@@ -312,41 +321,97 @@ print("mask of the fix == chunk_causal_mask:",
 kl32 = {c: sweep["fp32", c][0].mean() for c in CHUNKS}
 kla, klb = sweep["seqlen_k_full", 64][0].mean(), sweep["no_past", 64][0].mean()
 found = {k: v[2] for k, v in recall.items()}
-print("| claim | source | measured here |")
-print("|---|---|---|")
-print("| chunked and unchunked prefill differ for a long prompt; a different kernel, so "
-      "small differences are expected | vllm #5952 (maintainer) | "
-      + ("not even that here: float32 chunked and unchunked logits are bit-identical, mean KL "
-         if all(sweep["fp32", c][1] == 0 for c in CHUNKS) else "yes, small: float32 mean KL ")
-      + f"{kl32[64]:.1e} / {kl32[128]:.1e} / {kl32[256]:.1e} nats at 64 / 128 / 256 "
-      f"tokens, top-1 {100 * sweep['fp32', 64][2]:.1f}%; greedy on the 1011-token "
-      f"passkey prompt equal to the unchunked answer: {recall[1011, 'fixed'][3] is None}; "
-      f"no quality loss to show |")
+def join(*parts):
+    """One text from Bi parts and plain strings, in both languages."""
+    return Bi("".join(getattr(p, "en", p) for p in parts),
+              "".join(getattr(p, "zh", p) for p in parts))
+
+
+def table3(rows):
+    """Say a | claim | source | measured here | table (cells: Bi or str) in both languages."""
+    en = ["| claim | source | measured here |", "|---|---|---|"]
+    zh = ["| 论断 | 来源 | 本次实测 |", "|---|---|---|"]
+    for cells in rows:
+        en.append("| " + " | ".join(getattr(c, "en", c) for c in cells) + " |")
+        zh.append("| " + " | ".join(getattr(c, "zh", c) for c in cells) + " |")
+    say("\n".join(en), "\n".join(zh))
+
+
+bit_identical = all(sweep["fp32", c][1] == 0 for c in CHUNKS)
+row1 = join(
+    Bi("not even that here: float32 chunked and unchunked logits are bit-identical, mean KL ",
+       "这里连这一点都没有：float32 分块与不分块的 logits 逐位相同，平均 KL ")
+    if bit_identical else Bi("yes, small: float32 mean KL ", "是的，很小：float32 平均 KL "),
+    Bi(f"{kl32[64]:.1e} / {kl32[128]:.1e} / {kl32[256]:.1e} nats at 64 / 128 / 256 "
+       f"tokens, top-1 {100 * sweep['fp32', 64][2]:.1f}%; greedy on the 1011-token "
+       f"passkey prompt equal to the unchunked answer: {recall[1011, 'fixed'][3] is None}; "
+       f"no quality loss to show",
+       f"{kl32[64]:.1e} / {kl32[128]:.1e} / {kl32[256]:.1e} nats（64 / 128 / 256 "
+       f"token 分块），top-1 {100 * sweep['fp32', 64][2]:.1f}%；1011 token "
+       f"密钥提示词上的贪心输出等于不分块的答案：{recall[1011, 'fixed'][3] is None}；"
+       f"没有可展示的质量损失"))
 kl16 = sweep["bf16", 32][0].mean()
-verdict = ("bit-identical on this CPU, so not larger (not isolated here; a plausible "
-           "reason: torch's CPU bfloat16 kernels accumulate in float32 and round once to "
-           "bfloat16, which can absorb a float32-level reordering)"
+verdict = (Bi("bit-identical on this CPU, so not larger (not isolated here; a plausible "
+              "reason: torch's CPU bfloat16 kernels accumulate in float32 and round once to "
+              "bfloat16, which can absorb a float32-level reordering)",
+              "在这块 CPU 上逐位相同，所以并不更大（这里没有单独验证；一个可能的原因："
+              "torch 的 CPU bfloat16 kernel 在 float32 中累加，最后只舍入一次到 "
+              "bfloat16，这可以吸收 float32 级别的重排）")
            if sweep["bf16", 32][1] == 0 else
-           f"{'larger' if kl16 > kl32[64] else 'not larger'} than float32")
-print(f"| fp32 at noise level, bf16 larger | course plan estimate | float32: yes, mean KL "
-      f"{kl32[64]:.0e}, max |dlogit| {sweep['fp32', 64][1]:.1e}; bfloat16 (32-token chunks, "
-      f"{N_BF16} tokens): mean KL {kl16:.1e}, max |dlogit| {sweep['bf16', 32][1]:.1e}, "
-      f"{verdict}; bf16-vs-fp32 itself is {bf_noise:.1e} |")
-print(f"| seqlen_k = full length reads unwritten slots: wrong results | nano-vllm PR #213 | "
-      f"planted: mean KL {kla:.2f} nats from chunk 0 on, top-1 "
-      f"{100 * sweep['seqlen_k_full', 64][2]:.0f}%; 507-token passkey found: "
-      f"{found[507, 'bug (a) seqlen_k full']} |")
-print(f"| chunks that ignore earlier chunks lose the needle, only past some length "
-      f"(imp: from 1100 tokens, 512-token chunks) | kekzl/imp #114/#117 | planted, 64-token "
-      f"chunks: mean KL {klb:.2f} nats (chunk 0: max KL "
-      f"{sweep['no_past', 64][0][:64].max():.1g}); passkey found at 507 tokens: "
-      f"{found[507, 'bug (b) no past chunks']}, at 1011: "
-      f"{found[1011, 'bug (b) no past chunks']} |")
-print(f"| enable-chunked-prefill and max-num-batched-tokens are performance settings "
-      f"(throughput/latency) | seed 002 §二, §四 | right for a correct engine: the budget "
-      f"changes the logits only at the float32 noise level ({min(kl32.values()):.1e} to "
-      f"{max(kl32.values()):.1e} nats); but it also decides whether a chunking bug runs at "
-      f"all (a budget >= the prompt hides both bugs) |")
+           Bi(f"{'larger' if kl16 > kl32[64] else 'not larger'} than float32",
+              f"{'大于' if kl16 > kl32[64] else '不大于'} float32"))
+row2 = join(
+    Bi(f"float32: yes, mean KL "
+       f"{kl32[64]:.0e}, max |dlogit| {sweep['fp32', 64][1]:.1e}; bfloat16 (32-token chunks, "
+       f"{N_BF16} tokens): mean KL {kl16:.1e}, max |dlogit| {sweep['bf16', 32][1]:.1e}, ",
+       f"float32：是，平均 KL "
+       f"{kl32[64]:.0e}，最大 |dlogit| {sweep['fp32', 64][1]:.1e}；bfloat16（32 token 分块，"
+       f"{N_BF16} 个 token）：平均 KL {kl16:.1e}，最大 |dlogit| {sweep['bf16', 32][1]:.1e}，"),
+    verdict,
+    Bi(f"; bf16-vs-fp32 itself is {bf_noise:.1e}", f"；bf16 与 fp32 之间本身的差异为 {bf_noise:.1e}"))
+table3([
+    (Bi("chunked and unchunked prefill differ for a long prompt; a different kernel, so "
+        "small differences are expected",
+        "对长提示词，分块与不分块的 prefill 结果不同；换了一个 kernel，所以微小差异在预期之内"),
+     Bi("vllm #5952 (maintainer)", "vllm #5952（维护者）"), row1),
+    (Bi("fp32 at noise level, bf16 larger", "fp32 处于噪声水平，bf16 更大"),
+     Bi("course plan estimate", "课程计划的估计"), row2),
+    (Bi("seqlen_k = full length reads unwritten slots: wrong results",
+        "seqlen_k = 整个长度，会读取未写入的槽位：结果错误"),
+     "nano-vllm PR #213",
+     Bi(f"planted: mean KL {kla:.2f} nats from chunk 0 on, top-1 "
+        f"{100 * sweep['seqlen_k_full', 64][2]:.0f}%; 507-token passkey found: "
+        f"{found[507, 'bug (a) seqlen_k full']}",
+        f"植入：从分块 0 起平均 KL {kla:.2f} nats，top-1 "
+        f"{100 * sweep['seqlen_k_full', 64][2]:.0f}%；507 token 密钥提示词找到密钥："
+        f"{found[507, 'bug (a) seqlen_k full']}")),
+    (Bi("chunks that ignore earlier chunks lose the needle, only past some length "
+        "(imp: from 1100 tokens, 512-token chunks)",
+        "忽略之前分块的分块会丢失\"针\"，但只在超过某个长度之后"
+        "（imp：从 1100 个 token 起，512 token 分块）"),
+     "kekzl/imp #114/#117",
+     Bi(f"planted, 64-token "
+        f"chunks: mean KL {klb:.2f} nats (chunk 0: max KL "
+        f"{sweep['no_past', 64][0][:64].max():.1g}); passkey found at 507 tokens: "
+        f"{found[507, 'bug (b) no past chunks']}, at 1011: "
+        f"{found[1011, 'bug (b) no past chunks']}",
+        f"植入，64 token "
+        f"分块：平均 KL {klb:.2f} nats（分块 0：最大 KL "
+        f"{sweep['no_past', 64][0][:64].max():.1g}）；507 个 token 时找到密钥："
+        f"{found[507, 'bug (b) no past chunks']}，1011 个 token 时："
+        f"{found[1011, 'bug (b) no past chunks']}")),
+    (Bi("enable-chunked-prefill and max-num-batched-tokens are performance settings "
+        "(throughput/latency)",
+        "enable-chunked-prefill 和 max-num-batched-tokens 是性能设置（吞吐量/延迟）"),
+     Bi("seed 002 §二, §四", "种子课程 002 §二、§四"),
+     Bi(f"right for a correct engine: the budget "
+        f"changes the logits only at the float32 noise level ({min(kl32.values()):.1e} to "
+        f"{max(kl32.values()):.1e} nats); but it also decides whether a chunking bug runs at "
+        f"all (a budget >= the prompt hides both bugs)",
+        f"对正确的引擎成立：预算只在 float32 噪声水平上改变 logits（{min(kl32.values()):.1e} 到 "
+        f"{max(kl32.values()):.1e} nats）；但它也决定了分块 bug 是否会运行"
+        f"（预算 >= 提示词长度时两个 bug 都被掩盖）")),
+])
 
 # %% [markdown]
 # ## Common misconceptions
