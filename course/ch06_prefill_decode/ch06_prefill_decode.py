@@ -53,6 +53,7 @@ import torch
 from matplotlib.figure import Figure
 
 from minivllm import LLM
+from minivllm.i18n import Bi, claims_table, say
 from minivllm.precision import evalsets, faults, metrics
 from minivllm.precision.layer_diff import (LayerDiff, capture_hidden_states, find_first_jump,
                                            relative_error)
@@ -94,8 +95,10 @@ t_pre = time.perf_counter() - t
 t = time.perf_counter()
 dec = llm.score(ids, mode="decode", output="logits")
 t_dec = time.perf_counter() - t
-print(f"prefill twice: bit-identical {torch.equal(pre, pre_again)}  "
-      f"({t_pre / 2:.2f} s per pass of {len(ids)} tokens)")
+say(f"prefill twice: bit-identical {torch.equal(pre, pre_again)}  "
+    f"({t_pre / 2:.2f} s per pass of {len(ids)} tokens)",
+    f"prefill 两次：逐比特相同 {torch.equal(pre, pre_again)}  "
+    f"（每次处理 {len(ids)} 个 token 用时 {t_pre / 2:.2f} s）")
 print(f"decode: {t_dec:.1f} s for {len(ids)} tokens, one engine step each")
 
 # %%
@@ -128,8 +131,10 @@ print(f"| noise floor: prefill vs prefill, MLP sum reordered | {kl_noise.mean():
 q = len(kl_pd) // 4
 first_q, last_q = kl_pd[1:q].mean(), kl_pd[-q:].mean()  # row 0 comes from a prefill in both
 rho = float(np.corrcoef(np.arange(1, len(kl_pd)), np.log(np.maximum(kl_pd[1:], 1e-20)))[0, 1])
-print(f"mean KL, positions 1-{q - 1}: {first_q:.2e}; last {q} positions: {last_q:.2e} "
-      f"(ratio {last_q / first_q:.2f}); correlation of log KL with position: {rho:+.2f}")
+say(f"mean KL, positions 1-{q - 1}: {first_q:.2e}; last {q} positions: {last_q:.2e} "
+    f"(ratio {last_q / first_q:.2f}); correlation of log KL with position: {rho:+.2f}",
+    f"平均 KL，位置 1-{q - 1}：{first_q:.2e}；最后 {q} 个位置：{last_q:.2e} "
+    f"（比值 {last_q / first_q:.2f}）；log KL 与位置的相关系数：{rho:+.2f}")
 
 fig = Figure(figsize=(7, 4), layout="constrained")
 ax = fig.add_subplot()
@@ -282,12 +287,18 @@ with faults.decode_softmax_low_precision(llm, FAULT_LAYER):
     pre_f = llm.score(ids_s, mode="prefill", output="logits")
     dec_f = llm.score(ids_s, mode="decode", output="logits")
 kl_fault = metrics.kl_divergence(pre_f, dec_f).numpy()
-print(f"fault in layer {FAULT_LAYER}: prefill rows bit-identical to the clean engine's: "
-      f"{torch.equal(pre_f, base_s)}")
-print(f"prefill vs decode, mean KL: clean {kl_pd[:N_SHORT].mean():.2e}, with the fault "
-      f"{kl_fault.mean():.2e} ({kl_fault.mean() / kl_pd[:N_SHORT].mean():.0f}x); "
-      f"max |Δlogit| {(pre_f - dec_f).abs().max().item():.2e}; top-1 agreement "
-      f"{100 * float((pre_f.argmax(-1) == dec_f.argmax(-1)).double().mean()):.1f}%")
+say(f"fault in layer {FAULT_LAYER}: prefill rows bit-identical to the clean engine's: "
+    f"{torch.equal(pre_f, base_s)}",
+    f"故障位于第 {FAULT_LAYER} 层：prefill 行与无故障引擎的逐比特相同："
+    f"{torch.equal(pre_f, base_s)}")
+say(f"prefill vs decode, mean KL: clean {kl_pd[:N_SHORT].mean():.2e}, with the fault "
+    f"{kl_fault.mean():.2e} ({kl_fault.mean() / kl_pd[:N_SHORT].mean():.0f}x); "
+    f"max |Δlogit| {(pre_f - dec_f).abs().max().item():.2e}; top-1 agreement "
+    f"{100 * float((pre_f.argmax(-1) == dec_f.argmax(-1)).double().mean()):.1f}%",
+    f"prefill 对比 decode，平均 KL：无故障 {kl_pd[:N_SHORT].mean():.2e}，有故障 "
+    f"{kl_fault.mean():.2e}（{kl_fault.mean() / kl_pd[:N_SHORT].mean():.0f}x）；"
+    f"max |Δlogit| {(pre_f - dec_f).abs().max().item():.2e}；Top-1 一致率 "
+    f"{100 * float((pre_f.argmax(-1) == dec_f.argmax(-1)).double().mean()):.1f}%")
 
 # %% [markdown]
 # Chapter 4's two questions about this difference give two answers (printed below): it is
@@ -300,11 +311,16 @@ print(f"prefill vs decode, mean KL: clean {kl_pd[:N_SHORT].mean():.2e}, with the
 # %%
 ABOVE_NOISE = kl_fault.mean() > 10 * kl_noise[:N_SHORT].mean()
 ABOVE_PRACTICAL = kl_fault.mean() > 1e-4
-print(f"fault's prefill/decode KL {kl_fault.mean():.1e} nats: "
-      f"{'above' if ABOVE_NOISE else 'NOT above'} 10x the noise floor "
-      f"({kl_noise[:N_SHORT].mean():.1e}); {'above' if ABOVE_PRACTICAL else 'below'} chapter 4's "
-      f"practical threshold of 1e-4 nats: "
-      f"{'real and material' if ABOVE_PRACTICAL else 'real but immaterial at this size' if ABOVE_NOISE else 'not distinguishable from noise'}")
+say(f"fault's prefill/decode KL {kl_fault.mean():.1e} nats: "
+    f"{'above' if ABOVE_NOISE else 'NOT above'} 10x the noise floor "
+    f"({kl_noise[:N_SHORT].mean():.1e}); {'above' if ABOVE_PRACTICAL else 'below'} chapter 4's "
+    f"practical threshold of 1e-4 nats: "
+    f"{'real and material' if ABOVE_PRACTICAL else 'real but immaterial at this size' if ABOVE_NOISE else 'not distinguishable from noise'}",
+    f"故障的 prefill/decode KL {kl_fault.mean():.1e} nats："
+    f"{'高于' if ABOVE_NOISE else '不高于'}噪声基底的 10x "
+    f"（{kl_noise[:N_SHORT].mean():.1e}）；{'高于' if ABOVE_PRACTICAL else '低于'}第 4 章 "
+    f"1e-4 nats 的实用阈值："
+    f"{'真实且有实际影响' if ABOVE_PRACTICAL else '真实，但在这个大小上无关紧要' if ABOVE_NOISE else '与噪声无法区分'}")
 
 # %% [markdown]
 # The prefill path is untouched (bit-identical), so a prompt-only evaluation (perplexity
@@ -334,10 +350,14 @@ jump_layer, jump_block = find_first_jump(errors, n_layers, min_error=2e-6)
 points = list(clean_states)
 diff = LayerDiff(points, [errors[p] for p in points], n_layers, jump_layer, jump_block)
 resid = diff.residual_errors()
-print(f"first jump: layer {jump_layer} ({jump_block}); planted in layer {FAULT_LAYER}; "
-      f"largest error at layer {int(np.argmax(resid))}")
-print(f"residual-stream error: before layer {FAULT_LAYER} at most {max(resid[:FAULT_LAYER]):.1e}, "
-      f"at layer {FAULT_LAYER} {resid[FAULT_LAYER]:.1e}, last layer {resid[-1]:.1e}")
+say(f"first jump: layer {jump_layer} ({jump_block}); planted in layer {FAULT_LAYER}; "
+    f"largest error at layer {int(np.argmax(resid))}",
+    f"第一次跳变：第 {jump_layer} 层（{jump_block}）；植入在第 {FAULT_LAYER} 层；"
+    f"最大误差在第 {int(np.argmax(resid))} 层")
+say(f"residual-stream error: before layer {FAULT_LAYER} at most {max(resid[:FAULT_LAYER]):.1e}, "
+    f"at layer {FAULT_LAYER} {resid[FAULT_LAYER]:.1e}, last layer {resid[-1]:.1e}",
+    f"残差流误差：第 {FAULT_LAYER} 层之前最多 {max(resid[:FAULT_LAYER]):.1e}，"
+    f"第 {FAULT_LAYER} 层 {resid[FAULT_LAYER]:.1e}，最后一层 {resid[-1]:.1e}")
 diff.plot(label=f"decode vs prefill, bf16 decode softmax in layer {FAULT_LAYER}")
 
 # %% [markdown]
@@ -350,12 +370,16 @@ diff.plot(label=f"decode vs prefill, bf16 decode softmax in layer {FAULT_LAYER}"
 with faults.decode_softmax_low_precision(llm, FAULT_LAYER, dtype=torch.float32):
     dec_fix = llm.score(ids_s, mode="decode", output="logits")
 kl_fix = metrics.kl_divergence(base_s, dec_fix).numpy()
-print(f"prefill vs decode, mean KL: clean {kl_pd[:N_SHORT].mean():.2e}, bf16 softmax "
-      f"{kl_fault.mean():.2e}, float32 softmax (fixed) {kl_fix.mean():.2e}; noise floor "
-      f"{kl_noise[:N_SHORT].mean():.2e}")
+say(f"prefill vs decode, mean KL: clean {kl_pd[:N_SHORT].mean():.2e}, bf16 softmax "
+    f"{kl_fault.mean():.2e}, float32 softmax (fixed) {kl_fix.mean():.2e}; noise floor "
+    f"{kl_noise[:N_SHORT].mean():.2e}",
+    f"prefill 对比 decode，平均 KL：无故障 {kl_pd[:N_SHORT].mean():.2e}，bf16 softmax "
+    f"{kl_fault.mean():.2e}，float32 softmax（已修复）{kl_fix.mean():.2e}；噪声基底 "
+    f"{kl_noise[:N_SHORT].mean():.2e}")
 h = N_SHORT // 2
 fault_ratio = kl_fault[h:].mean() / kl_fault[1:h].mean()
-print(f"the fault's KL, second half / first half of the positions: {fault_ratio:.2f}")
+say(f"the fault's KL, second half / first half of the positions: {fault_ratio:.2f}",
+    f"故障的 KL，后一半位置 / 前一半位置：{fault_ratio:.2f}")
 
 fig = Figure(figsize=(7, 4), layout="constrained")
 ax = fig.add_subplot()
@@ -385,37 +409,71 @@ fig
 # The numbers in this table are from this run (the cells above print them).
 
 # %%
-print("| the seed says | what we measured here |")
-print("|---|---|")
-print(f"| fixed-prompt test: the same input must give the same numbers | each path is "
-      f"deterministic (prefill twice bit-identical: {torch.equal(pre, pre_again)}); the two "
-      f"paths differ by float32 rounding, KL {kl_pd.mean():.1e} nats, max |Δlogit| "
-      f"{dlogit.max().item():.1e}, at the noise floor ({kl_noise.mean():.1e}) |")
-print(f"| 'the later the output, the more chaotic' -> KV accumulated error | not on fixed "
-      f"tokens: KL last quarter / first quarter = {last_q / first_q:.2f} over {len(ids)} "
-      f"positions (correlation with position {rho:+.2f}); even the planted decode bug does not "
-      f"grow (second half / first half {fault_ratio:.2f}). "
-      f"Late chaos in free text is greedy divergence after a flipped near-tie |")
-print(f"| prefill is about compute precision, decode about storage precision | depends on "
-      f"the backend: with K/V read from the cache in prefill (minivllm, vLLM v1) fp8 KV "
-      f"costs prefill {kl8['prefill, reads the fp8 cache (minivllm, vLLM v1)'].mean().item():.1e} "
-      f"and decode {kl8['decode, reads the fp8 cache'].mean().item():.1e} nats; only a "
-      f"fresh-K/V prefill (emulated: 0) leaves storage to decode. And fp8 storage makes the "
-      f"two paths differ by {kl8_pd:.1e} nats, far above float32's {kl_pd.mean():.1e} |")
-print(f"| a decode-only bug shows only in generation | yes: bf16 decode softmax in one layer "
-      f"leaves prefill bit-identical and raises the prefill/decode KL "
-      f"{kl_fault.mean() / kl_pd[:N_SHORT].mean():.0f}x to {kl_fault.mean():.1e}; the layer "
-      f"diff names layer {jump_layer}; the float32 softmax brings it back to {kl_fix.mean():.1e} |")
-print("| enforce-eager comparison (CUDA graphs off) | not measurable here: CUDA graphs exist "
-      "only on a GPU; on this CPU every step runs eagerly (chapter 24) |")
+def tr(text, lang):
+    """The ``lang`` ("en" or "zh") text of a ``Bi``."""
+    return getattr(text, lang)
+
+
 _pd = BF16_GAPS["bf16 prefill vs bf16 decode"]
-_size = ("the same order of magnitude" if 0.032 < _pd[0] < 3.2 else
-         "smaller" if _pd[0] <= 0.032 else "larger")
-print(f"| (vllm #18352) vLLM vs HF log-probs differ up to ~0.32 in bf16 | {_size} between "
-      f"this engine's own two bf16 paths: max |Δ target logprob| {_pd[0]:.2f}, RMS {_pd[1]:.3f} "
-      f"over {N_BF16 - 1} tokens; each path {BF16_GAPS['bf16 prefill vs float32'][1]:.3f} / "
-      f"{BF16_GAPS['bf16 decode vs float32'][1]:.3f} RMS from float32; float32's own gap max "
-      f"{BF16_GAPS['float32 prefill vs float32 decode'][0]:.1e}: bf16 rounding, not a bug |")
+_size = (Bi("the same order of magnitude", "量级相同") if 0.032 < _pd[0] < 3.2 else
+         Bi("smaller", "更小") if _pd[0] <= 0.032 else Bi("larger", "更大"))
+_kl8_pre = kl8['prefill, reads the fp8 cache (minivllm, vLLM v1)'].mean().item()
+_kl8_dec = kl8['decode, reads the fp8 cache'].mean().item()
+claims_table([
+    (Bi("fixed-prompt test: the same input must give the same numbers",
+        "固定提示词测试：同样的输入必须给出同样的数字"),
+     Bi(f"each path is deterministic (prefill twice bit-identical: {torch.equal(pre, pre_again)}); "
+        f"the two paths differ by float32 rounding, KL {kl_pd.mean():.1e} nats, max |Δlogit| "
+        f"{dlogit.max().item():.1e}, at the noise floor ({kl_noise.mean():.1e})",
+        f"每条路径都是确定性的（prefill 两次逐比特相同：{torch.equal(pre, pre_again)}）；"
+        f"两条路径相差 float32 舍入，KL {kl_pd.mean():.1e} nats，max |Δlogit| "
+        f"{dlogit.max().item():.1e}，处于噪声基底（{kl_noise.mean():.1e}）")),
+    (Bi("'the later the output, the more chaotic' -> KV accumulated error",
+        "“输出越靠后越混乱” -> KV 累积误差"),
+     Bi(f"not on fixed tokens: KL last quarter / first quarter = {last_q / first_q:.2f} over "
+        f"{len(ids)} positions (correlation with position {rho:+.2f}); even the planted decode "
+        f"bug does not grow (second half / first half {fault_ratio:.2f}). "
+        f"Late chaos in free text is greedy divergence after a flipped near-tie",
+        f"在固定 token 上不成立：在 {len(ids)} 个位置上，KL 最后四分之一 / 第一个四分之一 = "
+        f"{last_q / first_q:.2f}（与位置的相关系数 {rho:+.2f}）；即使是植入的 decode bug 也不增长"
+        f"（后一半 / 前一半 {fault_ratio:.2f}）。"
+        f"自由文本中后期的混乱，是几乎打平的候选被翻转之后的贪心分歧")),
+    (Bi("prefill is about compute precision, decode about storage precision",
+        "prefill 关注计算精度，decode 关注存储精度"),
+     Bi(f"depends on the backend: with K/V read from the cache in prefill (minivllm, vLLM v1) "
+        f"fp8 KV costs prefill {_kl8_pre:.1e} and decode {_kl8_dec:.1e} nats; only a fresh-K/V "
+        f"prefill (emulated: 0) leaves storage to decode. And fp8 storage makes the two paths "
+        f"differ by {kl8_pd:.1e} nats, far above float32's {kl_pd.mean():.1e}",
+        f"取决于后端：在 prefill 中也从 cache 读取 K/V 时（minivllm、vLLM v1），"
+        f"fp8 KV 让 prefill 付出 {_kl8_pre:.1e}、decode 付出 {_kl8_dec:.1e} nats；只有用新 K/V "
+        f"做 prefill（模拟：0）才把存储问题留给 decode。而且 fp8 存储让两条路径"
+        f"相差 {kl8_pd:.1e} nats，远高于 float32 的 {kl_pd.mean():.1e}")),
+    (Bi("a decode-only bug shows only in generation", "只出现在 decode 中的 bug 只在生成时显现"),
+     Bi(f"yes: bf16 decode softmax in one layer leaves prefill bit-identical and raises the "
+        f"prefill/decode KL {kl_fault.mean() / kl_pd[:N_SHORT].mean():.0f}x to "
+        f"{kl_fault.mean():.1e}; the layer diff names layer {jump_layer}; the float32 softmax "
+        f"brings it back to {kl_fix.mean():.1e}",
+        f"是：一层中的 bf16 decode softmax 让 prefill 保持逐比特相同，并把 prefill/decode KL "
+        f"提高 {kl_fault.mean() / kl_pd[:N_SHORT].mean():.0f}x，达到 "
+        f"{kl_fault.mean():.1e}；逐层差异指出第 {jump_layer} 层；float32 softmax "
+        f"把它降回 {kl_fix.mean():.1e}")),
+    (Bi("enforce-eager comparison (CUDA graphs off)", "enforce-eager 对比（关闭 CUDA 图）"),
+     Bi("not measurable here: CUDA graphs exist only on a GPU; on this CPU every step runs "
+        "eagerly (chapter 24)",
+        "此处无法测量：CUDA 图只存在于 GPU 上；在这颗 CPU 上每一步都以 eager 方式运行（第 24 章）")),
+    (Bi("(vllm #18352) vLLM vs HF log-probs differ up to ~0.32 in bf16",
+        "（vllm #18352）vLLM 与 HF 的对数概率在 bf16 中最多相差约 0.32"),
+     Bi(f"{tr(_size, 'en')} between this engine's own two bf16 paths: max |Δ target logprob| "
+        f"{_pd[0]:.2f}, RMS {_pd[1]:.3f} over {N_BF16 - 1} tokens; each path "
+        f"{BF16_GAPS['bf16 prefill vs float32'][1]:.3f} / "
+        f"{BF16_GAPS['bf16 decode vs float32'][1]:.3f} RMS from float32; float32's own gap max "
+        f"{BF16_GAPS['float32 prefill vs float32 decode'][0]:.1e}: bf16 rounding, not a bug",
+        f"本引擎自己的两条 bf16 路径之间{tr(_size, 'zh')}：max |Δ target logprob| "
+        f"{_pd[0]:.2f}，RMS {_pd[1]:.3f}，共 {N_BF16 - 1} 个 token；每条路径与 float32 的 RMS 距离为 "
+        f"{BF16_GAPS['bf16 prefill vs float32'][1]:.3f} / "
+        f"{BF16_GAPS['bf16 decode vs float32'][1]:.3f}；float32 自身的差距最大 "
+        f"{BF16_GAPS['float32 prefill vs float32 decode'][0]:.1e}：这是 bf16 舍入，不是 bug")),
+], header=(Bi("the seed says", "种子课程的说法"), Bi("what we measured here", "本次实测")))
 
 # %% [markdown]
 # ## Common misconceptions
