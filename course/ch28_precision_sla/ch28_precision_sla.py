@@ -69,6 +69,7 @@ import torch
 from matplotlib.figure import Figure
 
 from minivllm import LLM, SamplingParams
+from minivllm.i18n import Bi, claims_table, say
 from minivllm.precision import evalsets, metrics
 from minivllm.quantization.checkpoint import cached_quantized
 from minivllm.worker.model_runner import kv_cache_bytes_per_block
@@ -154,11 +155,14 @@ for plan, n in plans.items():
     cap_runs[plan] = dict(max_num_seqs=n, preemptions=st.num_preemptions, peak_running=peak,
                           steps=st.num_steps, recomputed=recomputed,
                           tokens=[o.outputs[0].token_ids for o in outs])
-    print(f"{plan:22s} max_num_seqs={n}: {st.num_preemptions} preemptions, at most {peak} "
-          f"running, {st.num_steps} engine steps, {recomputed} tokens recomputed")
+    say(f"{plan:22s} max_num_seqs={n}: {st.num_preemptions} preemptions, at most {peak} "
+        f"running, {st.num_steps} engine steps, {recomputed} tokens recomputed",
+        f"{plan:22s} max_num_seqs={n}：{st.num_preemptions} 次抢占，最多同时运行 {peak} 个，"
+        f"{st.num_steps} 个引擎步，{recomputed} 个 token 被重计算")
     del llm
 same_tokens = cap_runs[PLAN_A]["tokens"] == cap_runs[PLAN_B]["tokens"]
-print(f"same greedy tokens in both plans (float32, preemption recomputes): {same_tokens}")
+say(f"same greedy tokens in both plans (float32, preemption recomputes): {same_tokens}",
+    f"两种规划的贪心 token 相同（float32，抢占后重计算）：{same_tokens}")
 
 # %% [markdown]
 # Plan A's `max_num_seqs` lets in more requests than the float32 pool holds at their full
@@ -269,9 +273,12 @@ def measure(llm, ref_rows=None):
 
 ref_rows, ref_cells = measure(ref)
 del ref  # every later engine is compared with these rows
-print(f"{len(FLAT)} sequences, {N_TOKENS} tokens per engine; the float32 engine leaves the "
-      f"stored answer on {sum(ref_cells[t]['changed'] for t in ('short answers', 'small sums'))} "
-      f"of {len(TASKS['short answers']) + len(TASKS['small sums'])} QA items")
+say(f"{len(FLAT)} sequences, {N_TOKENS} tokens per engine; the float32 engine leaves the "
+    f"stored answer on {sum(ref_cells[t]['changed'] for t in ('short answers', 'small sums'))} "
+    f"of {len(TASKS['short answers']) + len(TASKS['small sums'])} QA items",
+    f"{len(FLAT)} 条序列，每个引擎 {N_TOKENS} 个 token；float32 引擎在 "
+    f"{len(TASKS['short answers']) + len(TASKS['small sums'])} 个 QA 项中的 "
+    f"{sum(ref_cells[t]['changed'] for t in ('short answers', 'small sums'))} 个上偏离已保存的答案")
 
 # the quantized weights: built once and cached (`make quantized`; chapters 14, 15, 17), so
 # no engine here spends its time quantizing
@@ -323,12 +330,15 @@ for task, cells in MATRIX.items():
 cand = list(CONFIGS)
 order = {task: sorted(cand, key=lambda n: MATRIX[task][n]["kl"]) for task in TASKS}
 same_order = len({tuple(o) for o in order.values()}) == 1
-print(f"\nconfigurations in the same order of mean KL on every task: {same_order}")
+say(f"\nconfigurations in the same order of mean KL on every task: {same_order}",
+    f"\n各配置在每个任务上的平均 KL 顺序相同：{same_order}")
 for name in cand:
     kls = {task: MATRIX[task][name]["kl"] for task in TASKS}
     worst, best = max(kls, key=kls.get), min(kls, key=kls.get)
-    print(f"  {name:22s} highest KL on {worst} ({kls[worst]:.1e}), lowest on {best} "
-          f"({kls[best]:.1e}): {kls[worst] / max(kls[best], 1e-300):.1f}x")
+    say(f"  {name:22s} highest KL on {worst} ({kls[worst]:.1e}), lowest on {best} "
+        f"({kls[best]:.1e}): {kls[worst] / max(kls[best], 1e-300):.1f}x",
+        f"  {name:22s} KL 最高在 {worst}（{kls[worst]:.1e}），最低在 {best}"
+        f"（{kls[best]:.1e}）：{kls[worst] / max(kls[best], 1e-300):.1f}x")
 print(f"section 3: {len(CONFIGS) + 1} engines in {time.perf_counter() - T3:.1f} s")
 
 fig = Figure(figsize=(8.0, 3.4), layout="constrained")
@@ -460,17 +470,26 @@ for name in COLS:
     print(f"{name:22s} {STEP[name]:8.2f}  " + "  ".join(f"{m:>15s}" for m in marks))
 print(f"(step <= {SLA_MS} ms: {', '.join(n for n in COLS if n in FAST)})")
 for task, c in CHOICE.items():
-    print(f"choice for {task}: {c}")
+    say(f"choice for {task}: {c}", f"{task} 的选择：{c}")
 per_task_differs = len(set(CHOICE.values())) > 1
-print(f"the choice differs between tasks: {per_task_differs}")
+say(f"the choice differs between tasks: {per_task_differs}",
+    f"各任务的选择不尽相同：{per_task_differs}")
+
+
+def tr(text, lang):
+    """The English or the Chinese of a Bi (the same fields in both f-strings of a say)."""
+    return getattr(text, lang)
+
+
 
 # the seed's recommendations, each on the task it is made for
 SEED_RECS = [
-    ("§2.4.2: bf16 weights + fp16 KV cache + TF32 off", "bf16 model + fp16 KV", list(TASKS)),
-    ("§2.4.3: document QA on fp8 weights, KV cache back to FP16", "fp8 W + fp16 KV",
-     ["short answers"]),
-    ("§2.4.3: the first deployment, fp8 weights + fp8 KV (reverted)", "fp8 W + fp8 KV",
-     ["short answers"]),
+    (Bi("§2.4.2: bf16 weights + fp16 KV cache + TF32 off", "§2.4.2：bf16 权重 + fp16 KV cache + 关闭 TF32"),
+     "bf16 model + fp16 KV", list(TASKS)),
+    (Bi("§2.4.3: document QA on fp8 weights, KV cache back to FP16",
+        "§2.4.3：文档问答用 fp8 权重，KV cache 改回 FP16"), "fp8 W + fp16 KV", ["short answers"]),
+    (Bi("§2.4.3: the first deployment, fp8 weights + fp8 KV (reverted)",
+        "§2.4.3：最初的部署，fp8 权重 + fp8 KV（已回退）"), "fp8 W + fp8 KV", ["short answers"]),
 ]
 VERDICTS = []
 for rec, name, tasks in SEED_RECS:
@@ -481,12 +500,19 @@ for rec, name, tasks in SEED_RECS:
         ties = [n for n in COLS if n != name and STEP[n] == STEP[name] and inside(MATRIX[task][n])]
         VERDICTS.append(dict(rec=rec, name=name, task=task, meets=meets, cheapest=cheapest,
                              best=best, ties=ties))
-        lost = f", {cell['lost']} of {cell['n']} answers lost" if "item" in TASKS[task][0] else ""
+        lost = (Bi(f", {cell['lost']} of {cell['n']} answers lost",
+                   f"，{cell['n']} 个答案中丢失 {cell['lost']} 个")
+                if "item" in TASKS[task][0] else Bi("", ""))
         tie_kl = ", ".join(f"{MATRIX[task][n]['ci'][1]:.1e}" for n in ties)
-        tie = f"; same bytes as {', '.join(ties)} (KL <= {tie_kl})" if ties else ""
-        print(f"seed 000 {rec}, on {task}: {name}, KL <= {cell['ci'][1]:.1e}{lost}, "
-              f"{STEP[name]:.2f} ms -> inside the budget and SLA: {meets}; the cheapest inside: "
-              f"{cheapest}" + ("" if cheapest else f" (the choice is {best})") + tie)
+        tie = (Bi(f"; same bytes as {', '.join(ties)} (KL <= {tie_kl})",
+                  f"；与 {', '.join(ties)} 字节数相同（KL <= {tie_kl}）") if ties else Bi("", ""))
+        other = Bi("", "") if cheapest else Bi(f" (the choice is {best})", f"（选择是 {best}）")
+        say(f"seed 000 {tr(rec, 'en')}, on {task}: {name}, KL <= {cell['ci'][1]:.1e}"
+            f"{tr(lost, 'en')}, {STEP[name]:.2f} ms -> inside the budget and SLA: {meets}; "
+            f"the cheapest inside: {cheapest}{tr(other, 'en')}{tr(tie, 'en')}",
+            f"种子课程 000 {tr(rec, 'zh')}，在 {task} 上：{name}，KL <= {cell['ci'][1]:.1e}"
+            f"{tr(lost, 'zh')}，{STEP[name]:.2f} ms -> 处于预算与 SLA 之内：{meets}；"
+            f"是满足者中最便宜的：{cheapest}{tr(other, 'zh')}{tr(tie, 'zh')}")
 
 # one configuration for traffic that mixes every task: inside the budget on all of them
 WORST = {n: max(MATRIX[t][n]["ci"][1] for t in TASKS) for n in COLS}
@@ -502,8 +528,10 @@ print(f"\n{'configuration':22s} {'KL upper, worst task':>21s} {'step ms (model)'
 for r in table:
     print(f"{r['name']:22s} {r['kl_high']:21.1e} {r['step_ms']:16.2f} {r['capacity']:14d} "
           f"{str(r['ok']):>12s}")
-print(f"choice for all four tasks (KL <= {KL_BUDGET:g} on each, no answer lost, step <= "
-      f"{SLA_MS} ms): {choice}")
+say(f"choice for all four tasks (KL <= {KL_BUDGET:g} on each, no answer lost, step <= "
+    f"{SLA_MS} ms): {choice}",
+    f"面向全部四类任务的选择（每个任务上 KL <= {KL_BUDGET:g}，没有答案丢失，一步 <= "
+    f"{SLA_MS} ms）：{choice}")
 
 fig = Figure(figsize=(7.5, 3.4), layout="constrained")
 ax = fig.add_subplot()
@@ -548,38 +576,73 @@ v242 = [v for v in VERDICTS if v["rec"] == SEED_RECS[0][0]]
 v_fix = V[(SEED_RECS[1][0], "short answers")]
 v_first = V[(SEED_RECS[2][0], "short answers")]
 sa = M["short answers"]
-print("| claim | what we measured here |")
-print("|---|---|")
-print(f"| seed 003: fp32 KV is +30 % memory, 32 -> 24 concurrent | 2x the bytes per token "
-      f"({kv_bytes['float32']} vs {kv_bytes['float16']}); the same pool holds {seqs32} instead "
-      f"of {seqs16}; the +30 % plan ({plans[PLAN_A]} concurrent) preempted "
-      f"{cap_runs[PLAN_A]['preemptions']} time(s) ({cap_runs[PLAN_A]['recomputed']} tokens "
-      f"recomputed), the byte plan {cap_runs[PLAN_B]['preemptions']} |")
-print(f"| seed 000 §2.4.2: bf16 weights + fp16 KV cache + TF32 off | inside the budget and SLA "
-      f"on {sum(v['meets'] for v in v242)} of {len(v242)} tasks "
-      f"({', '.join(v['task'] for v in v242 if v['meets']) or 'none'}); the cheapest inside on "
-      f"{sum(v['cheapest'] for v in v242)}"
-      + (f"; tied on bytes with {', '.join(sorted({n for v in v242 for n in v['ties']}))}"
-         if any(v["ties"] for v in v242) else "")
-      + f"; KL on short answers {kl_txt('short answers', 'bf16 model + fp16 KV')} |")
-print(f"| seed 000 §2.4.2: the right precision depends on the task | the cheapest configuration "
-      f"inside the budget {'differs' if per_task_differs else 'is the same'} across the four "
-      f"tasks here ({'; '.join(f'{t}: {c}' for t, c in CHOICE.items())}); configurations in one "
-      f"order of KL on every task: {same_order} |")
-print(f"| seed 000 §2.4.3: document QA keeps fp8 weights with the KV cache back in FP16 "
-      f"(91.5 % vs 89 % with fp8 KV) | on short answers: fp8 W + fp16 KV "
-      f"{kl_txt('short answers', 'fp8 W + fp16 KV')}, {sa['fp8 W + fp16 KV']['lost']} of "
-      f"{sa['fp8 W + fp16 KV']['n']} answers lost, inside: {v_fix['meets']}; fp8 W + fp8 KV "
-      f"{kl_txt('short answers', 'fp8 W + fp8 KV')}, {sa['fp8 W + fp8 KV']['lost']} lost, "
-      f"inside: {v_first['meets']}; which part is weights and which KV: chapter 17, section 6 |")
-print(f"| a smaller format is faster (seed 002: unless 'quantized but slower') | H200, batch "
-      f"64: fp8 KV predicted {H200['bf16 KV'][64][1] / H200['fp8 KV'][64][1]:.2f}x faster, "
-      f"measured {(sp := H200['bf16 KV'][64][0] / H200['fp8 KV'][64][0]):.2f}x "
-      f"({'slower' if sp < 1 else 'faster'}; this engine's Triton kernel) |")
-print(f"| the Pareto choice on SmolLM2 is int8 W + fp16 KV, KL ~3e-3 (course plan estimate) "
-      f"| under KL <= {KL_BUDGET:g} on every task and a {SLA_MS} ms step: {choice}; int8 W + "
-      f"fp16 KV KL on prose {kl_txt('prose', 'int8 W + fp16 KV')}, worst task "
-      f"{WORST['int8 W + fp16 KV']:.1e} |")
+sp = H200['bf16 KV'][64][0] / H200['fp8 KV'][64][0]
+ties242 = sorted({n for v in v242 for n in v["ties"]})
+tied = (Bi(f"; tied on bytes with {', '.join(ties242)}", f"；与 {', '.join(ties242)} 字节数相同")
+        if ties242 else Bi("", ""))
+rows = [
+    (Bi("seed 003: fp32 KV is +30 % memory, 32 -> 24 concurrent",
+        "种子课程 003：fp32 KV 多占 +30 % 内存，并发 32 -> 24"),
+     Bi(f"2x the bytes per token ({kv_bytes['float32']} vs {kv_bytes['float16']}); the same pool "
+        f"holds {seqs32} instead of {seqs16}; the +30 % plan ({plans[PLAN_A]} concurrent) preempted "
+        f"{cap_runs[PLAN_A]['preemptions']} time(s) ({cap_runs[PLAN_A]['recomputed']} tokens "
+        f"recomputed), the byte plan {cap_runs[PLAN_B]['preemptions']}",
+        f"每个 token 的字节数为 2x（{kv_bytes['float32']} 对 {kv_bytes['float16']}）；同一个块池容纳 "
+        f"{seqs32} 个而不是 {seqs16} 个；+30 % 规划（{plans[PLAN_A]} 个并发）抢占了 "
+        f"{cap_runs[PLAN_A]['preemptions']} 次（{cap_runs[PLAN_A]['recomputed']} 个 token "
+        f"被重计算），按字节的规划抢占了 {cap_runs[PLAN_B]['preemptions']} 次")),
+    (Bi("seed 000 §2.4.2: bf16 weights + fp16 KV cache + TF32 off",
+        "种子课程 000 §2.4.2：bf16 权重 + fp16 KV cache + 关闭 TF32"),
+     Bi(f"inside the budget and SLA on {sum(v['meets'] for v in v242)} of {len(v242)} tasks "
+        f"({', '.join(v['task'] for v in v242 if v['meets']) or 'none'}); the cheapest inside on "
+        f"{sum(v['cheapest'] for v in v242)}{tr(tied, 'en')}; KL on short answers "
+        f"{kl_txt('short answers', 'bf16 model + fp16 KV')}",
+        f"在 {len(v242)} 个任务中的 {sum(v['meets'] for v in v242)} 个上处于预算与 SLA 之内"
+        f"（{', '.join(v['task'] for v in v242 if v['meets']) or '无'}）；在 "
+        f"{sum(v['cheapest'] for v in v242)} 个上是满足者中最便宜的{tr(tied, 'zh')}；short answers 上的 KL "
+        f"{kl_txt('short answers', 'bf16 model + fp16 KV')}")),
+    (Bi("seed 000 §2.4.2: the right precision depends on the task",
+        "种子课程 000 §2.4.2：合适的精度取决于任务"),
+     Bi(f"the cheapest configuration inside the budget "
+        f"{'differs' if per_task_differs else 'is the same'} across the four tasks here "
+        f"({'; '.join(f'{t}: {c}' for t, c in CHOICE.items())}); configurations in one order of KL "
+        f"on every task: {same_order}",
+        f"处于预算之内的最便宜配置在这里的四个任务之间"
+        f"{'不尽相同' if per_task_differs else '相同'}"
+        f"（{'；'.join(f'{t}：{c}' for t, c in CHOICE.items())}）；各配置在每个任务上的 KL 顺序"
+        f"一致：{same_order}")),
+    (Bi("seed 000 §2.4.3: document QA keeps fp8 weights with the KV cache back in FP16 "
+        "(91.5 % vs 89 % with fp8 KV)",
+        "种子课程 000 §2.4.3：文档问答保留 fp8 权重，把 KV cache 改回 FP16"
+        "（91.5 %，而 fp8 KV 时为 89 %）"),
+     Bi(f"on short answers: fp8 W + fp16 KV {kl_txt('short answers', 'fp8 W + fp16 KV')}, "
+        f"{sa['fp8 W + fp16 KV']['lost']} of {sa['fp8 W + fp16 KV']['n']} answers lost, inside: "
+        f"{v_fix['meets']}; fp8 W + fp8 KV {kl_txt('short answers', 'fp8 W + fp8 KV')}, "
+        f"{sa['fp8 W + fp8 KV']['lost']} lost, inside: {v_first['meets']}; which part is weights "
+        f"and which KV: chapter 17, section 6",
+        f"在 short answers 上：fp8 W + fp16 KV {kl_txt('short answers', 'fp8 W + fp16 KV')}，"
+        f"{sa['fp8 W + fp16 KV']['n']} 个答案中丢失 {sa['fp8 W + fp16 KV']['lost']} 个，处于预算之内："
+        f"{v_fix['meets']}；fp8 W + fp8 KV {kl_txt('short answers', 'fp8 W + fp8 KV')}，"
+        f"丢失 {sa['fp8 W + fp8 KV']['lost']} 个，处于预算之内：{v_first['meets']}；哪部分来自权重、"
+        f"哪部分来自 KV：见第 17 章第 6 节")),
+    (Bi("a smaller format is faster (seed 002: unless 'quantized but slower')",
+        "更小的格式更快（种子课程 002：除非“量化了反而更慢”）"),
+     Bi(f"H200, batch 64: fp8 KV predicted "
+        f"{H200['bf16 KV'][64][1] / H200['fp8 KV'][64][1]:.2f}x faster, measured {sp:.2f}x "
+        f"({'slower' if sp < 1 else 'faster'}; this engine's Triton kernel)",
+        f"H200，批次 64：预测 fp8 KV 快 "
+        f"{H200['bf16 KV'][64][1] / H200['fp8 KV'][64][1]:.2f}x，实测 {sp:.2f}x"
+        f"（{'更慢' if sp < 1 else '更快'}；本引擎的 Triton 核函数）")),
+    (Bi("the Pareto choice on SmolLM2 is int8 W + fp16 KV, KL ~3e-3 (course plan estimate)",
+        "SmolLM2 上的 Pareto 选择是 int8 W + fp16 KV，KL ~3e-3（课程计划的估计，course plan estimate）"),
+     Bi(f"under KL <= {KL_BUDGET:g} on every task and a {SLA_MS} ms step: {choice}; int8 W + "
+        f"fp16 KV KL on prose {kl_txt('prose', 'int8 W + fp16 KV')}, worst task "
+        f"{WORST['int8 W + fp16 KV']:.1e}",
+        f"在每个任务上 KL <= {KL_BUDGET:g}、一步 {SLA_MS} ms 的条件下：{choice}；int8 W + "
+        f"fp16 KV 在 prose 上的 KL {kl_txt('prose', 'int8 W + fp16 KV')}，最差任务 "
+        f"{WORST['int8 W + fp16 KV']:.1e}")),
+]
+claims_table(rows, header=(Bi("claim", "论断"), Bi("what we measured here", "本次实测")))
 
 # %% [markdown]
 # ## Common misconceptions
