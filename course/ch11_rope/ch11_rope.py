@@ -69,6 +69,7 @@ import torch
 from matplotlib.figure import Figure
 
 from minivllm import LLM
+from minivllm.i18n import Bi, claims_table, say
 from minivllm.layers.rotary_embedding import (normalize_rope_scaling, rope_inv_freq,
                                               rope_table_ref)
 from minivllm.precision import evalsets, faults, metrics
@@ -167,15 +168,24 @@ gap = abs(math.cos(1044.27) - math.cos(prod16))
 spacing16 = torch.finfo(torch.float16).eps * 1024  # fp16 spacing in [1024, 2048)
 worst = max(abs(math.cos(v) - math.cos(v + spacing16 / 2)) for v in np.linspace(1040, 1050, 4001))
 p = torch.tensor(15962.)
-print(f"gpt-neox #1003: fp16(1044.27) = {a16:.0f}; position 1857 and inv_freq {inv_1857:.5f} "
-      f"multiplied in fp16 give {prod16:.0f} (inv_freq rounds to "
-      f"{torch.tensor(inv_1857).half().item():.5f}); |cos(1044.27) - cos({prod16:.0f})| = "
-      f"{gap:.2f}; the fp16 spacing near 1044 is {spacing16:.0f}, so rounding alone moves an "
-      f"angle by up to {spacing16 / 2:.1f} rad and cos by up to {worst:.2f}")
-print(f"candle #3520: bf16(15962) = {p.bfloat16().item():.0f} (bf16 spacing at 15962: "
-      f"{torch.finfo(torch.bfloat16).eps * 8192:.0f}, so 15968 is not a bf16 number; fp16 "
-      f"gives {p.half().item():.0f}); in radians cos(15962) = {math.cos(15962):.3f}, "
-      f"cos(15968) = {math.cos(15968):.3f}, cos(15936) = {math.cos(15936):.3f}")
+say(f"gpt-neox #1003: fp16(1044.27) = {a16:.0f}; position 1857 and inv_freq {inv_1857:.5f} "
+    f"multiplied in fp16 give {prod16:.0f} (inv_freq rounds to "
+    f"{torch.tensor(inv_1857).half().item():.5f}); |cos(1044.27) - cos({prod16:.0f})| = "
+    f"{gap:.2f}; the fp16 spacing near 1044 is {spacing16:.0f}, so rounding alone moves an "
+    f"angle by up to {spacing16 / 2:.1f} rad and cos by up to {worst:.2f}",
+    f"gpt-neox #1003：fp16(1044.27) = {a16:.0f}；位置 1857 与 inv_freq {inv_1857:.5f} "
+    f"在 fp16 中相乘得到 {prod16:.0f}（inv_freq 被舍入为 "
+    f"{torch.tensor(inv_1857).half().item():.5f}）；|cos(1044.27) - cos({prod16:.0f})| = "
+    f"{gap:.2f}；fp16 在 1044 附近的间距是 {spacing16:.0f}，所以仅舍入一项就能让角度移动最多 "
+    f"{spacing16 / 2:.1f} 弧度，让 cos 改变最多 {worst:.2f}")
+say(f"candle #3520: bf16(15962) = {p.bfloat16().item():.0f} (bf16 spacing at 15962: "
+    f"{torch.finfo(torch.bfloat16).eps * 8192:.0f}, so 15968 is not a bf16 number; fp16 "
+    f"gives {p.half().item():.0f}); in radians cos(15962) = {math.cos(15962):.3f}, "
+    f"cos(15968) = {math.cos(15968):.3f}, cos(15936) = {math.cos(15936):.3f}",
+    f"candle #3520：bf16(15962) = {p.bfloat16().item():.0f}（bf16 在 15962 处的间距："
+    f"{torch.finfo(torch.bfloat16).eps * 8192:.0f}，所以 15968 不是 bf16 数；fp16 "
+    f"给出 {p.half().item():.0f}）；以弧度计 cos(15962) = {math.cos(15962):.3f}，"
+    f"cos(15968) = {math.cos(15968):.3f}，cos(15936) = {math.cos(15936):.3f}")
 
 # %% [markdown]
 # ## 2. The incident on the model: KL by position
@@ -394,39 +404,81 @@ fig
 bp, bv = results["bf16 positions"][0], results["bf16 values"][0]
 ea = table_err["bf16 angles"]
 th = results["theta 10,000 (all layers)"][0]
-print("| claim | what we measured here |")
-print("|---|---|")
-print(f"| a table built from bf16 positions is wrong from position 257 on (course plan) | yes: "
-      f"first wrong table row {first_wrong['bf16 positions']}; on the model KL exactly "
-      f"{bp[0]:.0f} in positions 0-63, {bp[1]:.1e} at 256-319, {bp[2]:.1e} at 512-575 |")
-print(f"| ≈0 near position 0, growing with position (course plan) | for bf16 positions, yes "
-      f"(KL {bp[0]:.0e} -> {bp[2]:.1e}; bf16 angles: table error {ea[:8].max():.1e} in "
-      f"positions 0-7, {ea[256:576].max():.1f} at 256-575); for a wrong "
-      f"theta, no: {th[0]:.1e} already at 0-63 (max over windows {th.max():.1e}) |")
-print(f"| gpt-neox #1003: fp16 rounds the angle 1044.27 (position 1857) to 1045, cos off "
-      f"by up to 0.78 | yes when the product is computed in fp16: {prod16:.0f} "
-      f"(fp16(1044.27) itself is {a16:.0f}); |cos(1044.27) - cos({prod16:.0f})| = {gap:.2f} "
-      f"for that pair, up to {worst:.2f} from the angle's rounding alone at that size |")
-print(f"| candle #3520: bf16 turns 15962 into 15936 or 15968; cos(15962) = -0.547, "
-      f"cos(15968) = -0.882 | bf16(15962) = {p.bfloat16().item():.0f}; 15968 is not a bf16 "
-      f"number (spacing 64 there; fp16 gives {p.half().item():.0f}); the quoted cosines are "
-      f"not cos of these numbers in radians ({math.cos(15962):.3f}, {math.cos(15968):.3f}): "
-      f"they may be of one pair's angle, which the PR does not give |")
-print(f"| mlx-vlm #1710: correct vs unscaled llama3 RoPE, cosine 1.0 at 0, 0.959 at 1000, "
-      f"0.757 at 8192, 0.503 at 60k | with Llama 3.2 1B's RoPE and our definition: "
-      f"{cos_sim[0][0]:.3f}, {cos_sim[1000][0]:.3f}, {cos_sim[8192][0]:.3f}, "
-      f"{cos_sim[60000][0]:.3f} (their exact definition and model are not given; the trend "
-      f"agrees) |")
-print(f"| llama-models #241: factor 8 instead of 32 looks fine short, degrades near 80k | "
-      f"table similarity {cos_sim[1000][1]:.3f} at 1000, {cos_sim[80000][1]:.3f} at 80k; "
-      f"the model-level 80k degradation is not measured here (2 CPU cores) |")
-print(f"| storing cos/sin in bf16 is the bug (a common reading of #29285) | no: bf16 "
-      f"values after float32 angles give KL {bv.max():.1e} at most, "
-      f"{bp.max() / bv.max():.0e}x less than bf16 positions |")
-print(f"| fix: fp32 table, correct theta, correct scaling: KL at long positions back to "
-      f"<= 1e-6 (course plan, 1500-2000) | measured at 512-575 ({T} tokens keep this chapter "
-      f"within its time budget; set WINDOWS = (0, 256, 512, 1024) in the first cell for "
-      f"1088 tokens): {kl_fix[-1]:.1e} |")
+claims_table([
+    (Bi("a table built from bf16 positions is wrong from position 257 on (course plan)",
+        "由 bf16 位置构建的旋转表从位置 257 起出错（课程计划）"),
+     Bi(f"yes: first wrong table row {first_wrong['bf16 positions']}; on the model KL exactly "
+        f"{bp[0]:.0f} in positions 0-63, {bp[1]:.1e} at 256-319, {bp[2]:.1e} at 512-575",
+        f"是：旋转表第一个出错的行为 {first_wrong['bf16 positions']}；在模型上，位置 0-63 的 KL "
+        f"恰好为 {bp[0]:.0f}，256-319 为 {bp[1]:.1e}，512-575 为 {bp[2]:.1e}")),
+    (Bi("≈0 near position 0, growing with position (course plan)",
+        "在位置 0 附近 ≈0，随位置增长（课程计划）"),
+     Bi(f"for bf16 positions, yes "
+        f"(KL {bp[0]:.0e} -> {bp[2]:.1e}; bf16 angles: table error {ea[:8].max():.1e} in "
+        f"positions 0-7, {ea[256:576].max():.1f} at 256-575); for a wrong "
+        f"theta, no: {th[0]:.1e} already at 0-63 (max over windows {th.max():.1e})",
+        f"对 bf16 位置而言，是"
+        f"（KL {bp[0]:.0e} -> {bp[2]:.1e}；bf16 角度：旋转表误差在位置 0-7 为 {ea[:8].max():.1e}，"
+        f"在 256-575 为 {ea[256:576].max():.1f}）；对错误的 "
+        f"theta 而言，否：在 0-63 就已是 {th[0]:.1e}（各窗口最大值 {th.max():.1e}）")),
+    (Bi("gpt-neox #1003: fp16 rounds the angle 1044.27 (position 1857) to 1045, cos off "
+        "by up to 0.78",
+        "gpt-neox #1003：fp16 把角度 1044.27（位置 1857）舍入为 1045，cos 最多偏差 0.78"),
+     Bi(f"yes when the product is computed in fp16: {prod16:.0f} "
+        f"(fp16(1044.27) itself is {a16:.0f}); |cos(1044.27) - cos({prod16:.0f})| = {gap:.2f} "
+        f"for that pair, up to {worst:.2f} from the angle's rounding alone at that size",
+        f"当乘积在 fp16 中计算时，是：{prod16:.0f}"
+        f"（fp16(1044.27) 本身是 {a16:.0f}）；该分量对的 |cos(1044.27) - cos({prod16:.0f})| = "
+        f"{gap:.2f}，在这个量级上仅角度的舍入一项就最多达 {worst:.2f}")),
+    (Bi("candle #3520: bf16 turns 15962 into 15936 or 15968; cos(15962) = -0.547, "
+        "cos(15968) = -0.882",
+        "candle #3520：bf16 把 15962 变成 15936 或 15968；cos(15962) = -0.547，"
+        "cos(15968) = -0.882"),
+     Bi(f"bf16(15962) = {p.bfloat16().item():.0f}; 15968 is not a bf16 "
+        f"number (spacing 64 there; fp16 gives {p.half().item():.0f}); the quoted cosines are "
+        f"not cos of these numbers in radians ({math.cos(15962):.3f}, {math.cos(15968):.3f}): "
+        f"they may be of one pair's angle, which the PR does not give",
+        f"bf16(15962) = {p.bfloat16().item():.0f}；15968 不是 bf16 "
+        f"数（那里的间距是 64；fp16 给出 {p.half().item():.0f}）；引用的余弦值并不是这些数"
+        f"以弧度计的 cos（{math.cos(15962):.3f}、{math.cos(15968):.3f}）："
+        f"它们可能是某一对分量的角度的余弦，而 PR 没有给出")),
+    (Bi("mlx-vlm #1710: correct vs unscaled llama3 RoPE, cosine 1.0 at 0, 0.959 at 1000, "
+        "0.757 at 8192, 0.503 at 60k",
+        "mlx-vlm #1710：正确的与未缩放的 llama3 RoPE 之间，余弦相似度在 0 处为 1.0，1000 处为 "
+        "0.959，8192 处为 0.757，60k 处为 0.503"),
+     Bi(f"with Llama 3.2 1B's RoPE and our definition: "
+        f"{cos_sim[0][0]:.3f}, {cos_sim[1000][0]:.3f}, {cos_sim[8192][0]:.3f}, "
+        f"{cos_sim[60000][0]:.3f} (their exact definition and model are not given; the trend "
+        f"agrees)",
+        f"用 Llama 3.2 1B 的 RoPE 和我们的定义："
+        f"{cos_sim[0][0]:.3f}、{cos_sim[1000][0]:.3f}、{cos_sim[8192][0]:.3f}、"
+        f"{cos_sim[60000][0]:.3f}（他们确切的定义和模型没有给出；趋势"
+        f"一致）")),
+    (Bi("llama-models #241: factor 8 instead of 32 looks fine short, degrades near 80k",
+        "llama-models #241：用缩放系数 8 代替 32，短时看起来没问题，在 80k 附近退化"),
+     Bi(f"table similarity {cos_sim[1000][1]:.3f} at 1000, {cos_sim[80000][1]:.3f} at 80k; "
+        f"the model-level 80k degradation is not measured here (2 CPU cores)",
+        f"旋转表相似度在 1000 处为 {cos_sim[1000][1]:.3f}，80k 处为 {cos_sim[80000][1]:.3f}；"
+        f"模型层面在 80k 处的退化这里没有测量（2 个 CPU 核）")),
+    (Bi("storing cos/sin in bf16 is the bug (a common reading of #29285)",
+        "把 cos/sin 存为 bf16 就是那个缺陷（对 #29285 的常见解读）"),
+     Bi(f"no: bf16 "
+        f"values after float32 angles give KL {bv.max():.1e} at most, "
+        f"{bp.max() / bv.max():.0e}x less than bf16 positions",
+        f"否：在 float32 角度之后存为 bf16 "
+        f"的值给出的 KL 至多 {bv.max():.1e}，"
+        f"比 bf16 位置小 {bp.max() / bv.max():.0e}x")),
+    (Bi("fix: fp32 table, correct theta, correct scaling: KL at long positions back to "
+        "<= 1e-6 (course plan, 1500-2000)",
+        "修复：fp32 旋转表、正确的 theta、正确的缩放：长位置上的 KL 回到 "
+        "<= 1e-6（课程计划，1500-2000）"),
+     Bi(f"measured at 512-575 ({T} tokens keep this chapter "
+        f"within its time budget; set WINDOWS = (0, 256, 512, 1024) in the first cell for "
+        f"1088 tokens): {kl_fix[-1]:.1e}",
+        f"在 512-575 处测量（{T} 个 token 使本章保持在时间预算之内；在第一个单元中设置 "
+        f"WINDOWS = (0, 256, 512, 1024) 即可测 "
+        f"1088 个 token）：{kl_fix[-1]:.1e}")),
+])
 
 # %% [markdown]
 # ## Common misconceptions
