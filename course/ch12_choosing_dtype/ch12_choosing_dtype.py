@@ -68,6 +68,7 @@ from matplotlib.figure import Figure
 
 from minivllm import LLM, SamplingParams
 from minivllm.config import parse_dtype, resolve_auto_dtype, supported_dtypes
+from minivllm.i18n import Bi, claims_table, say
 from minivllm.precision import evalsets, metrics
 from minivllm.precision.faults import residual_scale_reparam
 from minivllm.precision.overflow import track_nonfinite
@@ -105,7 +106,8 @@ fp32, auto, fp16 = engines["float32"], engines["auto"], engines["float16"]
 tok = fp32.get_tokenizer()
 config = json.loads((Path(fp32.llm_engine.model_config.path) / "config.json").read_text())
 print(f"checkpoint: model_type={config['model_type']!r}, torch_dtype={config.get('torch_dtype')!r}")
-print(f"dtype='auto' on this CPU resolved to {auto.llm_engine.model_config.dtype}")
+say(f"dtype='auto' on this CPU resolved to {auto.llm_engine.model_config.dtype}",
+    f"在这个 CPU 上，dtype='auto' 解析为 {auto.llm_engine.model_config.dtype}")
 print("the engine's log while building the three engines:", *messages.lines, sep="\n  ")
 
 # %% [markdown]
@@ -293,20 +295,31 @@ run("auto (bfloat16)", auto)
 run("float16", fp16)
 table(["float32", "auto (bfloat16)", "float16"])
 peak = float(RUNS["float32"]["peaks"].max())
-print(f"\nresidual peak (float32 engine): {peak:,.0f} at layer "
-      f"{int(RUNS['float32']['peaks'].argmax())}, {100 * peak / torch.finfo(F16).max:.0f}% "
-      f"of float16's max {torch.finfo(F16).max:,.0f}")
+print()
+say(f"residual peak (float32 engine): {peak:,.0f} at layer "
+    f"{int(RUNS['float32']['peaks'].argmax())}, {100 * peak / torch.finfo(F16).max:.0f}% "
+    f"of float16's max {torch.finfo(F16).max:,.0f}",
+    f"残差峰值（float32 引擎）：{peak:,.0f}，位于第 "
+    f"{int(RUNS['float32']['peaks'].argmax())} 层，是 float16 最大值 {torch.finfo(F16).max:,.0f} "
+    f"的 {100 * peak / torch.finfo(F16).max:.0f}%")
 BEST = {k: min(v, TIMES[k]) for k, v in BEST.items()}
 print(f"score time for {sum(map(len, seqs))} positions, best of 2: " +
       ", ".join(f"{k} {v:.2f} s" for k, v in BEST.items()))
 D2 = {n: drift(n) for n in ["float32", "auto (bfloat16)", "float16"]}
 KL_RATIO = D2["auto (bfloat16)"]["kl"] / D2["float16"]["kl"]
-print(f"KL bfloat16 / KL float16: {KL_RATIO:.0f}x: "
-      + ("float16 is the closer to float32" if KL_RATIO > 1 else "bfloat16 is the closer to float32"))
-print(f"float16's maximum is {torch.finfo(F16).max / peak:.1f}x the residual peak")
+say(f"KL bfloat16 / KL float16: {KL_RATIO:.0f}x: "
+    f"{'float16 is the closer to float32' if KL_RATIO > 1 else 'bfloat16 is the closer to float32'}",
+    f"KL bfloat16 / KL float16：{KL_RATIO:.0f}x："
+    f"{'float16 更接近 float32' if KL_RATIO > 1 else 'bfloat16 更接近 float32'}")
+say(f"float16's maximum is {torch.finfo(F16).max / peak:.1f}x the residual peak",
+    f"float16 的最大值是残差峰值的 {torch.finfo(F16).max / peak:.1f}x")
 lo_hi = [D2[n]["acc_ci"] for n in D2]
-print("QA accuracy: " + ", ".join(f"{n} {100 * d['acc']:.0f}%" for n, d in D2.items())
-      + f"; the three 95% intervals overlap: {max(a for a, _ in lo_hi) <= min(b for _, b in lo_hi)}")
+qa_list = ", ".join(f"{n} {100 * d['acc']:.0f}%" for n, d in D2.items())
+ci_overlap = max(a for a, _ in lo_hi) <= min(b for _, b in lo_hi)
+say(f"QA accuracy: {qa_list}; the three 95% intervals overlap: "
+    f"{'True' if ci_overlap else 'False'}",
+    f"问答准确率：{qa_list}；三个 95% 置信区间是否重叠："
+    f"{'是' if ci_overlap else '否'}")
 
 
 def cpu_16bit_units():
@@ -324,16 +337,21 @@ def speed_verdict(name):
     """`name`'s scoring speed against float32's, from this run's two times."""
     r = BEST["float32"] / BEST[name]
     if r >= 1.25:
-        return f"{r:.1f}x faster than float32"
+        return Bi(f"{r:.1f}x faster than float32", f"比 float32 快 {r:.1f}x")
     if r <= 0.8:
-        return f"{1 / r:.1f}x slower than float32"
-    return f"about as fast as float32 ({r:.2f}x its speed)"
+        return Bi(f"{1 / r:.1f}x slower than float32", f"比 float32 慢 {1 / r:.1f}x")
+    return Bi(f"about as fast as float32 ({r:.2f}x its speed)",
+              f"与 float32 大致一样快（其速度的 {r:.2f}x）")
 
 
 SPEEDUP = {n: BEST["float32"] / BEST[n] for n in ("auto (bfloat16)", "float16")}
-print(f"speed, this CPU (ATen kernels {torch.backends.cpu.get_cpu_capability()}, native 16-bit "
-      f"matmul instructions: {cpu_16bit_units()}): bfloat16 scored "
-      f"{speed_verdict('auto (bfloat16)')}, float16 {speed_verdict('float16')}")
+speed_head = Bi(f"speed, this CPU (ATen kernels {torch.backends.cpu.get_cpu_capability()}, native "
+                f"16-bit matmul instructions: {cpu_16bit_units()}): bfloat16 scored ",
+                f"速度，这个 CPU（ATen 内核 {torch.backends.cpu.get_cpu_capability()}，原生 "
+                f"16 位矩阵乘法指令：{cpu_16bit_units()}）：bfloat16 打分")
+sv_bf, sv_16 = speed_verdict("auto (bfloat16)"), speed_verdict("float16")
+say(speed_head.en + sv_bf.en + ", float16 " + sv_16.en,
+    speed_head.zh + sv_bf.zh + "，float16 " + sv_16.zh)
 
 # %%
 fig = Figure(figsize=(6.5, 3.2), layout="constrained")
@@ -394,9 +412,12 @@ SAME_X4 = {}  # dtype -> the x4 model's logits equal the unmodified model's, bit
 for d in ["float32", "auto (bfloat16)", "float16"]:
     a, b = torch.cat(RUNS[d]["rows"]), torch.cat(RUNS[f"{d}, residual x4"]["rows"])
     SAME_X4[d] = torch.equal(a, b)
-    same = "bit for bit the same logits" if SAME_X4[d] else \
-        f"different logits (finite: {bool(torch.isfinite(b).all())})"
-    print(f"{d:16} x{C}: peak {float(RUNS[f'{d}, residual x4']['peaks'].max()):,.0f}; {same}")
+    same = (Bi("bit for bit the same logits", "逐位相同的 logits") if SAME_X4[d] else
+            Bi(f"different logits (finite: {'True' if torch.isfinite(b).all() else 'False'})",
+               f"不同的 logits（是否有限：{'是' if torch.isfinite(b).all() else '否'}）"))
+    head = Bi(f"{d:16} x{C}: peak {float(RUNS[f'{d}, residual x4']['peaks'].max()):,.0f}; ",
+              f"{d:16} x{C}：峰值 {float(RUNS[f'{d}, residual x4']['peaks'].max()):,.0f}；")
+    say(head.en + same.en, head.zh + same.zh)
 table(["float32, residual x4", "auto (bfloat16), residual x4", "float16, residual x4"])
 
 # %% [markdown]
@@ -414,9 +435,12 @@ table(["float32, residual x4", "auto (bfloat16), residual x4", "float16, residua
 nan_row = torch.full((1, tok.vocab_size), float("nan"))
 print(f"torch.argmax of an all-NaN row: {int(nan_row.argmax())}; token 0 of this vocabulary: "
       f"{tok.convert_ids_to_tokens(0)!r}")
-print(f"corrupted requests so far: float16 engine {fp16.llm_engine.stats.num_corrupted_requests}, "
-      f"bfloat16 {auto.llm_engine.stats.num_corrupted_requests}, float32 "
-      f"{fp32.llm_engine.stats.num_corrupted_requests}")
+say(f"corrupted requests so far: float16 engine {fp16.llm_engine.stats.num_corrupted_requests}, "
+    f"bfloat16 {auto.llm_engine.stats.num_corrupted_requests}, float32 "
+    f"{fp32.llm_engine.stats.num_corrupted_requests}",
+    f"至今已损坏的请求：float16 引擎 {fp16.llm_engine.stats.num_corrupted_requests}，"
+    f"bfloat16 {auto.llm_engine.stats.num_corrupted_requests}，float32 "
+    f"{fp32.llm_engine.stats.num_corrupted_requests}")
 
 # %% [markdown]
 # The argmax of a NaN row is token 0. In SmolLM2's vocabulary that is `<|endoftext|>`, so
@@ -476,9 +500,12 @@ for c in [1, C]:
             restored += not drift(MEASURED[(ch, c)])["errors"]
         if c == 1 and ch != a_:
             closer.append(drift(MEASURED[(ch, 1)])["kl"] < drift(MEASURED[(a_, 1)])["kl"])
-print(f"\nthe check gives a finite answer in {restored} of the {broken} configurations where "
-      f"'auto' gives NaN; where it picks another dtype than 'auto' for the unmodified model, "
-      f"its KL is lower in {sum(closer)} of {len(closer)}")
+print()
+say(f"the check gives a finite answer in {restored} of the {broken} configurations where "
+    f"'auto' gives NaN; where it picks another dtype than 'auto' for the unmodified model, "
+    f"its KL is lower in {sum(closer)} of {len(closer)}",
+    f"在“auto”给出 NaN 的 {broken} 个配置中，这个检查在 {restored} 个中给出有限的回答；在它为"
+    f"未修改的模型选出不同于“auto”的 dtype 的 {len(closer)} 个情形中，有 {sum(closer)} 个的 KL 更低")
 
 # %% [markdown]
 # The broken configuration is the float16 row of the x4 model (a pre-Ampere GPU, where
@@ -523,11 +550,18 @@ _kc = bf16_kv16.llm_engine.model_runner.kv_caches
 _vals = torch.cat([c.key.flatten().float() for c in _kc] + [c.value.flatten().float() for c in _kc])
 _vals = _vals[_vals != 0]
 tiny = int((_vals.abs() < 2.0 ** -14).sum())
-print(f"bfloat16 model, float16 KV vs bfloat16 KV: logits bit for bit equal: {same_kv16}; "
-      f"mean KL against float32 {kv16_kl:.3g} (bfloat16 KV: {drift('auto (bfloat16)')['kl']:.3g}); "
-      f"bytes per K/V element {kv_elem['bfloat16 KV']} vs {kv_elem['float16 KV']}; stored values "
-      f"below 2^-14 (float16 subnormal): {tiny} of {_vals.numel():,}; largest |K/V| "
-      f"{float(_vals.abs().max()):.3g}")
+say(f"bfloat16 model, float16 KV vs bfloat16 KV: logits bit for bit equal: "
+    f"{'True' if same_kv16 else 'False'}; "
+    f"mean KL against float32 {kv16_kl:.3g} (bfloat16 KV: {drift('auto (bfloat16)')['kl']:.3g}); "
+    f"bytes per K/V element {kv_elem['bfloat16 KV']} vs {kv_elem['float16 KV']}; stored values "
+    f"below 2^-14 (float16 subnormal): {tiny} of {_vals.numel():,}; largest |K/V| "
+    f"{float(_vals.abs().max()):.3g}",
+    f"bfloat16 模型，float16 KV 对 bfloat16 KV：logits 逐位相等："
+    f"{'是' if same_kv16 else '否'}；"
+    f"相对 float32 的平均 KL {kv16_kl:.3g}（bfloat16 KV：{drift('auto (bfloat16)')['kl']:.3g}）；"
+    f"每个 K/V 元素的字节数 {kv_elem['bfloat16 KV']} 对 {kv_elem['float16 KV']}；存储值中"
+    f"小于 2^-14（float16 次正规数）的：{_vals.numel():,} 个中有 {tiny} 个；最大 |K/V| "
+    f"{float(_vals.abs().max()):.3g}")
 del bf16_kv16
 
 # %% [markdown]
@@ -552,61 +586,117 @@ old_gpu = {short(old_rule_gpu(F32, s_)) for p_, s_ in PLATFORMS.items() if not p
 t4_finite_x4 = [short(d_) for d_ in PLATFORMS[PRE_AMPERE]
                 if not drift({F16: "float16, residual x4", F32: "float32, residual x4"}[d_])["errors"]]
 bf16_safe_x4 = SAME_X4["auto (bfloat16)"] and not dbfx["errors"]
+def joined(*parts):
+    """One Bi of several Bi parts, each language's texts joined."""
+    return Bi("".join(p.en for p in parts), "".join(p.zh for p in parts))
+
+
+auto_t4_err = drift(MEASURED[(auto_t4, C)])["errors"]
 claims = [
-    ("'auto' keeps the checkpoint's dtype",
-     ("not for float32 checkpoints" if auto_dtype != F32 else "yes for this float32 checkpoint")
-     + f": this float32 checkpoint runs in {short(auto_dtype)} on this CPU, in {short(auto_t4)} "
-     f"on a pre-Ampere GPU (and in {' / '.join(sorted(old_gpu))} on every GPU under the rule "
-     "before vLLM PR #18751)"),
-    ("'auto' is a reasonable starting point (seed 002 §五)",
-     f"for this model on this CPU: {short(auto_dtype)}, KL {dbf['kl']:.2g}, QA "
-     f"{100 * dbf['acc']:.0f}% (float32 {100 * d32['acc']:.0f}%); "
-     + (f"but float16 is {dbf['kl'] / d16['kl']:.0f}x closer to float32" if d16["kl"] < dbf["kl"]
-        else f"and float16 is not closer to float32 here ({d16['kl'] / dbf['kl']:.1f}x bfloat16's KL)")
-     + f" (KL {d16['kl']:.2g}), and on a pre-Ampere GPU 'auto' is {short(auto_t4)}, which gives "
-     f"{'NaN' if drift(MEASURED[(auto_t4, C)])['errors'] else 'finite logits'} for the x4 model "
-     f"({drift(MEASURED[(auto_t4, C)])['errors']} of {d16x['n']} requests 'error')"),
-    ("bf16 is the safe default (seed 002)",
-     ("safe in range" if bf16_safe_x4 else "not shown safe in range here")
-     + ": the x4 model in bfloat16 gives "
-     + ("the same logits as unmodified, bit for bit" if SAME_X4["auto (bfloat16)"]
-        else "different logits from the unmodified model's")
-     + f" (KL {dbfx['kl']:.2g}, {dbfx['errors']} of {dbfx['n']} requests 'error'); "
-     + ("not the most accurate 16-bit choice where the peak fits float16"
-        if d16["kl"] < dbf["kl"] else "and here also the more accurate 16-bit format")),
-    ("FP16's range is small, a few models overflow more easily (seed 002 §五)",
-     f"{'yes' if d16x['errors'] else 'not shown here'}, and which models is a number: SmolLM2 "
-     f"peaks at {peak:,.0f} ({100 * peak / 65504:.0f}% of 65504), "
-     + (f"NaN from {d16['first']}" if d16["errors"] else "fine")
-     + f"; x4 peaks at {float(RUNS['float32, residual x4']['peaks'].max()):,.0f}, "
-     + (f"NaN from {d16x['first']}" if d16x["errors"] else "still finite")),
-    ("fp32 is rarely worth it",
-     f"on this CPU, this run: bfloat16 scored in {BEST['auto (bfloat16)'] / BEST['float32']:.2f}x "
-     f"and float16 in {BEST['float16'] / BEST['float32']:.2f}x float32's time, so "
-     + (f"16 bits bought no speed here ({max(SPEEDUP.values()):.2f}x at best)"
-        if max(SPEEDUP.values()) < 1.25 else
-        f"bfloat16 was {SPEEDUP['auto (bfloat16)']:.1f}x and float16 {SPEEDUP['float16']:.1f}x as "
-        f"fast as float32 (native 16-bit matmul instructions: {cpu_16bit_units()})")
-     + "; on a GPU float32 costs speed and twice the memory, and "
-     + ("it is the only dtype of a pre-Ampere GPU that keeps the x4 model finite"
-        if t4_finite_x4 == ["float32"] else
-        f"on a pre-Ampere GPU the x4 model is finite in: {', '.join(t4_finite_x4) or 'none'}")),
-    ("bf16 weights + fp16 KV cache + TF32 off (seed 000 §2.4.2)",
-     ("the float16 cache changed nothing: " if same_kv16 else
-      f"the float16 cache changed the logits ({tiny} stored values below 2^-14): ")
-     + f"mean KL {kv16_kl:.3g} against bfloat16 KV's {drift('auto (bfloat16)')['kl']:.3g}; TF32 "
-     "touches no bfloat16 matmul; vLLM offers a float16 cache only in some versions"),
-    ("an fp32 KV cache helps an fp16 model (seed 003 §1.5)",
-     "no: float16 values convert to float32 exactly, so the logits stay the same bit for bit "  # fact, not a measurement
-     "(chapter 1, section 6, checks it), at twice the KV bytes"),
-    ("vLLM serves fp32 checkpoints in fp16 (olmo-cookbook #60, PR #18340)",
-     "true before PR #18751; "  # fact, not a measurement
-     f"since then (this engine's rule) {short(resolve_auto_dtype(F32, PLATFORMS['GPU, compute capability >= 8.0']))}"
-     f" on Ampere+ GPUs and {short(auto_t4)} on pre-Ampere GPUs"),
+    (Bi("'auto' keeps the checkpoint's dtype", "“auto”保持检查点的 dtype"),
+     Bi(f"{'not for float32 checkpoints' if auto_dtype != F32 else 'yes for this float32 checkpoint'}"
+        f": this float32 checkpoint runs in {short(auto_dtype)} on this CPU, in {short(auto_t4)} "
+        f"on a pre-Ampere GPU (and in {' / '.join(sorted(old_gpu))} on every GPU under the rule "
+        f"before vLLM PR #18751)",
+        f"{'对 float32 检查点并非如此' if auto_dtype != F32 else '对这个 float32 检查点是的'}"
+        f"：这个 float32 检查点在这个 CPU 上以 {short(auto_dtype)} 运行，在 Ampere 之前的 GPU 上以 "
+        f"{short(auto_t4)} 运行（在 vLLM PR #18751 之前的规则下，在所有 GPU 上以 "
+        f"{' / '.join(sorted(old_gpu))} 运行）")),
+    (Bi("'auto' is a reasonable starting point (seed 002 §五)",
+        "“auto”是合理的起点（种子课程 002 §五）"),
+     joined(Bi(f"for this model on this CPU: {short(auto_dtype)}, KL {dbf['kl']:.2g}, QA "
+               f"{100 * dbf['acc']:.0f}% (float32 {100 * d32['acc']:.0f}%); ",
+               f"对这个 CPU 上的这个模型：{short(auto_dtype)}，KL {dbf['kl']:.2g}，问答 "
+               f"{100 * dbf['acc']:.0f}%（float32 {100 * d32['acc']:.0f}%）；"),
+            Bi(f"but float16 is {dbf['kl'] / d16['kl']:.0f}x closer to float32",
+               f"但 float16 离 float32 近 {dbf['kl'] / d16['kl']:.0f}x") if d16["kl"] < dbf["kl"]
+            else Bi(f"and float16 is not closer to float32 here ({d16['kl'] / dbf['kl']:.1f}x "
+                    f"bfloat16's KL)",
+                    f"而且这里 float16 并不更接近 float32（KL 是 bfloat16 的 "
+                    f"{d16['kl'] / dbf['kl']:.1f}x）"),
+            Bi(f" (KL {d16['kl']:.2g}), and on a pre-Ampere GPU 'auto' is {short(auto_t4)}, which "
+               f"gives {'NaN' if auto_t4_err else 'finite logits'} for the x4 model "
+               f"({auto_t4_err} of {d16x['n']} requests 'error')",
+               f"（KL {d16['kl']:.2g}），而在 Ampere 之前的 GPU 上“auto”是 {short(auto_t4)}，它对 "
+               f"x4 模型给出{'NaN' if auto_t4_err else '有限的 logits'}"
+               f"（{d16x['n']} 个请求中有 {auto_t4_err} 个以 'error' 结束）"))),
+    (Bi("bf16 is the safe default (seed 002)", "bf16 是安全的默认值（种子课程 002）"),
+     joined(Bi("safe in range", "在范围上是安全的") if bf16_safe_x4
+            else Bi("not shown safe in range here", "这里未显示出在范围上安全"),
+            Bi(": the x4 model in bfloat16 gives ", "：x4 模型在 bfloat16 中给出"),
+            Bi("the same logits as unmodified, bit for bit", "与未修改时逐位相同的 logits")
+            if SAME_X4["auto (bfloat16)"]
+            else Bi("different logits from the unmodified model's", "与未修改的模型不同的 logits"),
+            Bi(f" (KL {dbfx['kl']:.2g}, {dbfx['errors']} of {dbfx['n']} requests 'error'); ",
+               f"（KL {dbfx['kl']:.2g}，{dbfx['n']} 个请求中有 {dbfx['errors']} 个以 'error' 结束）；"),
+            Bi("not the most accurate 16-bit choice where the peak fits float16",
+               "在峰值放得进 float16 的地方，它不是最精确的 16 位选择")
+            if d16["kl"] < dbf["kl"]
+            else Bi("and here also the more accurate 16-bit format",
+                    "而且这里它也是更精确的 16 位格式"))),
+    (Bi("FP16's range is small, a few models overflow more easily (seed 002 §五)",
+        "FP16 的数值范围小，少数模型更容易溢出（种子课程 002 §五）"),
+     joined(Bi(f"{'yes' if d16x['errors'] else 'not shown here'}, and which models is a number: "
+               f"SmolLM2 peaks at {peak:,.0f} ({100 * peak / 65504:.0f}% of 65504), ",
+               f"{'是' if d16x['errors'] else '这里未显示'}，而哪些模型会溢出由一个数决定："
+               f"SmolLM2 的峰值为 {peak:,.0f}（65504 的 {100 * peak / 65504:.0f}%），"),
+            Bi(f"NaN from {d16['first']}", f"从 {d16['first']} 起为 NaN") if d16["errors"]
+            else Bi("fine", "没有问题"),
+            Bi(f"; x4 peaks at {float(RUNS['float32, residual x4']['peaks'].max()):,.0f}, ",
+               f"；x4 的峰值为 {float(RUNS['float32, residual x4']['peaks'].max()):,.0f}，"),
+            Bi(f"NaN from {d16x['first']}", f"从 {d16x['first']} 起为 NaN") if d16x["errors"]
+            else Bi("still finite", "仍然有限"))),
+    (Bi("fp32 is rarely worth it", "fp32 很少值得"),
+     joined(Bi(f"on this CPU, this run: bfloat16 scored in "
+               f"{BEST['auto (bfloat16)'] / BEST['float32']:.2f}x "
+               f"and float16 in {BEST['float16'] / BEST['float32']:.2f}x float32's time, so ",
+               f"在这个 CPU 上、本次运行中：bfloat16 的打分用时是 float32 的 "
+               f"{BEST['auto (bfloat16)'] / BEST['float32']:.2f}x，"
+               f"float16 是 {BEST['float16'] / BEST['float32']:.2f}x，所以"),
+            Bi(f"16 bits bought no speed here ({max(SPEEDUP.values()):.2f}x at best)",
+               f"16 位在这里没有带来速度（最多 {max(SPEEDUP.values()):.2f}x）")
+            if max(SPEEDUP.values()) < 1.25 else
+            Bi(f"bfloat16 was {SPEEDUP['auto (bfloat16)']:.1f}x and float16 "
+               f"{SPEEDUP['float16']:.1f}x as fast as float32 (native 16-bit matmul "
+               f"instructions: {cpu_16bit_units()})",
+               f"bfloat16 的速度是 float32 的 {SPEEDUP['auto (bfloat16)']:.1f}x，float16 是 "
+               f"{SPEEDUP['float16']:.1f}x（原生 16 位矩阵乘法"
+               f"指令：{cpu_16bit_units()}）"),
+            Bi("; on a GPU float32 costs speed and twice the memory, and ",
+               "；在 GPU 上 float32 要付出速度和两倍内存的代价，而且"),
+            Bi("it is the only dtype of a pre-Ampere GPU that keeps the x4 model finite",
+               "它是 Ampere 之前的 GPU 上唯一能让 x4 模型保持有限的 dtype")
+            if t4_finite_x4 == ["float32"] else
+            Bi(f"on a pre-Ampere GPU the x4 model is finite in: {', '.join(t4_finite_x4) or 'none'}",
+               f"在 Ampere 之前的 GPU 上，x4 模型在这些 dtype 中有限："
+               f"{', '.join(t4_finite_x4) or '无'}"))),
+    (Bi("bf16 weights + fp16 KV cache + TF32 off (seed 000 §2.4.2)",
+        "bf16 权重 + fp16 KV cache + 关闭 TF32（种子课程 000 §2.4.2）"),
+     joined(Bi("the float16 cache changed nothing: ", "float16 缓存什么也没有改变：") if same_kv16
+            else Bi(f"the float16 cache changed the logits ({tiny} stored values below 2^-14): ",
+                    f"float16 缓存改变了 logits（{tiny} 个存储值小于 2^-14）："),
+            Bi(f"mean KL {kv16_kl:.3g} against bfloat16 KV's {drift('auto (bfloat16)')['kl']:.3g}; "
+               f"TF32 touches no bfloat16 matmul; vLLM offers a float16 cache only in some versions",
+               f"平均 KL {kv16_kl:.3g}，bfloat16 KV 为 {drift('auto (bfloat16)')['kl']:.3g}；"
+               f"TF32 不涉及任何 bfloat16 矩阵乘法；vLLM 只在某些版本中提供 float16 缓存"))),
+    (Bi("an fp32 KV cache helps an fp16 model (seed 003 §1.5)",
+        "fp32 KV cache 对 fp16 模型有帮助（种子课程 003 §1.5）"),
+     Bi("no: float16 values convert to float32 exactly, so the logits stay the same bit for bit "  # fact, not a measurement
+        "(chapter 1, section 6, checks it), at twice the KV bytes",
+        "否：float16 值能精确转换为 float32，所以 logits 逐位保持不变"
+        "（第 1 章第 6 节检查了这一点），代价是两倍的 KV 字节数")),
+    (Bi("vLLM serves fp32 checkpoints in fp16 (olmo-cookbook #60, PR #18340)",
+        "vLLM 以 fp16 提供 fp32 检查点的服务（olmo-cookbook #60，PR #18340）"),
+     Bi(f"true before PR #18751; "  # fact, not a measurement
+        f"since then (this engine's rule) "
+        f"{short(resolve_auto_dtype(F32, PLATFORMS['GPU, compute capability >= 8.0']))}"
+        f" on Ampere+ GPUs and {short(auto_t4)} on pre-Ampere GPUs",
+        f"在 PR #18751 之前为真；"
+        f"此后（本引擎的规则）在 Ampere 及更新的 GPU 上为 "
+        f"{short(resolve_auto_dtype(F32, PLATFORMS['GPU, compute capability >= 8.0']))}"
+        f"，在 Ampere 之前的 GPU 上为 {short(auto_t4)}")),
 ]
-print("| claim | measured |\n|---|---|")
-for c_, m in claims:
-    print(f"| {c_} | {m} |")
+claims_table(claims, header=(Bi("claim", "论断"), Bi("measured", "实测")))
 
 # %% [markdown]
 # ## Common misconceptions
