@@ -41,6 +41,7 @@ import time
 import numpy as np
 
 from minivllm import LLM, SamplingParams
+from minivllm.i18n import Bi, claims_table, say
 from minivllm.precision import ReferenceModel, metrics
 
 T0 = time.perf_counter()
@@ -157,12 +158,16 @@ fig
 
 # %%
 same_as_roomy = sum(a == b for a, b in zip(roomy["tokens"], tight["tokens"]))
-print(f"tight vs ample engine: {same_as_roomy}/{len(prompts)} requests token-identical")
+say(f"tight vs ample engine: {same_as_roomy}/{len(prompts)} requests token-identical",
+    f"紧张与充裕的引擎相比：{same_as_roomy}/{len(prompts)} 个请求的 token 完全相同")
 ref = ReferenceModel(MODEL, dtype="float32")
 hf0 = ref.generate(prompts[0], MAX_TOKENS, ignore_eos=True)  # one request, no padding
-print(f"request 0, HF float32 alone vs the ample engine: "
-      f"{'identical' if hf0 == roomy['tokens'][0] else 'different'} "
-      f"({metrics.greedy_agreement(hf0, roomy['tokens'][0]):.0%} of {MAX_TOKENS} tokens agree)")
+say(f"request 0, HF float32 alone vs the ample engine: "
+    f"{'identical' if hf0 == roomy['tokens'][0] else 'different'} "
+    f"({metrics.greedy_agreement(hf0, roomy['tokens'][0]):.0%} of {MAX_TOKENS} tokens agree)",
+    f"请求 0，单独运行的 HF float32 与充裕的引擎相比："
+    f"{'完全相同' if hf0 == roomy['tokens'][0] else '不同'}"
+    f"（{MAX_TOKENS} 个 token 中有 {metrics.greedy_agreement(hf0, roomy['tokens'][0]):.0%} 一致）")
 
 # %% [markdown]
 # Whatever the counts above say on your machine, read them this way: a difference
@@ -244,8 +249,10 @@ for name, (weights, per_token) in DEPLOYS.items():
     print(f"| {name} | " + " | ".join(cells) + " |")
 small = "Llama-3.1-8B, 1 x H100"
 loss = 1 - pools[small, 0.85] / pools[small, 0.90]
-print(f"\n0.90 -> 0.85 takes {0.05 * H100 / GiB:.1f} GiB from each GPU: "
-      f"{100 * loss:.1f} % of the 8B pool")
+say(f"\n0.90 -> 0.85 takes {0.05 * H100 / GiB:.1f} GiB from each GPU: "
+    f"{100 * loss:.1f} % of the 8B pool",
+    f"\n0.90 -> 0.85 从每块 GPU 拿走 {0.05 * H100 / GiB:.1f} GiB："
+    f"占 8B 部署的池的 {100 * loss:.1f} %")
 
 # %% [markdown]
 # The same move on this chapter's workload: let the tight pool of section 2 stand for the
@@ -262,10 +269,14 @@ for u, r in util_runs.items():
     print(f"gpu_memory_utilization {u:.2f}: {r['blocks']} blocks, {r['preemptions']} "
           f"preemptions, {r['computed'] - USEFUL} tokens recomputed")
 p85, p90, p95 = (util_runs[u]["preemptions"] for u in UTILS)
-lowering = ("more" if p85 > p90 else "as many" if p85 == p90 else "fewer")
-raising = ("fewer" if p95 < p90 else "as many" if p95 == p90 else "more")
-print(f"lowering the utilization to 0.85 gave {lowering} preemptions ({p85} vs {p90}); "
-      f"raising it to 0.95 gave {raising} ({p95})")
+say(f"lowering the utilization to 0.85 gave "
+    f"{'more' if p85 > p90 else 'as many' if p85 == p90 else 'fewer'} preemptions "
+    f"({p85} vs {p90}); raising it to 0.95 gave "
+    f"{'fewer' if p95 < p90 else 'as many' if p95 == p90 else 'more'} ({p95})",
+    f"把利用率调低到 0.85，抢占"
+    f"{'更多' if p85 > p90 else '一样多' if p85 == p90 else '更少'}"
+    f"（{p85} 对 {p90}）；调高到 0.95，抢占"
+    f"{'更少' if p95 < p90 else '一样多' if p95 == p90 else '更多'}（{p95}）")
 
 # %% [markdown]
 # What to watch, and under which names. The seed's monitoring advice names metrics that
@@ -275,17 +286,30 @@ print(f"lowering the utilization to 0.85 gave {lowering} preemptions ({p85} vs {
 # (`minivllm/entrypoints/openai/metrics.py`).
 
 # %%
-print("| the seed says to watch | vLLM's metric | this run |")
-print("|---|---|---|")
-print(f"| `vllm:cache_usage` | `vllm:kv_cache_usage_perc` (0..1 of the pool; it replaced "
-      f"`vllm:gpu_cache_usage_perc` in vLLM PR #18354, 2025) | peak {tight['peak_usage']:.2f} |")
-print(f"| per-request prefix-cache hit rate from `--log-stats` | none per request: the "
-      f"counters `vllm:prefix_cache_queries` and `vllm:prefix_cache_hits` (tokens; "
-      f"vLLM PR #14136, 2025) give a rate over any window; the server's periodic log "
-      f"line (on unless `--disable-log-stats`) prints the recent rate | "
-      f"{100 * fixes[1]['prefix_hit_rate']:.0f} % over the prefix-caching run |")
-print(f"| (not in the seed) preemptions | `vllm:num_preemptions_total` | "
-      f"{tight['preemptions']} |")
+watch = [
+    Bi("| the seed says to watch | vLLM's metric | this run |",
+       "| 种子课程建议监控的 | vLLM 的指标 | 本次运行 |"),
+    Bi("|---|---|---|", "|---|---|---|"),
+    Bi(f"| `vllm:cache_usage` | `vllm:kv_cache_usage_perc` (0..1 of the pool; it replaced "
+       f"`vllm:gpu_cache_usage_perc` in vLLM PR #18354, 2025) | peak {tight['peak_usage']:.2f} |",
+       f"| `vllm:cache_usage` | `vllm:kv_cache_usage_perc`（池的 0..1；它在 vLLM PR #18354"
+       f"（2025）中取代了 `vllm:gpu_cache_usage_perc`） | 峰值 {tight['peak_usage']:.2f} |"),
+    Bi(f"| per-request prefix-cache hit rate from `--log-stats` | none per request: the "
+       f"counters `vllm:prefix_cache_queries` and `vllm:prefix_cache_hits` (tokens; "
+       f"vLLM PR #14136, 2025) give a rate over any window; the server's periodic log "
+       f"line (on unless `--disable-log-stats`) prints the recent rate | "
+       f"{100 * fixes[1]['prefix_hit_rate']:.0f} % over the prefix-caching run |",
+       f"| `--log-stats` 给出的逐请求前缀缓存命中率 | 没有逐请求的命中率：计数器 "
+       f"`vllm:prefix_cache_queries` 和 `vllm:prefix_cache_hits`（单位为 token；"
+       f"vLLM PR #14136，2025）可给出任意时间窗口内的比率；服务端定期输出的日志行"
+       f"（除非设置 `--disable-log-stats`，否则开启）打印近期的命中率 | "
+       f"前缀缓存运行中为 {100 * fixes[1]['prefix_hit_rate']:.0f} % |"),
+    Bi(f"| (not in the seed) preemptions | `vllm:num_preemptions_total` | "
+       f"{tight['preemptions']} |",
+       f"| （种子课程未提及）抢占次数 | `vllm:num_preemptions_total` | "
+       f"{tight['preemptions']} |"),
+]
+say("\n".join(x.en for x in watch), "\n".join(x.zh for x in watch))
 
 # %% [markdown]
 # ## 6. Claim vs measurement
@@ -304,36 +328,69 @@ pre_n, pre_d = sum(s["preempted"] for s in _16), sum(s["preempted_diverged"] for
 ctl_n, ctl_d = sum(s["control"] for s in _16), sum(s["control_diverged"] for s in _16)
 same_tight = sum(a == b for a, b in zip(roomy["tokens"], tight["tokens"]))
 pinned = tight["peak_usage"] >= 1.0
-print("| the seed says | measured here |")
-print("|---|---|")
-print(f"| a small KV pool with many requests causes eviction and recompute | "
-      f"{'yes' if tight['preemptions'] else 'not here'}: {tight['preemptions']} preemptions "
-      f"in the {TIGHT}-block pool, KV usage peaking at {100 * tight['peak_usage']:.0f} %"
-      f"{' (pinned full)' if pinned else ''} |")
-print(f"| it makes answers differ under load | float32: {same_tight}/{len(prompts)} requests "
-      f"token-identical tight vs ample ({'no change' if same_tight == len(prompts) else 'some changed'}"
-      f"; recompute is exact up to float rounding). 16-bit (chapter 8, 40-request runs): "
-      f"{pre_d} of {pre_n} preempted requests changed tokens against {ctl_d} of {ctl_n} "
-      f"never-preempted ones: "
-      f"{'the batch changes them more than the recompute' if ctl_d / ctl_n > pre_d / pre_n else 'preempted requests change more often'} |")
-print("| (implied) preemption is always safe for accuracy | only if the engine keeps every "
-      "request's state: vLLM had recompute bugs that changed outputs (vllm #16832, PR #5349); "
-      "lab 2 plants one |")
-for r, what in ((fixes[0], f"lower max_num_seqs (to {fit})"), (roomy, "more KV blocks")):
-    print(f"| {what} fixes it | {'yes' if r['preemptions'] == 0 else 'no'}: "
-          f"{r['preemptions']} preemptions, {r['steps']} engine steps (tight: {tight['steps']}) |")
-print(f"| lower `--gpu-memory-utilization` from 0.90 to 0.85 | "
-      f"{'refuted' if p85 >= p90 else 'confirmed'}: it shrinks the KV pool (the 8B "
-      f"deployment's by {100 * loss:.1f} %); scaled here, {p85} preemptions vs {p90} at 0.90 "
-      f"and {p95} at 0.95. vLLM's guide says to raise it |")
-print(f"| prefix caching fixes it | {'yes' if fixes[1]['preemptions'] == 0 else 'partly' if fixes[1]['preemptions'] < tight['preemptions'] else 'no'}: "
-      f"{fixes[1]['preemptions']} preemptions vs {tight['preemptions']}, "
-      f"{100 * fixes[1]['prefix_hit_rate']:.0f} % of prompt tokens served from the cache "
-      f"(it saves the shared prefix only) |")
-print("| watch `vllm:cache_usage` and a per-request hit rate from `--log-stats` | not "
-      "vLLM's names: `vllm:kv_cache_usage_perc` (formerly `vllm:gpu_cache_usage_perc`), "
-      "`vllm:prefix_cache_queries` / `vllm:prefix_cache_hits`, no per-request hit rate "
-      "(table in section 5) |")
+claims_table([
+    (Bi("a small KV pool with many requests causes eviction and recompute",
+        "KV 池很小而请求很多时，会导致驱逐和重计算"),
+     Bi(f"{'yes' if tight['preemptions'] else 'not here'}: {tight['preemptions']} preemptions "
+        f"in the {TIGHT}-block pool, KV usage peaking at {100 * tight['peak_usage']:.0f} %"
+        f"{' (pinned full)' if pinned else ''}",
+        f"{'是' if tight['preemptions'] else '此处没有'}：{TIGHT} 块的池中发生 "
+        f"{tight['preemptions']} 次抢占，KV 使用率峰值 {100 * tight['peak_usage']:.0f} %"
+        f"{'（一直占满）' if pinned else ''}")),
+    (Bi("it makes answers differ under load", "它使回答随负载而不同"),
+     Bi(f"float32: {same_tight}/{len(prompts)} requests token-identical tight vs ample "
+        f"({'no change' if same_tight == len(prompts) else 'some changed'}"
+        f"; recompute is exact up to float rounding). 16-bit (chapter 8, 40-request runs): "
+        f"{pre_d} of {pre_n} preempted requests changed tokens against {ctl_d} of {ctl_n} "
+        f"never-preempted ones: "
+        f"{'the batch changes them more than the recompute' if ctl_d / ctl_n > pre_d / pre_n else 'preempted requests change more often'}",
+        f"float32：紧张与充裕两种配置下 {same_tight}/{len(prompts)} 个请求的 token 完全相同"
+        f"（{'没有变化' if same_tight == len(prompts) else '有些改变了'}"
+        f"；重计算除浮点舍入外是精确的）。16 位（第 8 章，40 个请求的运行）："
+        f"{pre_n} 个被抢占的请求中有 {pre_d} 个改变了 token，而 {ctl_n} 个从未被抢占的请求中"
+        f"有 {ctl_d} 个改变："
+        f"{'批次对它们的改变比重计算更大' if ctl_d / ctl_n > pre_d / pre_n else '被抢占的请求更常改变'}")),
+    (Bi("(implied) preemption is always safe for accuracy", "（隐含的）抢占对精度总是安全的"),
+     Bi("only if the engine keeps every request's state: vLLM had recompute bugs that changed "
+        "outputs (vllm #16832, PR #5349); lab 2 plants one",
+        "只有当引擎保留每个请求的状态时才成立：vLLM 曾有改变输出的重计算 bug"
+        "（vllm #16832，PR #5349）；实验 2 埋入了一个")),
+]
++ [(claim,
+     Bi(f"{'yes' if r['preemptions'] == 0 else 'no'}: "
+        f"{r['preemptions']} preemptions, {r['steps']} engine steps (tight: {tight['steps']})",
+        f"{'是' if r['preemptions'] == 0 else '否'}："
+        f"{r['preemptions']} 次抢占，{r['steps']} 个引擎步骤（紧张配置：{tight['steps']}）"))
+   for r, claim in ((fixes[0], Bi(f"lower max_num_seqs (to {fit}) fixes it",
+                                  f"调低 max_num_seqs（到 {fit}）能解决问题")),
+                    (roomy, Bi("more KV blocks fixes it", "增加 KV 块能解决问题")))]
++ [
+    (Bi("lower `--gpu-memory-utilization` from 0.90 to 0.85",
+        "把 `--gpu-memory-utilization` 从 0.90 调低到 0.85"),
+     Bi(f"{'refuted' if p85 >= p90 else 'confirmed'}: it shrinks the KV pool (the 8B "
+        f"deployment's by {100 * loss:.1f} %); scaled here, {p85} preemptions vs {p90} at 0.90 "
+        f"and {p95} at 0.95. vLLM's guide says to raise it",
+        f"{'被证伪' if p85 >= p90 else '得到证实'}：它会缩小 KV 池（8B 部署的池缩小 "
+        f"{100 * loss:.1f} %）；在此按比例缩放后，抢占 {p85} 次，而 0.90 时为 {p90} 次、"
+        f"0.95 时为 {p95} 次。vLLM 的指南说应当调高它")),
+    (Bi("prefix caching fixes it", "前缀缓存能解决问题"),
+     Bi(f"{'yes' if fixes[1]['preemptions'] == 0 else 'partly' if fixes[1]['preemptions'] < tight['preemptions'] else 'no'}: "
+        f"{fixes[1]['preemptions']} preemptions vs {tight['preemptions']}, "
+        f"{100 * fixes[1]['prefix_hit_rate']:.0f} % of prompt tokens served from the cache "
+        f"(it saves the shared prefix only)",
+        f"{'是' if fixes[1]['preemptions'] == 0 else '部分' if fixes[1]['preemptions'] < tight['preemptions'] else '否'}："
+        f"{fixes[1]['preemptions']} 次抢占，对比 {tight['preemptions']} 次；"
+        f"{100 * fixes[1]['prefix_hit_rate']:.0f} % 的提示词 token 由缓存提供"
+        f"（它只省去共享前缀的计算）")),
+    (Bi("watch `vllm:cache_usage` and a per-request hit rate from `--log-stats`",
+        "监控 `vllm:cache_usage`，以及 `--log-stats` 给出的逐请求命中率"),
+     Bi("not vLLM's names: `vllm:kv_cache_usage_perc` (formerly `vllm:gpu_cache_usage_perc`), "
+        "`vllm:prefix_cache_queries` / `vllm:prefix_cache_hits`, no per-request hit rate "
+        "(table in section 5)",
+        "这些不是 vLLM 的名字：`vllm:kv_cache_usage_perc`（原名 `vllm:gpu_cache_usage_perc`）、"
+        "`vllm:prefix_cache_queries` / `vllm:prefix_cache_hits`，没有逐请求的命中率"
+        "（见第 5 节的表格）")),
+], header=(Bi("the seed says", "种子课程的说法"), Bi("measured here", "本次实测")))
 
 # %% [markdown]
 # ## Common misconceptions
