@@ -52,6 +52,7 @@ from matplotlib.patches import Rectangle
 
 from minivllm import LLM, SamplingParams
 from minivllm.attention.metadata import slot_mapping_ref
+from minivllm.i18n import Bi, claims_table, say
 from minivllm.precision import evalsets, faults, metrics
 from minivllm.precision.paging import fragment_pool, record_block_tables
 
@@ -85,8 +86,10 @@ with record_block_tables(llm) as tables_fresh, faults.reader_block_size(llm, 2 *
     rows_c_fresh = llm.score(x_ids, output="logits")
 rows_ref = llm.score(x_ids, output="logits")  # the correct engine (another table: same numbers)
 print(f"block table on the fresh pool: {tables_fresh[0]}")
-print(f"reader with block size {2 * BS} on it: logits bit-identical to the correct engine: "
-      f"{torch.equal(rows_c_fresh, rows_ref)}")
+say(f"reader with block size {2 * BS} on it: logits bit-identical to the correct engine: "
+    f"{torch.equal(rows_c_fresh, rows_ref)}",
+    f"在它上面使用块大小为 {2 * BS} 的读取方：logits 与正确的引擎逐比特相同："
+    f"{torch.equal(rows_c_fresh, rows_ref)}")
 
 # %% [markdown]
 # The mismatched reader passes a bit-exact test here. A test suite that builds a fresh
@@ -216,17 +219,30 @@ with faults.zeroed_block_tables(llm):  # (the swap empties the prefix cache on e
     m_bad, gen_bad, hit_bad = mixed_step()
 kl_a = metrics.kl_divergence(m_ref, m_bad).numpy()
 top1_a = metrics.top1_agreement(m_ref, m_bad)
-print(f"prefix-cache hit tokens in the mixed batch: correct run {hit_ref}, faulty run "
-      f"{hit_bad}; cold cache {hit_cold}")
-print(f"cold cache (no hit in the batch), faulty engine: M's logits bit-identical to the "
-      f"correct engine's: {torch.equal(m_cold_bad, m_cold_ref)}")
-print(f"M (no hit), teacher-forced, faulty vs correct: mean KL {kl_a.mean():.2f} nats, "
-      f"max {kl_a.max():.2f}, top-1 agreement {100 * top1_a:.0f}%")
-for name, i in (("H (hit)", 0), ("M' (no hit)", 1)):
+def tr(text, lang):
+    """The ``lang`` ("en" or "zh") text of a ``Bi``."""
+    return getattr(text, lang)
+
+
+say(f"prefix-cache hit tokens in the mixed batch: correct run {hit_ref}, faulty run "
+    f"{hit_bad}; cold cache {hit_cold}",
+    f"混合批次中前缀缓存命中的 token 数：正确的运行 {hit_ref}，有故障的运行 "
+    f"{hit_bad}；冷缓存 {hit_cold}")
+say(f"cold cache (no hit in the batch), faulty engine: M's logits bit-identical to the "
+    f"correct engine's: {torch.equal(m_cold_bad, m_cold_ref)}",
+    f"冷缓存（批次中没有命中），有故障的引擎：M 的 logits 与正确引擎的逐比特相同："
+    f"{torch.equal(m_cold_bad, m_cold_ref)}")
+say(f"M (no hit), teacher-forced, faulty vs correct: mean KL {kl_a.mean():.2f} nats, "
+    f"max {kl_a.max():.2f}, top-1 agreement {100 * top1_a:.0f}%",
+    f"M（没有命中），教师强制，有故障对比正确：平均 KL {kl_a.mean():.2f} nats，"
+    f"最大 {kl_a.max():.2f}，Top-1 一致率 {100 * top1_a:.0f}%")
+for name, i in ((Bi("H (hit)", "H（有命中）"), 0), (Bi("M' (no hit)", "M'（没有命中）"), 1)):
     agree = metrics.greedy_agreement(gen_ref[i], gen_bad[i])
     first = metrics.first_divergence(gen_ref[i], gen_bad[i])
-    print(f"{name}: greedy agreement {100 * agree:.0f}% over 12 tokens, first divergence "
-          f"{first}")
+    say(f"{tr(name, 'en')}: greedy agreement {100 * agree:.0f}% over 12 tokens, first divergence "
+        f"{first}",
+        f"{tr(name, 'zh')}：12 个 token 上的贪心一致率 {100 * agree:.0f}%，首次分歧位置 "
+        f"{first}")
 print(f"  correct M': {tok.decode(gen_ref[1])!r}\n  faulty M':  {tok.decode(gen_bad[1])!r}")
 
 # %% [markdown]
@@ -258,13 +274,20 @@ t_b = time.perf_counter() - t
 kl_b = metrics.kl_divergence(dec_ref, dec_b).numpy()
 kl_bp = metrics.kl_divergence(rows_ref, pre_b).numpy()
 first_bad = int(np.nonzero(kl_b > 0)[0][0]) if (kl_b > 0).any() else None
-print(f"decode mode: positions 0-{BS - 1} bit-identical to the correct engine: "
-      f"{torch.equal(dec_ref[:BS], dec_b[:BS])}; first position with KL > 0: {first_bad}")
-print(f"decode mode, mean KL: positions < {BS} {kl_b[:BS].mean():.1e}, positions >= {BS} "
-      f"{kl_b[BS:].mean():.2f} nats (max {kl_b.max():.2f}); top-1 agreement from {BS} on "
-      f"{100 * metrics.top1_agreement(dec_ref[BS:], dec_b[BS:]):.0f}%")
-print(f"prefill mode: mean KL positions < {BS} {kl_bp[:BS].mean():.2f}, >= {BS} "
-      f"{kl_bp[BS:].mean():.2f} nats ({t_b:.1f} s for the three scores)")
+say(f"decode mode: positions 0-{BS - 1} bit-identical to the correct engine: "
+    f"{torch.equal(dec_ref[:BS], dec_b[:BS])}; first position with KL > 0: {first_bad}",
+    f"decode 模式：位置 0-{BS - 1} 与正确的引擎逐比特相同："
+    f"{torch.equal(dec_ref[:BS], dec_b[:BS])}；第一个 KL > 0 的位置：{first_bad}")
+say(f"decode mode, mean KL: positions < {BS} {kl_b[:BS].mean():.1e}, positions >= {BS} "
+    f"{kl_b[BS:].mean():.2f} nats (max {kl_b.max():.2f}); top-1 agreement from {BS} on "
+    f"{100 * metrics.top1_agreement(dec_ref[BS:], dec_b[BS:]):.0f}%",
+    f"decode 模式，平均 KL：位置 < {BS} 为 {kl_b[:BS].mean():.1e}，位置 >= {BS} 为 "
+    f"{kl_b[BS:].mean():.2f} nats（最大 {kl_b.max():.2f}）；从 {BS} 起的 Top-1 一致率 "
+    f"{100 * metrics.top1_agreement(dec_ref[BS:], dec_b[BS:]):.0f}%")
+say(f"prefill mode: mean KL positions < {BS} {kl_bp[:BS].mean():.2f}, >= {BS} "
+    f"{kl_bp[BS:].mean():.2f} nats ({t_b:.1f} s for the three scores)",
+    f"prefill 模式：平均 KL，位置 < {BS} 为 {kl_bp[:BS].mean():.2f}，>= {BS} 为 "
+    f"{kl_bp[BS:].mean():.2f} nats（三次打分用时 {t_b:.1f} s）")
 
 # %% [markdown]
 # Token by token, the first 16 positions are exact (nothing has collided yet), and the
@@ -364,9 +387,12 @@ with record_block_tables(llm, slot_mapping_fixed) as tabs_fix:  # the fixed step
     dec_fix = llm.score(x_ids[:24], mode="decode", output="logits")  # past one boundary
     gen_fix = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy20)]
 print(f"block tables the fixed mapping ran on: {tabs_fix[0]} (prefill), {tabs_fix[-1]} (last)")
-print(f"prefill: torch.equal(logits, correct engine) = {torch.equal(pre_fix, rows_ref)}")
-print(f"decode:  torch.equal(logits, correct engine) = {torch.equal(dec_fix, dec_ref[:24])}")
-print(f"greedy, 3 prompts x 20 tokens: equal to the correct engine: {gen_fix == gen_ok}")
+say(f"prefill: torch.equal(logits, correct engine) = {torch.equal(pre_fix, rows_ref)}",
+    f"prefill：torch.equal(logits, 正确的引擎) = {torch.equal(pre_fix, rows_ref)}")
+say(f"decode:  torch.equal(logits, correct engine) = {torch.equal(dec_fix, dec_ref[:24])}",
+    f"decode： torch.equal(logits, 正确的引擎) = {torch.equal(dec_fix, dec_ref[:24])}")
+say(f"greedy, 3 prompts x 20 tokens: equal to the correct engine: {gen_fix == gen_ok}",
+    f"贪心，3 个提示词 x 20 个 token：与正确的引擎相等：{gen_fix == gen_ok}")
 
 # %% [markdown]
 # Bit-identical, not "close": a mapping is integer arithmetic, so the right one reads
@@ -385,39 +411,69 @@ exact_below = torch.equal(dec_ref[:BS], dec_b[:BS])
 hit_row_same = gen_ref[0] == gen_bad[0]
 c_fresh_same = torch.equal(rows_c_fresh, rows_ref)
 fix_same = (torch.equal(pre_fix, rows_ref), torch.equal(dec_fix, dec_ref[:24]), gen_fix == gen_ok)
-print("| claim | what we measured here |")
-print("|---|---|")
-print("| vllm #5543: with prefix caching, completions differ from the uncached server | "
-      + ("reproduced" if hit_bad > 0 and kl_a.max() > 0 else "not reproduced")
-      + f" with the PR #7018 bug planted: the row without a hit, batched with a "
-      f"hit ({hit_bad} hit tokens), mean KL {kl_a.mean():.2f} nats (max {kl_a.max():.2f}), "
-      f"top-1 {100 * top1_a:.0f}%; the hit row's greedy answer "
-      + ("unchanged" if hit_row_same else "changed too")
-      + f" ({100 * metrics.greedy_agreement(gen_ref[0], gen_bad[0]):.0f}% agreement) |")
-print(f"| (a) zeroed block tables are catastrophic (KL >> 1) | "
-      f"{'yes' if kl_a.mean() > 1 else 'no'}: mean KL {kl_a.mean():.2f} nats, from the "
-      f"first position (KL at position 0: {kl_a[0]:.2f}) |")
-print("| (b) an off-by-one is subtle and length-dependent | length-dependent, "
-      + ("yes" if exact_below and kl_b_after > 0 else "no")
-      + f": exact below position {BS} in decode mode: {exact_below}, from position "
-      f"{first_bad} on mean KL {kl_b_after:.2f} nats; subtle, "
-      + ("no" if kl_b_after > 1 else "yes")
-      + ": once it starts its mean KL is " + ("above" if kl_b_after > 1 else "at most")
-      + f" 1 nat (row (a)'s threshold), {kl_b_after / kl_b_mean_a:.2f}x that of (a) "
-      f"(top-1 {100 * metrics.top1_agreement(dec_ref[BS:], dec_b[BS:]):.0f}%), from one "
-      f"overwritten token (position 0's). In a prefill it hits "
-      + ("every position" if (kl_bp > 0).all() else f"{int((kl_bp > 0).sum())} of {N_X} positions")
-      + (", the early ones hardest" if kl_bp[:BS].mean() > kl_bp[BS:].mean() else
-         ", the later ones hardest")
-      + f" (mean KL {kl_bp[:BS].mean():.2f} below {BS}, {kl_bp[BS:].mean():.2f} after) |")
-print("| (c) a writer/reader block-size mismatch is catastrophic | "
-      + ("not on a fresh pool: bit-identical logits there" if c_fresh_same else
-         "already on a fresh pool: logits differ there")
-      + f" (table {tables_fresh[0]}); on the fragmented pool: "
-      f"{greedy_rows['(c) reader block size 32'][0]} |")
-print("| the correct mapping is bitwise equal to the reference on a fragmented pool | "
-      + ("yes" if all(fix_same) else "no")
-      + f": prefill {fix_same[0]}, decode {fix_same[1]}, greedy {fix_same[2]} |")
+REPRODUCED = hit_bad > 0 and kl_a.max() > 0
+LEN_DEP = exact_below and kl_b_after > 0
+EARLY = kl_bp[:BS].mean() > kl_bp[BS:].mean()
+
+
+def agreement_text(value, lang):
+    """A greedy_rows agreement ("NN%" or "crashed") in ``lang``."""
+    return value if lang == "en" or value != "crashed" else "崩溃"
+
+
+C_AGREE = greedy_rows['(c) reader block size 32'][0]
+claims_table([
+    (Bi("vllm #5543: with prefix caching, completions differ from the uncached server",
+        "vllm #5543：开启前缀缓存时，补全结果与未开启缓存的服务端不同"),
+     Bi(f"{'reproduced' if REPRODUCED else 'not reproduced'} with the PR #7018 bug planted: the "
+        f"row without a hit, batched with a hit ({hit_bad} hit tokens), mean KL "
+        f"{kl_a.mean():.2f} nats (max {kl_a.max():.2f}), top-1 {100 * top1_a:.0f}%; the hit "
+        f"row's greedy answer {'unchanged' if hit_row_same else 'changed too'} "
+        f"({100 * metrics.greedy_agreement(gen_ref[0], gen_bad[0]):.0f}% agreement)",
+        f"植入 PR #7018 的 bug 后{'已复现' if REPRODUCED else '未复现'}：没有命中的行与有命中的行"
+        f"同批（{hit_bad} 个命中 token），平均 KL "
+        f"{kl_a.mean():.2f} nats（最大 {kl_a.max():.2f}），Top-1 {100 * top1_a:.0f}%；有命中的行的"
+        f"贪心回答{'不变' if hit_row_same else '也改变了'}"
+        f"（一致率 {100 * metrics.greedy_agreement(gen_ref[0], gen_bad[0]):.0f}%）")),
+    (Bi("(a) zeroed block tables are catastrophic (KL >> 1)", "(a) 全零块表是灾难性的（KL >> 1）"),
+     Bi(f"{'yes' if kl_a.mean() > 1 else 'no'}: mean KL {kl_a.mean():.2f} nats, from the "
+        f"first position (KL at position 0: {kl_a[0]:.2f})",
+        f"{'是' if kl_a.mean() > 1 else '否'}：平均 KL {kl_a.mean():.2f} nats，从第一个位置"
+        f"开始（位置 0 的 KL：{kl_a[0]:.2f}）")),
+    (Bi("(b) an off-by-one is subtle and length-dependent", "(b) 差一错误是隐蔽且依赖长度的"),
+     Bi(f"length-dependent, {'yes' if LEN_DEP else 'no'}: exact below position {BS} in decode "
+        f"mode: {exact_below}, from position {first_bad} on mean KL {kl_b_after:.2f} nats; "
+        f"subtle, {'no' if kl_b_after > 1 else 'yes'}: once it starts its mean KL is "
+        f"{'above' if kl_b_after > 1 else 'at most'} 1 nat (row (a)'s threshold), "
+        f"{kl_b_after / kl_b_mean_a:.2f}x that of (a) "
+        f"(top-1 {100 * metrics.top1_agreement(dec_ref[BS:], dec_b[BS:]):.0f}%), from one "
+        f"overwritten token (position 0's). In a prefill it hits "
+        f"{'every position' if (kl_bp > 0).all() else f'{int((kl_bp > 0).sum())} of {N_X} positions'}"
+        f"{', the early ones hardest' if EARLY else ', the later ones hardest'}"
+        f" (mean KL {kl_bp[:BS].mean():.2f} below {BS}, {kl_bp[BS:].mean():.2f} after)",
+        f"依赖长度：{'是' if LEN_DEP else '否'}：decode 模式下位置 {BS} 以下精确："
+        f"{exact_below}，从位置 {first_bad} 起平均 KL {kl_b_after:.2f} nats；"
+        f"隐蔽：{'否' if kl_b_after > 1 else '是'}：一旦开始，其平均 KL "
+        f"{'高于' if kl_b_after > 1 else '至多为'} 1 nat（(a) 行的阈值），"
+        f"是 (a) 的 {kl_b_after / kl_b_mean_a:.2f}x "
+        f"（Top-1 {100 * metrics.top1_agreement(dec_ref[BS:], dec_b[BS:]):.0f}%），只来自一个"
+        f"被覆盖的 token（位置 0 的）。在一次 prefill 中它影响"
+        f"{'每一个位置' if (kl_bp > 0).all() else f'{int((kl_bp > 0).sum())} 个位置（共 {N_X} 个）'}"
+        f"{'，靠前的位置最严重' if EARLY else '，靠后的位置最严重'}"
+        f"（平均 KL：{BS} 以下 {kl_bp[:BS].mean():.2f}，之后 {kl_bp[BS:].mean():.2f}）")),
+    (Bi("(c) a writer/reader block-size mismatch is catastrophic",
+        "(c) 写入方与读取方的块大小不一致是灾难性的"),
+     Bi(f"{'not on a fresh pool: bit-identical logits there' if c_fresh_same else 'already on a fresh pool: logits differ there'}"
+        f" (table {tables_fresh[0]}); on the fragmented pool: {agreement_text(C_AGREE, 'en')}",
+        f"{'在全新的池上不是：那里的 logits 逐比特相同' if c_fresh_same else '在全新的池上就已是：那里的 logits 不同'}"
+        f"（块表 {tables_fresh[0]}）；在碎片化的池上：{agreement_text(C_AGREE, 'zh')}")),
+    (Bi("the correct mapping is bitwise equal to the reference on a fragmented pool",
+        "正确的映射在碎片化的池上与参考实现逐位相等"),
+     Bi(f"{'yes' if all(fix_same) else 'no'}: prefill {fix_same[0]}, decode {fix_same[1]}, "
+        f"greedy {fix_same[2]}",
+        f"{'是' if all(fix_same) else '否'}：prefill {fix_same[0]}，decode {fix_same[1]}，"
+        f"贪心 {fix_same[2]}")),
+], header=(Bi("claim", "论断"), Bi("what we measured here", "本次实测")))
 
 # %% [markdown]
 # ## Common misconceptions
