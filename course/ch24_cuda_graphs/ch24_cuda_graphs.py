@@ -78,6 +78,7 @@ from matplotlib.figure import Figure
 
 import minivllm.layers.linear as linear_mod
 from minivllm import LLM, SamplingParams
+from minivllm.i18n import Bi, claims_table, say
 from minivllm.attention.backends.torch_ref import decode_attention_ref
 from minivllm.precision import faults
 from minivllm.worker.cuda_graph import (EmulatedCUDAGraphRunner, capture_sizes,
@@ -94,6 +95,14 @@ runner = graph_llm.llm_engine.model_runner
 graphs = runner.cuda_graphs
 model = runner.model
 tok = graph_llm.get_tokenizer()
+
+
+def join(*parts):
+    """One text from Bi parts and plain strings, in both languages."""
+    return Bi("".join(getattr(p, "en", p) for p in parts),
+              "".join(getattr(p, "zh", p) for p in parts))
+
+
 print(f"captured sizes {graphs.sizes} in {time.perf_counter() - T0:.1f} s "
       f"(engine build included); ops recorded per graph: "
       f"{ {bs: len(g._ops) for bs, (g, _) in graphs.graphs.items()} }")
@@ -216,8 +225,10 @@ for stale in (True, False):
     finally:
         handle.remove()
     hook_counts[stale] = len(calls)
-print(f"hook registered after capture, 6 steps: ran {hook_counts[True]} times with the "
-      f"stale runner, {hook_counts[False]} times with can_run's hook check")
+say(f"hook registered after capture, 6 steps: ran {hook_counts[True]} times with the "
+    f"stale runner, {hook_counts[False]} times with can_run's hook check",
+    f"捕获之后注册的钩子，6 步：使用过期的运行器时运行了 {hook_counts[True]} 次，"
+    f"使用 can_run 的钩子检查时运行了 {hook_counts[False]} 次")
 
 # %% [markdown]
 # Same with a planted fault: `faults.wrong_rope_theta` swaps layer 1's rotary embedding
@@ -264,11 +275,16 @@ fault_size = max_diff(faulty_eager, clean, first=1)
 fixed_vs_eager = max_diff(faulty_graph_fixed, faulty_eager)
 stale_vs_eager = max_diff(faulty_graph_stale, faulty_eager, first=1)
 stale_tokens_eq = sum(x.token_ids == y.token_ids for x, y in zip(faulty_graph_stale, faulty_eager))
-print(f"the fault itself (eager, decode steps): moves a chosen log-prob by up to {fault_size:.3g}")
-print(f"graph engine with can_run/suspended(): max |diff| vs eager under the fault "
-      f"{fixed_vs_eager:.3g} (bit for bit: {fixed_vs_eager == 0.0})")
-print(f"stale runner: max |diff| on decode steps {stale_vs_eager:.3g}; "
-      f"greedy tokens equal for {stale_tokens_eq}/{len(prompts)} prompts")
+say(f"the fault itself (eager, decode steps): moves a chosen log-prob by up to {fault_size:.3g}",
+    f"故障本身（eager，decode 步骤）：使所选 token 的对数概率最多移动 {fault_size:.3g}")
+say(f"graph engine with can_run/suspended(): max |diff| vs eager under the fault "
+    f"{fixed_vs_eager:.3g} (bit for bit: {fixed_vs_eager == 0.0})",
+    f"带 can_run/suspended() 的图引擎：在故障下与 eager 的最大 |diff| 为 "
+    f"{fixed_vs_eager:.3g}（逐位相等：{fixed_vs_eager == 0.0}）")
+say(f"stale runner: max |diff| on decode steps {stale_vs_eager:.3g}; "
+    f"greedy tokens equal for {stale_tokens_eq}/{len(prompts)} prompts",
+    f"过期的运行器：decode 步骤上的最大 |diff| 为 {stale_vs_eager:.3g}；"
+    f"{stale_tokens_eq}/{len(prompts)} 个提示词的贪心 token 相等")
 
 # %% [markdown]
 # With the stale runner the prefill runs eagerly, with the fault, and every decode step
@@ -354,16 +370,24 @@ ds_finite = all(math.isfinite(step[t].logprob) for o in broken
 n_steps = ds_writes["forced eager"]  # eager: one write per step
 print(f"{prompts[0]!r} -> eager: {clean[0].text!r}; graphs with the default-stream "
       f"kernel: {broken[0].text!r}")
-print(f"default stream: greedy tokens equal to eager for {ds_tokens_eq}/{len(prompts)} "
-      f"prompts; the first decode step's chosen log-prob moves by up to {ds_first:.3g}; "
-      f"chosen log-probs finite: {ds_finite}")
-print(f"workspace written in {ds_writes['default stream']} of the {n_steps} steps with the "
-      f"default-stream kernel, {ds_writes['capturing stream']} of {n_steps} with it on the "
-      f"capturing stream, {n_steps} of {n_steps} eagerly")
-print(f"fix 1, kernel on the capturing stream (PR #2318): equal to the engine's own graphs "
-      f"bit for bit: {ds_fixed_eq}")
-print(f"fix 2, graphs off for this model (PR #2154): equal to the eager engine bit for bit: "
-      f"{ds_eager_eq}")
+say(f"default stream: greedy tokens equal to eager for {ds_tokens_eq}/{len(prompts)} "
+    f"prompts; the first decode step's chosen log-prob moves by up to {ds_first:.3g}; "
+    f"chosen log-probs finite: {ds_finite}",
+    f"默认流：{ds_tokens_eq}/{len(prompts)} 个提示词的贪心 token 与 eager 相等；"
+    f"第一个 decode 步骤所选 token 的对数概率最多移动 {ds_first:.3g}；"
+    f"所选 token 的对数概率为有限值：{ds_finite}")
+say(f"workspace written in {ds_writes['default stream']} of the {n_steps} steps with the "
+    f"default-stream kernel, {ds_writes['capturing stream']} of {n_steps} with it on the "
+    f"capturing stream, {n_steps} of {n_steps} eagerly",
+    f"工作区的写入：kernel 在默认流上时，{n_steps} 步中有 {ds_writes['default stream']} 步；"
+    f"在正在捕获的流上时，{n_steps} 步中有 {ds_writes['capturing stream']} 步；"
+    f"eager 时，{n_steps} 步中有 {n_steps} 步")
+say(f"fix 1, kernel on the capturing stream (PR #2318): equal to the engine's own graphs "
+    f"bit for bit: {ds_fixed_eq}",
+    f"修复 1，kernel 在正在捕获的流上（PR #2318）：与引擎自己的图逐位相等：{ds_fixed_eq}")
+say(f"fix 2, graphs off for this model (PR #2154): equal to the eager engine bit for bit: "
+    f"{ds_eager_eq}",
+    f"修复 2，对该模型关闭图（PR #2154）：与 eager 引擎逐位相等：{ds_eager_eq}")
 print(f"section 4 took {time.perf_counter() - T4:.1f} s")
 
 # %% [markdown]
@@ -407,8 +431,10 @@ def teacher_force(r, idx, check=False):
 
 
 batch3, pad_finite, replay_eq = teacher_force(graphs, range(3), check=True)
-print(f"batch of 3 in the size-4 graph, {N_POS} steps: padding rows finite {pad_finite}; "
-      f"real rows == eager at the padded shape (torch.equal) {replay_eq}")
+say(f"batch of 3 in the size-4 graph, {N_POS} steps: padding rows finite {pad_finite}; "
+    f"real rows == eager at the padded shape (torch.equal) {replay_eq}",
+    f"大小为 3 的批次在大小为 4 的图中，{N_POS} 步：填充行为有限值 {pad_finite}；"
+    f"真实行 == 填充形状下的 eager（torch.equal）{replay_eq}")
 
 q = torch.randn(2, 9, 64)
 kv_nan = torch.randn(2, 16, 3, 64)
@@ -418,9 +444,12 @@ raw = F.scaled_dot_product_attention(
     q.unsqueeze(2), kv_nan.transpose(1, 2), kv_nan.transpose(1, 2),
     attn_mask=(torch.arange(16)[None] < lens[:, None])[:, None, None, :], enable_gqa=True)
 guarded = decode_attention_ref(q, kv_nan, kv_nan, lens, 64 ** -0.5)
-print(f"a padding row (length 0) whose keys hold NaN: SDPA alone gives NaN "
-      f"{bool(raw[1].isnan().any())}; decode_attention_ref (with the fully-masked-row "
-      f"guard, chapter 9) gives {guarded[1].abs().max().item()}")
+say(f"a padding row (length 0) whose keys hold NaN: SDPA alone gives NaN "
+    f"{bool(raw[1].isnan().any())}; decode_attention_ref (with the fully-masked-row "
+    f"guard, chapter 9) gives {guarded[1].abs().max().item()}",
+    f"一个 key 中含 NaN 的填充行（长度 0）：单独的 SDPA 给出 NaN "
+    f"{bool(raw[1].isnan().any())}；decode_attention_ref（带全掩码行保护，第 9 章）"
+    f"给出 {guarded[1].abs().max().item()}")
 
 # %% [markdown]
 # The guard matters because of the capture: the emulated step was captured on padding
@@ -442,8 +471,10 @@ print(f"a padding row (length 0) whose keys hold NaN: SDPA alone gives NaN "
 T6 = time.perf_counter()
 alone = torch.cat([teacher_force(graphs, [i])[0] for i in range(3)])
 packed_diff = (alone - batch3).abs().max().item()
-print(f"packed float32: alone vs in a padded batch of 3 (size 4): max |dlogit| {packed_diff:.3g} "
-      f"(bit for bit: {torch.equal(alone, batch3)})")
+say(f"packed float32: alone vs in a padded batch of 3 (size 4): max |dlogit| {packed_diff:.3g} "
+    f"(bit for bit: {torch.equal(alone, batch3)})",
+    f"打包的 float32：单独计算与在 3 个序列的填充批次（大小 4）中计算：最大 |dlogit| {packed_diff:.3g}"
+    f"（逐位相等：{torch.equal(alone, batch3)}）")
 
 # %% [markdown]
 # Which op makes a row depend on the batch? A replay's rows equal an eager forward at the
@@ -504,14 +535,19 @@ first_diff = next(((k, lab, (a - b).abs().max().item())
                    for k, ((lab, a), (_, b)) in enumerate(zip(tr_alone, tr_batch))
                    if not torch.equal(a, b)), None)
 if first_diff is None:
-    print(f"all {len(tr_alone)} intermediate rows of sequence 0 are bit-identical alone "
-          f"and in the padded batch")
+    say(f"all {len(tr_alone)} intermediate rows of sequence 0 are bit-identical alone "
+        f"and in the padded batch",
+        f"序列 0 的全部 {len(tr_alone)} 个中间行在单独计算和填充批次中逐位相同")
 else:
     k, lab, d = first_diff
-    print(f"{k} of {len(tr_alone)} intermediate rows bit-identical alone and in the padded "
-          f"batch ({', '.join(lab for lab, _ in tr_alone[:k])}); the first that differs: "
-          f"{lab} (max |d| {d:.2g}); the LM head's row then differs by "
-          f"{(tr_alone[-1][1] - tr_batch[-1][1]).abs().max().item():.2g}")
+    say(f"{k} of {len(tr_alone)} intermediate rows bit-identical alone and in the padded "
+        f"batch ({', '.join(lab for lab, _ in tr_alone[:k])}); the first that differs: "
+        f"{lab} (max |d| {d:.2g}); the LM head's row then differs by "
+        f"{(tr_alone[-1][1] - tr_batch[-1][1]).abs().max().item():.2g}",
+        f"{len(tr_alone)} 个中间行中有 {k} 个在单独计算和填充批次中逐位相同"
+        f"（{', '.join(lab for lab, _ in tr_alone[:k])}）；第一个出现差异的是："
+        f"{lab}（最大 |d| {d:.2g}）；随后 LM head 的行相差 "
+        f"{(tr_alone[-1][1] - tr_batch[-1][1]).abs().max().item():.2g}")
 
 # %% [markdown]
 # Then the kernel alone, with the engine's packed weights: row 0 of `x[:M] @ W.T` for
@@ -542,8 +578,10 @@ with torch.inference_mode():
         rows = {m: packed_row0(xs[:m], w) for m in (1, 2, 4, 8)}
         lin_m1[name] = [torch.equal(rows[m], rows[1]) for m in (2, 4, 8)]
         lin_m2[name] = [torch.equal(rows[m], rows[2]) for m in (4, 8)]
-        print(f"{name:12s} ({w.shape[1]:4d} -> {w.shape[0]:5d}): row 0 at M = 2, 4, 8 "
-              f"bit-identical to M = 1: {lin_m1[name]}; at M = 4, 8 to M = 2: {lin_m2[name]}")
+        say(f"{name:12s} ({w.shape[1]:4d} -> {w.shape[0]:5d}): row 0 at M = 2, 4, 8 "
+            f"bit-identical to M = 1: {lin_m1[name]}; at M = 4, 8 to M = 2: {lin_m2[name]}",
+            f"{name:12s} ({w.shape[1]:4d} -> {w.shape[0]:5d})：M = 2, 4, 8 时的第 0 行"
+            f"与 M = 1 逐位相同：{lin_m1[name]}；M = 4, 8 时与 M = 2：{lin_m2[name]}")
 
 graphs.sizes = [2, 4]  # no size-1 graph: a single sequence runs padded to 2 rows
 try:
@@ -551,22 +589,32 @@ try:
 finally:
     graphs.sizes = capture_sizes(4)
 m2_eq = torch.equal(alone_m2, batch3)
-print(f"each sequence alone in the size-2 graph (M = 2) vs in the padded batch (M = 4): "
-      f"max |dlogit| {(alone_m2 - batch3).abs().max().item():.3g} (bit for bit: {m2_eq})")
+say(f"each sequence alone in the size-2 graph (M = 2) vs in the padded batch (M = 4): "
+    f"max |dlogit| {(alone_m2 - batch3).abs().max().item():.3g} (bit for bit: {m2_eq})",
+    f"每个序列单独在大小为 2 的图中（M = 2）与在填充批次中（M = 4）相比："
+    f"最大 |dlogit| {(alone_m2 - batch3).abs().max().item():.3g}（逐位相等：{m2_eq}）")
 print(f"section 6 so far: {time.perf_counter() - T6:.1f} s")
 
 # %%
 _m1_special = [n for n, same in lin_m1.items() if not all(same)]
 if torch.equal(alone, batch3):
-    print("Verdict: on this CPU the padded batch left every real row's bits unchanged; "
-          "no op needed isolating.")
+    say("Verdict: on this CPU the padded batch left every real row's bits unchanged; "
+        "no op needed isolating.",
+        "结论：在这块 CPU 上，填充批次没有改变任何真实行的位；不需要定位任何算子。")
 else:
-    print("Verdict: on this CPU the rows of a sequence alone (M = 1) and in the padded batch "
-          f"differ, starting at {first_diff[1] if first_diff else 'no hooked row'}; the "
-          "packed linears whose row 0 changes between M = 1 and M > 1: "
-          f"{_m1_special or 'none'}; a single sequence padded to M = 2 matches the batch "
-          + ("bit for bit, so M = 1 alone is special here." if m2_eq else
-             "only approximately, so M > 1 is not one path either."))
+    say(join(
+        Bi("Verdict: on this CPU the rows of a sequence alone (M = 1) and in the padded batch "
+           f"differ, starting at {first_diff[1] if first_diff else 'no hooked row'}; the "
+           "packed linears whose row 0 changes between M = 1 and M > 1: "
+           f"{_m1_special or 'none'}; a single sequence padded to M = 2 matches the batch ",
+           "结论：在这块 CPU 上，一个序列单独计算（M = 1）与在填充批次中计算的行"
+           f"不同，差异从 {first_diff[1] if first_diff else '没有挂钩子的行'} 开始；"
+           "第 0 行在 M = 1 与 M > 1 之间变化的打包线性层："
+           f"{_m1_special or '无'}；单个序列填充到 M = 2 时与批次"),
+        Bi("bit for bit, so M = 1 alone is special here.",
+           "逐位相等，所以这里只有 M = 1 是特殊的。") if m2_eq else
+        Bi("only approximately, so M > 1 is not one path either.",
+           "只是近似相等，所以 M > 1 也不是同一条路径。")))
 
 # %% [markdown]
 # How to read this. oneDNN picks the kernel of a packed float32 linear from the
@@ -630,10 +678,14 @@ finally:
     linear_mod.PACK_CPU_WEIGHTS = True
 mkl_diff = (mkl_alone - mkl_batch).abs().max().item()
 mkl_top1 = (mkl_alone.argmax(-1) == mkl_batch.argmax(-1)).float().mean().item()
-print(f"MKL float32:    alone vs in a padded batch of 3 (size 4): max |dlogit| {mkl_diff:.3g}, "
-      f"top-1 agreement {100 * mkl_top1:.0f}% of {mkl_batch.shape[0] * N_POS} positions")
-print(f"first graphs replayed after PACK_CPU_WEIGHTS=False: unchanged "
-      f"{torch.equal(stale_switch, batch3)} (they replay the packed ops they recorded)")
+say(f"MKL float32:    alone vs in a padded batch of 3 (size 4): max |dlogit| {mkl_diff:.3g}, "
+    f"top-1 agreement {100 * mkl_top1:.0f}% of {mkl_batch.shape[0] * N_POS} positions",
+    f"MKL float32：    单独计算与在 3 个序列的填充批次（大小 4）中计算：最大 |dlogit| {mkl_diff:.3g}，"
+    f"{mkl_batch.shape[0] * N_POS} 个位置上的 top-1 一致率 {100 * mkl_top1:.0f}%")
+say(f"first graphs replayed after PACK_CPU_WEIGHTS=False: unchanged "
+    f"{torch.equal(stale_switch, batch3)} (they replay the packed ops they recorded)",
+    f"设置 PACK_CPU_WEIGHTS=False 之后重放第一组图：结果不变 "
+    f"{torch.equal(stale_switch, batch3)}（它们重放的是自己录制的打包算子）")
 del mkl_graphs
 
 # %% [markdown]
@@ -654,8 +706,10 @@ la = torch.tensor([20, 33, 7, 41])
 short = decode_attention_ref(qa, ka[:, :41].contiguous(), va[:, :41].contiguous(), la, 0.125)
 longk = decode_attention_ref(qa, ka, va, la, 0.125)
 sdpa_l = (short - longk).abs().max().item()
-print(f"engine, graph vs eager: greedy tokens equal for {e2e_tokens}/{len(prompts)} prompts; "
-      f"decode-step chosen log-probs differ by up to {e2e:.3g}")
+say(f"engine, graph vs eager: greedy tokens equal for {e2e_tokens}/{len(prompts)} prompts; "
+    f"decode-step chosen log-probs differ by up to {e2e:.3g}",
+    f"引擎，图与 eager：{e2e_tokens}/{len(prompts)} 个提示词的贪心 token 相等；"
+    f"decode 步骤所选 token 的对数概率最多相差 {e2e:.3g}")
 print(f"float32 SDPA, keys padded to 41 vs {MAX_LEN} (same real keys): max |d out| {sdpa_l:.3g}")
 
 # %% [markdown]
@@ -672,61 +726,118 @@ print(f"float32 SDPA, keys padded to 41 vs {MAX_LEN} (same real keys): max |d ou
 # ## 8. Claim vs measurement
 
 # %%
-print("| claim | what we measured here |")
-print("|---|---|")
-print("| a hook registered after capture runs for 1 of 6 steps on the H200 (b4220d8) | "
-      + ("reproduced" if hook_counts[True] == 1 and hook_counts[False] == 6 else "not reproduced")
-      + f" with the emulation: {hook_counts[True]} of 6 with the stale runner, "
-      f"{hook_counts[False]} of 6 with can_run's check |")
-print(f"| a planted fault leaves the graph steps' log-probs unchanged | with the stale "
-      f"runner the decode steps differ from the faulty eager engine's by up to "
-      f"{stale_vs_eager:.3g} (the fault itself moves them by up to {fault_size:.3g}); with "
-      f"suspended(): {fixed_vs_eager:.3g} |")
-print(f"| padded rows (slot -1, length 0) are harmless | padding rows finite: {pad_finite}; "
-      f"real rows equal an eager forward at the padded shape: {replay_eq}; a length-0 row "
-      f"over NaN keys: NaN without the guard ({bool(raw[1].isnan().any())}), max |out| with "
-      f"it {guarded[1].abs().max().item():.3g} |")
 _mkl = m_dep["float32, MKL F.linear, gate_up_proj (no packing)"]
 _ds_reproduced = (ds_tokens_eq < len(prompts) or ds_first > 1e-3) and ds_eager_eq
-print("| vllm #2147: a kernel outside the capture gives wrong output with graphs, eager is "
-      "fine | " + ("reproduced" if _ds_reproduced else "not reproduced")
-      + f" with the emulation (layer 0's down_proj writing its workspace on a stream the "
-      f"capture does not record): greedy tokens equal to eager for {ds_tokens_eq}/"
-      f"{len(prompts)} prompts, first decode log-prob moved by up to {ds_first:.3g}, "
-      f"chosen log-probs finite: {ds_finite}"
-      + (" (no NaN here: the emulation reads stale rows, not reused memory)" if ds_finite
-         else "") + f"; workspace written in "
-      f"{ds_writes['default stream']} of {n_steps} steps; the same engine with graphs "
-      f"off equal to eager bit for bit: {ds_eager_eq} |")
-print(f"| the fixes restore eager's output (PR #2318: launch on the current stream; PR "
-      f"#2154: enforce eager) | kernel recorded: equal to the engine's own graphs bit for "
-      f"bit: {ds_fixed_eq}; graphs off: equal to the eager engine bit for bit: "
-      f"{ds_eager_eq} |")
 _lin_inv = [n for n, same in lin_m1.items() if all(same)]
-print(f"| packed oneDNN fp32 is M-invariant, so padding has no numeric effect by default | "
-      f"alone vs padded batch, engine graphs: max |dlogit| {packed_diff:.3g}; "
-      + ("confirmed on this CPU: no row changed, and every hooked intermediate row was "
-         "bit-identical" if packed_diff == 0 and first_diff is None else
-         "not on this CPU: " + (f"the first intermediate row that differs is {first_diff[1]}"
-                                if first_diff else "no hooked row differs")
-         + f"; packed linears whose row 0 changes between M = 1 and M = 2, 4, 8: "
-         f"{_m1_special or 'none'} (M-invariant: {_lin_inv or 'none'}); one sequence "
-         f"padded to M = 2 equals the batch bit for bit: {m2_eq}") + " |")
-print(f"| with PACK_CPU_WEIGHTS=False, MKL fp32 F.linear depends on M | row 0 differs from "
-      f"M=1 by up to {max(_mkl):.2g} (first M with a difference: "
-      f"{next((m for m, d in zip(Ms, _mkl) if d), None)}); "
-      f"engine graphs alone vs padded: max |dlogit| {mkl_diff:.3g}, top-1 {100 * mkl_top1:.0f}% |")
-print("| graph and eager give the same numbers (the enforce-eager check) | "
-      + ("bit for bit" if e2e == 0 else "not bit for bit") + " "
-      f"in float32 on this CPU: decode log-probs differ by up to {e2e:.3g} (SDPA's key "
-      f"padding: {sdpa_l:.2g} in the attention output), greedy tokens equal for "
-      f"{e2e_tokens}/{len(prompts)} prompts; on the GPU the decode kernel is invariant to "
-      f"the padded length and a tiny fp32 Llama's greedy tokens matched (RESULTS.md) |")
-print("| graphs speed up decoding | on the H200, 4.26x at batch 1 falling to 1.44x at batch "
-      "256 (RESULTS.md, 8B shapes); on the CPU, none (a replay runs the same ops) |")
-print("| on a GPU, padding to a capture size changes the logits' last bits | not measured "
-      "so on the H200: SmolLM2 shapes (random weights), bf16 and fp32, graph vs eager and "
-      "alone vs padded all bit-identical (RESULTS.md, graph_vs_eager.py) |")
+_hook_ok = hook_counts[True] == 1 and hook_counts[False] == 6
+_m_first = next((m for m, d in zip(Ms, _mkl) if d), None)
+rows = [
+    (Bi("a hook registered after capture runs for 1 of 6 steps on the H200 (b4220d8)",
+        "在 H200 上，捕获之后注册的钩子只在 6 步中的 1 步运行（b4220d8）"),
+     join(Bi("reproduced", "复现") if _hook_ok else Bi("not reproduced", "未复现"),
+          Bi(f" with the emulation: {hook_counts[True]} of 6 with the stale runner, "
+             f"{hook_counts[False]} of 6 with can_run's check",
+             f"（模拟）：使用过期的运行器时 6 步中有 {hook_counts[True]} 步，"
+             f"使用 can_run 的检查时 6 步中有 {hook_counts[False]} 步"))),
+    (Bi("a planted fault leaves the graph steps' log-probs unchanged",
+        "植入的故障不改变图步骤的对数概率"),
+     Bi(f"with the stale "
+        f"runner the decode steps differ from the faulty eager engine's by up to "
+        f"{stale_vs_eager:.3g} (the fault itself moves them by up to {fault_size:.3g}); with "
+        f"suspended(): {fixed_vs_eager:.3g}",
+        f"使用过期的运行器时，decode 步骤与带故障的 eager 引擎最多相差 "
+        f"{stale_vs_eager:.3g}（故障本身最多使它们移动 {fault_size:.3g}）；使用 "
+        f"suspended() 时：{fixed_vs_eager:.3g}")),
+    (Bi("padded rows (slot -1, length 0) are harmless", "填充行（槽位 -1，长度 0）无害"),
+     Bi(f"padding rows finite: {pad_finite}; "
+        f"real rows equal an eager forward at the padded shape: {replay_eq}; a length-0 row "
+        f"over NaN keys: NaN without the guard ({bool(raw[1].isnan().any())}), max |out| with "
+        f"it {guarded[1].abs().max().item():.3g}",
+        f"填充行为有限值：{pad_finite}；"
+        f"真实行等于填充形状下的 eager 前向计算：{replay_eq}；key 为 NaN 的长度 0 行："
+        f"没有保护时为 NaN（{bool(raw[1].isnan().any())}），有保护时最大 |out| 为 "
+        f"{guarded[1].abs().max().item():.3g}")),
+    (Bi("vllm #2147: a kernel outside the capture gives wrong output with graphs, eager is "
+        "fine",
+        "vllm #2147：捕获之外的 kernel 在使用图时给出错误输出，eager 正常"),
+     join(Bi("reproduced", "复现") if _ds_reproduced else Bi("not reproduced", "未复现"),
+          Bi(f" with the emulation (layer 0's down_proj writing its workspace on a stream the "
+             f"capture does not record): greedy tokens equal to eager for {ds_tokens_eq}/"
+             f"{len(prompts)} prompts, first decode log-prob moved by up to {ds_first:.3g}, "
+             f"chosen log-probs finite: {ds_finite}",
+             f"（模拟：第 0 层的 down_proj 在捕获不录制的流上写它的工作区）："
+             f"{ds_tokens_eq}/{len(prompts)} 个提示词的贪心 token 与 eager 相等，"
+             f"第一个 decode 步骤的对数概率最多移动 {ds_first:.3g}，"
+             f"所选 token 的对数概率为有限值：{ds_finite}"),
+          Bi(" (no NaN here: the emulation reads stale rows, not reused memory)",
+             "（这里没有 NaN：模拟读到的是过期的行，而不是被复用的内存）") if ds_finite else "",
+          Bi(f"; workspace written in "
+             f"{ds_writes['default stream']} of {n_steps} steps; the same engine with graphs "
+             f"off equal to eager bit for bit: {ds_eager_eq}",
+             f"；工作区在 {n_steps} 步中被写了 "
+             f"{ds_writes['default stream']} 步；同一引擎关闭图时与 eager 逐位相等：{ds_eager_eq}"))),
+    (Bi("the fixes restore eager's output (PR #2318: launch on the current stream; PR "
+        "#2154: enforce eager)",
+        "修复恢复了 eager 的输出（PR #2318：在当前流上启动；PR "
+        "#2154：强制 eager）"),
+     Bi(f"kernel recorded: equal to the engine's own graphs bit for "
+        f"bit: {ds_fixed_eq}; graphs off: equal to the eager engine bit for bit: "
+        f"{ds_eager_eq}",
+        f"kernel 被录制：与引擎自己的图逐位相等：{ds_fixed_eq}；"
+        f"关闭图：与 eager 引擎逐位相等：{ds_eager_eq}")),
+    (Bi("packed oneDNN fp32 is M-invariant, so padding has no numeric effect by default",
+        "打包的 oneDNN fp32 与 M 无关，所以默认情况下填充没有数值影响"),
+     join(Bi(f"alone vs padded batch, engine graphs: max |dlogit| {packed_diff:.3g}; ",
+             f"单独计算与填充批次，引擎的图：最大 |dlogit| {packed_diff:.3g}；"),
+          Bi("confirmed on this CPU: no row changed, and every hooked intermediate row was "
+             "bit-identical",
+             "在这块 CPU 上得到证实：没有任何行改变，每个挂钩子的中间行都逐位相同")
+          if packed_diff == 0 and first_diff is None else
+          join(Bi("not on this CPU: ", "在这块 CPU 上不成立："),
+               Bi(f"the first intermediate row that differs is {first_diff[1]}",
+                  f"第一个出现差异的中间行是 {first_diff[1]}")
+               if first_diff else Bi("no hooked row differs", "没有挂钩子的行出现差异"),
+               Bi(f"; packed linears whose row 0 changes between M = 1 and M = 2, 4, 8: "
+                  f"{_m1_special or 'none'} (M-invariant: {_lin_inv or 'none'}); one sequence "
+                  f"padded to M = 2 equals the batch bit for bit: {m2_eq}",
+                  f"；第 0 行在 M = 1 与 M = 2, 4, 8 之间变化的打包线性层："
+                  f"{_m1_special or '无'}（与 M 无关的：{_lin_inv or '无'}）；单个序列"
+                  f"填充到 M = 2 时与批次逐位相等：{m2_eq}")))),
+    (Bi("with PACK_CPU_WEIGHTS=False, MKL fp32 F.linear depends on M",
+        "设置 PACK_CPU_WEIGHTS=False 时，MKL fp32 F.linear 依赖于 M"),
+     Bi(f"row 0 differs from "
+        f"M=1 by up to {max(_mkl):.2g} (first M with a difference: "
+        f"{_m_first}); "
+        f"engine graphs alone vs padded: max |dlogit| {mkl_diff:.3g}, top-1 {100 * mkl_top1:.0f}%",
+        f"第 0 行与 "
+        f"M=1 最多相差 {max(_mkl):.2g}（第一个出现差异的 M："
+        f"{_m_first}）；"
+        f"引擎的图单独计算与填充后相比：最大 |dlogit| {mkl_diff:.3g}，top-1 {100 * mkl_top1:.0f}%")),
+    (Bi("graph and eager give the same numbers (the enforce-eager check)",
+        "图与 eager 给出相同的数值（enforce-eager 检查）"),
+     join(Bi("bit for bit", "逐位相等") if e2e == 0 else Bi("not bit for bit", "并非逐位相等"),
+          Bi(f" in float32 on this CPU: decode log-probs differ by up to {e2e:.3g} (SDPA's key "
+             f"padding: {sdpa_l:.2g} in the attention output), greedy tokens equal for "
+             f"{e2e_tokens}/{len(prompts)} prompts; on the GPU the decode kernel is invariant to "
+             f"the padded length and a tiny fp32 Llama's greedy tokens matched (RESULTS.md)",
+             f"（在这块 CPU 上，float32）：decode 对数概率最多相差 {e2e:.3g}（SDPA 的 key "
+             f"填充：注意力输出中相差 {sdpa_l:.2g}），"
+             f"{e2e_tokens}/{len(prompts)} 个提示词的贪心 token 相等；在 GPU 上，decode kernel "
+             f"与填充长度无关，一个很小的 fp32 Llama 的贪心 token 一致（RESULTS.md）"))),
+    (Bi("graphs speed up decoding", "图能加速解码"),
+     Bi("on the H200, 4.26x at batch 1 falling to 1.44x at batch "
+        "256 (RESULTS.md, 8B shapes); on the CPU, none (a replay runs the same ops)",
+        "在 H200 上，批大小 1 时 4.26x，到批大小 256 时降到 1.44x"
+        "（RESULTS.md，8B 形状）；在 CPU 上没有加速（重放运行的是同样的算子）")),
+    (Bi("on a GPU, padding to a capture size changes the logits' last bits",
+        "在 GPU 上，填充到捕获大小会改变 logits 的最后几位"),
+     Bi("not measured "
+        "so on the H200: SmolLM2 shapes (random weights), bf16 and fp32, graph vs eager and "
+        "alone vs padded all bit-identical (RESULTS.md, graph_vs_eager.py)",
+        "在 H200 上测得并非如此：SmolLM2 的形状（随机权重），bf16 和 fp32，图与 eager、"
+        "单独与填充后，全都逐位相同（RESULTS.md，graph_vs_eager.py）")),
+]
+claims_table(rows, header=(Bi("claim", "论断"), Bi("what we measured here", "本次实测")))
 
 # %% [markdown]
 # ## Common misconceptions
