@@ -62,6 +62,7 @@ import torch
 from matplotlib.figure import Figure
 
 from minivllm import LLM, SamplingParams
+from minivllm.i18n import Bi, claims_table, say
 from minivllm.precision import faults, metrics
 from minivllm.spec_decode import rejection_sampler_ref
 
@@ -78,6 +79,12 @@ def chat(text: str) -> list[int]:
     conv = [{"role": "user", "content": text}]
     return tok.encode(tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True),
                       add_special_tokens=False)
+
+
+def cat(*parts) -> Bi:
+    """One Bi from Bi pieces and plain strings (text the same in both languages)."""
+    return Bi("".join(x if isinstance(x, str) else x.en for x in parts),
+              "".join(x if isinstance(x, str) else x.zh for x in parts))
 
 
 def gen(llm, prompts, sp):
@@ -176,7 +183,8 @@ for kind, part in (("repeat", PROMPTS[:4]), ("open", PROMPTS[4:])):
     got32 += out
 d, dt, acc = (by_kind["repeat"][i] + by_kind["open"][i] for i in range(3))
 equal32 = sum(a == b for a, b in zip(want32, got32))
-print(f"float32: {equal32}/{len(PROMPTS)} outputs identical")
+say(f"float32: {equal32}/{len(PROMPTS)} outputs identical",
+    f"float32：{equal32}/{len(PROMPTS)} 个输出相同")
 print(f"verifications {d}, draft tokens {dt}, accepted {acc}: acceptance {acc / dt:.3f}, "
       f"{1 + acc / d:.2f} tokens per verification")
 for i in (0, 4):
@@ -220,7 +228,8 @@ want16 = gen(bf16, OPEN_IDS, GREEDY)
 got16 = gen(spec16, OPEN_IDS, GREEDY)
 div16 = [metrics.first_divergence(a, b) for a, b in zip(want16, got16)]
 equal16 = sum(x is None for x in div16)
-print(f"bfloat16: {equal16}/{len(OPEN_IDS)} identical; first divergence per prompt: {div16}")
+say(f"bfloat16: {equal16}/{len(OPEN_IDS)} identical; first divergence per prompt: {div16}",
+    f"bfloat16：{equal16}/{len(OPEN_IDS)} 个相同；每个提示词的首次分歧位置：{div16}")
 
 # %% [markdown]
 # Where a prompt diverges, it is the #7627 mechanism: a near-tie between the two best
@@ -247,8 +256,10 @@ with faults.spec_accept_first_unverified(spec32):
     bad_ones = gen(spec32, ONES, SHORT)
 div_bad = [metrics.first_divergence(a, b) for a, b in zip(want_ones, bad_ones)]
 div_good = [metrics.first_divergence(a, b) for a, b in zip(want_ones, good_ones)]
-print("correct verifier, first divergence from plain:", div_good)
-print("draft 0 unverified, first divergence from plain:", div_bad)
+say(f"correct verifier, first divergence from plain: {div_good}",
+    f"正确的验证器，与普通解码的首次分歧位置：{div_good}")
+say(f"draft 0 unverified, first divergence from plain: {div_bad}",
+    f"不验证草稿 0，与普通解码的首次分歧位置：{div_bad}")
 i_bad = next((i for i, x in enumerate(div_bad) if x is not None), None)
 if i_bad is not None:
     print("plain :", repr(tok.decode(want_ones[i_bad])))
@@ -265,8 +276,10 @@ if i_bad is not None:
 # Each target forward of a request yields one target token plus the drafts it accepted,
 # so forwards = tokens - accepted drafts (plain decoding: one forward per token).
 for kind, (d_, dt_, acc_, toks) in by_kind.items():
-    print(f"{kind:6s}: acceptance {acc_ / max(dt_, 1):.3f}; {toks} tokens from "
-          f"{toks - acc_} target forwards (plain: {toks}), {toks / (toks - acc_):.2f}x fewer")
+    say(f"{kind:6s}: acceptance {acc_ / max(dt_, 1):.3f}; {toks} tokens from "
+        f"{toks - acc_} target forwards (plain: {toks}), {toks / (toks - acc_):.2f}x fewer",
+        f"{kind:6s}：接受率 {acc_ / max(dt_, 1):.3f}；{toks} 个 token 来自 "
+        f"{toks - acc_} 次目标模型前向计算（普通解码：{toks}），少 {toks / (toks - acc_):.2f}x")
 
 # %% [markdown]
 # Measured elsewhere, not by this notebook (`benchmarks/spec_decode.py`, batch 1, float32,
@@ -391,7 +404,8 @@ print(f"planted RoPE table: largest |cos or sin error| {rope_err:.2g} at positio
       f"{int(((_bad_t[0] - _ref_t[0]).abs().amax(-1) > 0).nonzero()[0]) if rope_err else 'none'})")
 moved = [n for n, r in canary_rows.items() if r["moved"]]
 quiet = [n for n, r in canary_rows.items() if n != REF and not r["moved"]]
-print(f"moved beyond prompt noise: {', '.join(moved) or 'none'}; within it: {', '.join(quiet) or 'none'}")
+say(f"moved beyond prompt noise: {', '.join(moved) or 'none'}; within it: {', '.join(quiet) or 'none'}",
+    f"移动超出提示词噪声的：{'、'.join(moved) or '无'}；在噪声之内的：{'、'.join(quiet) or '无'}")
 print(f"section 7 took {time.perf_counter() - T7:.1f} s")
 
 # %% [markdown]
@@ -418,40 +432,63 @@ print(f"section 7 took {time.perf_counter() - T7:.1f} s")
 # Every number is printed by a cell above when the notebook runs.
 
 # %%
+chunk_en = ", ".join(f"{k}: {'bit-equal' if num_rows[k][0] == 0 else 'differ'} (max |dlogit| "
+                     f"{num_rows[k][0]:.2g})" for k in ("float32", "bfloat16"))
+chunk_zh = "，".join(f"{k}：{'逐位相等' if num_rows[k][0] == 0 else '不同'}（最大 |dlogit| "
+                    f"{num_rows[k][0]:.2g}）" for k in ("float32", "bfloat16"))
 claims = [
-    ("rejection sampling keeps the target distribution (any q)",
-     f"{'consistent' if pv_ok >= 0.01 else 'rejected'} (chi-square test at 1 %): V=8, "
-     f"{TRIALS} trials: TV {tv_ok:.4f}, p {pv_ok:.2g}"),
-    ("accepting draft 0 unverified breaks it",
-     f"{'broken' if pv_bad < 0.01 else 'not detected'} (chi-square test at 1 %): TV "
-     f"{tv_bad:.4f}, p {pv_bad:.2g}"),
-    ("greedy speculative == plain in fp32 (course plan estimate)",
-     f"{'true' if equal32 == len(PROMPTS) else 'false'} here: {equal32}/{len(PROMPTS)} "
-     "identical (24 tokens, n-gram k=3)"),
-    ("#7962: lossless up to hardware numerics (k+1 in one forward)",
-     "chunk vs step logits "
-     + ", ".join(f"{k}: {'bit-equal' if num_rows[k][0] == 0 else 'differ'} (max |dlogit| "
-                 f"{num_rows[k][0]:.2g})" for k in ("float32", "bfloat16"))
-     + ": lossless only up to these numerics"),
-    ("bf16: divergences expected, as in #7627 (course plan estimate)",
-     f"{'reproduced' if equal16 < len(OPEN_IDS) else 'not reproduced on these prompts'}: "
-     f"{len(OPEN_IDS) - equal16}/{len(OPEN_IDS)} open prompts diverged (first at {div16})"),
-    ("the planted draft[0] bug diverges on '1 1 1 1' prompts",
-     f"{'reproduced' if any(x is not None for x in div_bad) else 'not reproduced'}: "
-     f"{sum(x is not None for x in div_bad)}/{len(ONES)} diverged; correct verifier "
-     f"{sum(x is not None for x in div_good)}/{len(ONES)}"),
-    ("acceptance rate / tokens per verification (fp32, 8 prompts)",
+    (Bi("rejection sampling keeps the target distribution (any q)",
+        "拒绝采样保持目标分布（任意 q）"),
+     Bi(f"{'consistent' if pv_ok >= 0.01 else 'rejected'} (chi-square test at 1 %): V=8, "
+        f"{TRIALS} trials: TV {tv_ok:.4f}, p {pv_ok:.2g}",
+        f"{'一致' if pv_ok >= 0.01 else '被拒绝'}（1 % 水平的卡方检验）：V=8，"
+        f"{TRIALS} 次试验：TV {tv_ok:.4f}，p {pv_ok:.2g}")),
+    (Bi("accepting draft 0 unverified breaks it", "不验证就接受草稿 0 会破坏它"),
+     Bi(f"{'broken' if pv_bad < 0.01 else 'not detected'} (chi-square test at 1 %): TV "
+        f"{tv_bad:.4f}, p {pv_bad:.2g}",
+        f"{'被破坏' if pv_bad < 0.01 else '未检测到'}（1 % 水平的卡方检验）：TV "
+        f"{tv_bad:.4f}，p {pv_bad:.2g}")),
+    (Bi("greedy speculative == plain in fp32 (course plan estimate)",
+        "fp32 中贪心推测 == 普通解码（课程计划的估计）"),
+     Bi(f"{'true' if equal32 == len(PROMPTS) else 'false'} here: {equal32}/{len(PROMPTS)} "
+        "identical (24 tokens, n-gram k=3)",
+        f"此处{'成立' if equal32 == len(PROMPTS) else '不成立'}：{equal32}/{len(PROMPTS)} "
+        "个相同（24 个 token，n-gram k=3）")),
+    (Bi("#7962: lossless up to hardware numerics (k+1 in one forward)",
+        "#7962：仅限于硬件数值差异之内的无损（一次前向计算处理 k+1 个位置）"),
+     cat(Bi("chunk vs step logits ", "块与逐步的 logits："), Bi(chunk_en, chunk_zh),
+         Bi(": lossless only up to these numerics", "：只在这些数值差异之内无损"))),
+    (Bi("bf16: divergences expected, as in #7627 (course plan estimate)",
+        "bf16：预期会出现分歧，如 #7627（课程计划的估计）"),
+     Bi(f"{'reproduced' if equal16 < len(OPEN_IDS) else 'not reproduced on these prompts'}: "
+        f"{len(OPEN_IDS) - equal16}/{len(OPEN_IDS)} open prompts diverged (first at {div16})",
+        f"{'已复现' if equal16 < len(OPEN_IDS) else '在这些提示词上未复现'}："
+        f"{len(OPEN_IDS) - equal16}/{len(OPEN_IDS)} 个开放性提示词出现分歧（首次分歧位置 {div16}）")),
+    (Bi("the planted draft[0] bug diverges on '1 1 1 1' prompts",
+        "植入的 draft[0] bug 在 '1 1 1 1' 提示词上出现分歧"),
+     Bi(f"{'reproduced' if any(x is not None for x in div_bad) else 'not reproduced'}: "
+        f"{sum(x is not None for x in div_bad)}/{len(ONES)} diverged; correct verifier "
+        f"{sum(x is not None for x in div_good)}/{len(ONES)}",
+        f"{'已复现' if any(x is not None for x in div_bad) else '未复现'}："
+        f"{sum(x is not None for x in div_bad)}/{len(ONES)} 个出现分歧；正确的验证器 "
+        f"{sum(x is not None for x in div_good)}/{len(ONES)}")),
+    (Bi("acceptance rate / tokens per verification (fp32, 8 prompts)",
+        "接受率 / 每次验证得到的 token 数（fp32，8 个提示词）"),
      f"{acc / dt:.3f} / {1 + acc / d:.2f}"),
 ] + [
-    (f"acceptance moves when the target's numerics change: {name} (drafter float32)",
-     f"{'moved' if r['moved'] else 'not beyond prompt noise'}: acceptance {r['rate']:.3f} vs "
-     f"{canary_rows[REF]['rate']:.3f}, difference 95% CI [{r['lo']:+.3f}, {r['hi']:+.3f}]; "
-     f"mean length {r['length']:.2f} vs {canary_rows[REF]['length']:.2f} "
-     f"({len(CANARY_PROMPTS)} prompts, {r['drafts']} draft tokens)")
+    (Bi(f"acceptance moves when the target's numerics change: {name} (drafter float32)",
+        f"目标模型的数值改变时接受率会移动：{name}（草稿器 float32）"),
+     Bi(f"{'moved' if r['moved'] else 'not beyond prompt noise'}: acceptance {r['rate']:.3f} vs "
+        f"{canary_rows[REF]['rate']:.3f}, difference 95% CI [{r['lo']:+.3f}, {r['hi']:+.3f}]; "
+        f"mean length {r['length']:.2f} vs {canary_rows[REF]['length']:.2f} "
+        f"({len(CANARY_PROMPTS)} prompts, {r['drafts']} draft tokens)",
+        f"{'移动了' if r['moved'] else '未超出提示词噪声'}：接受率 {r['rate']:.3f} 对 "
+        f"{canary_rows[REF]['rate']:.3f}，差值的 95% 置信区间 [{r['lo']:+.3f}, {r['hi']:+.3f}]；"
+        f"平均长度 {r['length']:.2f} 对 {canary_rows[REF]['length']:.2f}"
+        f"（{len(CANARY_PROMPTS)} 个提示词，{r['drafts']} 个草稿 token）"))
     for name, r in canary_rows.items() if name != REF
 ]
-for c, m in claims:
-    print(f"- {c}\n    measured: {m}")
+claims_table(claims)
 print(f"\nchapter wall time: {time.perf_counter() - T0:.1f} s")
 
 # %% [markdown]
