@@ -53,6 +53,7 @@ import torch
 from matplotlib.figure import Figure
 
 from minivllm import LLM
+from minivllm.i18n import Bi, say
 from minivllm.numerics import FORMATS, round_to_format, round_to_tf32, ulp
 from minivllm.precision import evalsets, metrics
 from minivllm.quantization.kv_cache import quantize_kv
@@ -82,25 +83,38 @@ FLOATS = ["float32", "tf32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"]
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16,
                 "bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn,
                 "fp8_e5m2": torch.float8_e5m2}
-print("| format | E | M | bias | significant bits | decimal digits | eps (ulp at 1) | "
-      "min subnormal | min normal | max | inf? | checked against torch.finfo |")
-print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+table = [Bi("| format | E | M | bias | significant bits | decimal digits | eps (ulp at 1) | "
+            "min subnormal | min normal | max | inf? | checked against torch.finfo |",
+            "| 格式 | E | M | bias | 有效位数 | 十进制位数 | eps（1 处的 ulp） | "
+            "最小次正规数 | 最小正规数 | 最大值 | 有 inf？ | 与 torch.finfo 核对 |"),
+         Bi("|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|")]
 for name in FLOATS:
     f = FORMATS[name]
-    check = "n/a (no torch dtype)"
+    ok = None  # no torch dtype to check against
     if name in TORCH_DTYPES:
         fi = torch.finfo(TORCH_DTYPES[name])
         ok = (fi.max == f.max_normal and fi.smallest_normal == f.min_normal
               and fi.eps == f.eps and fi.bits == 1 + f.exponent_bits + f.mantissa_bits)
-        check = "max, min normal, eps, bits: " + ("equal" if ok else "**DIFFERENT**")
-    print(f"| {name} | {f.exponent_bits} | {f.mantissa_bits} | {f.bias} | "
-          f"{f.mantissa_bits + 1} | {(f.mantissa_bits + 1) * math.log10(2):.2f} | "
-          f"{f.eps:.3g} | {f.min_subnormal:.3g} | {f.min_normal:.3g} | {f.max_normal:.6g} | "
-          f"{'yes' if f.has_inf else 'no (NaN only)'} | {check} |")
+    table.append(Bi(
+        f"| {name} | {f.exponent_bits} | {f.mantissa_bits} | {f.bias} | "
+        f"{f.mantissa_bits + 1} | {(f.mantissa_bits + 1) * math.log10(2):.2f} | "
+        f"{f.eps:.3g} | {f.min_subnormal:.3g} | {f.min_normal:.3g} | {f.max_normal:.6g} | "
+        f"{'yes' if f.has_inf else 'no (NaN only)'} | "
+        f"{'n/a (no torch dtype)' if ok is None else 'max, min normal, eps, bits: equal' if ok else 'max, min normal, eps, bits: **DIFFERENT**'} |",
+        f"| {name} | {f.exponent_bits} | {f.mantissa_bits} | {f.bias} | "
+        f"{f.mantissa_bits + 1} | {(f.mantissa_bits + 1) * math.log10(2):.2f} | "
+        f"{f.eps:.3g} | {f.min_subnormal:.3g} | {f.min_normal:.3g} | {f.max_normal:.6g} | "
+        f"{'是' if f.has_inf else '否（仅 NaN）'} | "
+        f"{'不适用（torch 没有该 dtype）' if ok is None else 'max、最小正规数、eps、位数：相同' if ok else 'max、最小正规数、eps、位数：**不同**'} |"))
 for bits in (8, 4):
     q = 2 ** (bits - 1) - 1
-    print(f"| int{bits} (symmetric) | - | - | - | {bits} (sign incl.) | depends on |x| | "
-          f"scale | scale | scale | {q} x scale | no | {2 * q + 1} levels |")
+    table.append(Bi(
+        f"| int{bits} (symmetric) | - | - | - | {bits} (sign incl.) | depends on |x| | "
+        f"scale | scale | scale | {q} x scale | no | {2 * q + 1} levels |",
+        f"| int{bits}（对称） | - | - | - | {bits}（含符号位） | 取决于 |x| | "
+        f"缩放因子 | 缩放因子 | 缩放因子 | {q} x 缩放因子 | 否 | {2 * q + 1} 个级别 |"))
+say("\n".join(t.en for t in table), "\n".join(t.zh for t in table))
 
 # %% [markdown]
 # Read across a row: fp16 and TF32 have the **same** M = 10, so the same precision; TF32
@@ -126,8 +140,10 @@ logs = torch.empty(200_000).uniform_(math.log2(f16.min_normal), math.log2(f16.ma
 x = (2.0 ** logs) * torch.where(torch.rand(200_000, generator=g) < 0.5, -1.0, 1.0)
 x = x.clamp(-f16.max_normal, f16.max_normal)
 same = torch.equal(round_to_tf32(x), x.to(torch.float16).float())
-print(f"{x.numel()} values in fp16's normal range: tf32 rounding == fp16 rounding, bit for bit: "
-      f"{same}")
+say(f"{x.numel()} values in fp16's normal range: tf32 rounding == fp16 rounding, bit for bit: "
+    f"{'True' if same else 'False'}",
+    f"fp16 正规范围内的 {x.numel()} 个值：tf32 舍入 == fp16 舍入，逐位相同："
+    f"{'是' if same else '否'}")
 for v in (1024.5, 1e5, 1e-6, 3e-8):
     t = torch.tensor([v])
     a, b = float(round_to_tf32(t)), float(t.to(torch.float16).float())
@@ -188,12 +204,15 @@ first_lost, stored_as = {}, {}
 for name in ["bfloat16", "float16", "tf32", "fp8_e4m3"]:
     r = round_to_format(ints, name, saturate=True)
     first = first_lost[name] = int(ints[r != ints][0])
-    print(f"{name:>9}: every integer exact up to {first - 1}; {first} becomes {float(r[first]):g}")
+    say(f"{name:>9}: every integer exact up to {first - 1}; {first} becomes {float(r[first]):g}",
+        f"{name:>9}：直到 {first - 1} 的每个整数都是精确的；{first} 变成 {float(r[first]):g}")
 for name, p in (("bfloat16", 15962.0), ("float16", 1044.27)):
     p_r = stored_as[p] = float(round_to_format(torch.tensor([p]), name))
     spacing = float(ulp(torch.tensor([p]), name))
-    print(f"position/angle {p:g} in {name}: {p_r:g} (spacing {spacing:g}); "
-          f"cos {math.cos(p):+.3f} -> {math.cos(p_r):+.3f}")
+    say(f"position/angle {p:g} in {name}: {p_r:g} (spacing {spacing:g}); "
+        f"cos {math.cos(p):+.3f} -> {math.cos(p_r):+.3f}",
+        f"位置/角度 {p:g} 在 {name} 中：{p_r:g}（间距 {spacing:g}）；"
+        f"cos {math.cos(p):+.3f} -> {math.cos(p_r):+.3f}")
 
 # %% [markdown]
 # The candle thread's claim holds on the grid: 257 is the first integer bf16 loses, and
@@ -222,8 +241,10 @@ grids = {"fp8_e4m3": all_values(torch.float8_e4m3fn, 8),
          "float16": all_values(torch.float16, 16)}
 for k, v in grids.items():
     f = FORMATS[k]
-    print(f"{k:>9}: {v.numel()} non-negative finite values; largest {float(v.max()):g}; "
-          f"subnormals: {int(((v > 0) & (v < f.min_normal)).sum())}")
+    say(f"{k:>9}: {v.numel()} non-negative finite values; largest {float(v.max()):g}; "
+        f"subnormals: {int(((v > 0) & (v < f.min_normal)).sum())}",
+        f"{k:>9}：{v.numel()} 个非负有限值；最大 {float(v.max()):g}；"
+        f"次正规数：{int(((v > 0) & (v < f.min_normal)).sum())} 个")
 
 fig = Figure(figsize=(9, 3.8), layout="constrained")
 ax1, ax2 = fig.subplots(1, 2)
@@ -359,8 +380,10 @@ sample = torch.cat([torch.cat(parts[c])[:4000] for c in CLASSES])
 agree = {n: torch.equal(round_fast(sample, n).view(torch.int32),
                         round_to_format(sample, n, saturate=True).view(torch.int32))
          for n in FLOATS[1:]}
-print(f"fast casts == numerics.round_to_format (saturate=True), bit for bit, on "
-      f"{sample.numel()} model values: {agree}")
+say(f"fast casts == numerics.round_to_format (saturate=True), bit for bit, on "
+    f"{sample.numel()} model values: {agree}",
+    f"在 {sample.numel()} 个模型数值上，快速类型转换 == numerics.round_to_format"
+    f"（saturate=True），逐位相同：{agree}")
 
 
 def sumsq(t):
@@ -399,16 +422,19 @@ per_class = {c: class_stats(c, FMT8) for c in CLASSES}
 stats = {(c, n): per_class[c][n] for c in CLASSES for n in FMT8}
 istats = {(c, b): per_class[c][b] for c in CLASSES for b in (8, 4)}
 
-print("Scale 1 (values stored as they are). Per cell: % subnormal / % flushed to zero / "
-      "% saturated\n")
+say("Scale 1 (values stored as they are). Per cell: % subnormal / % flushed to zero / "
+    "% saturated\n",
+    "缩放因子为 1（数值按原样存储）。每格：% 次正规数 / % 冲刷为零 / % 饱和\n")
 print("| tensor class | " + " | ".join(FMT8) + " |")
 print("|---" * (len(FMT8) + 1) + "|")
 for c in CLASSES:
     print(f"| {c} | " + " | ".join(
         f"{100 * stats[c, n]['sub']:.3g} / {100 * stats[c, n]['zero']:.2g} / "
         f"{100 * stats[c, n]['sat']:.2g}" for n in FMT8) + " |")
-print("\nRelative RMS rounding error ||round(x) - x|| / ||x|| (floats at scale 1; ints with "
-      "a per-tensor absmax scale, and in brackets the % of non-zero values they round to 0)\n")
+say("\nRelative RMS rounding error ||round(x) - x|| / ||x|| (floats at scale 1; ints with "
+    "a per-tensor absmax scale, and in brackets the % of non-zero values they round to 0)\n",
+    "\n相对 RMS 舍入误差 ||round(x) - x|| / ||x||（浮点格式取缩放因子 1；整数格式用逐张量的 "
+    "absmax 缩放因子，括号中是被它们舍入为 0 的非零值所占的 %）\n")
 print("| tensor class | " + " | ".join(FMT8) + " | int8 | int4 |")
 print("|---" * (len(FMT8) + 3) + "|")
 for c in CLASSES:
@@ -434,19 +460,29 @@ e4 = FORMATS["fp8_e4m3"]
 frac_v0 = float((v0.abs() < e4.min_normal).float().mean())
 peak = max(amax_of["resid"])
 peak_layer = int(np.argmax(amax_of["resid"]))
-print(f"1. 'Most of layer 0's V falls below e4m3's normal range (2^-6)': "
-      f"{100 * frac_v0:.1f}% of layer 0's V is below 2^-6 (amax {amax_of['V'][0]:.3f}).")
+say(f"1. 'Most of layer 0's V falls below e4m3's normal range (2^-6)': "
+    f"{100 * frac_v0:.1f}% of layer 0's V is below 2^-6 (amax {amax_of['V'][0]:.3f}).",
+    f"1. “第 0 层的 V 大部分落在 e4m3 的正规范围（2^-6）以下”："
+    f"第 0 层的 V 中有 {100 * frac_v0:.1f}% 低于 2^-6（amax {amax_of['V'][0]:.3f}）。")
 res_all = torch.cat(parts["resid"])
 big_channels = sorted({int(c) for ts in captured["resid"] for t in ts
                        for c in (t.abs() > 448).nonzero()[:, 1].tolist()})
-print(f"2. 'The residual peak saturates e4m3, fits fp16 and is exact in bf16's range': "
-      f"peak {peak:.6g} (layer {peak_layer}) = {100 * peak / FORMATS['float16'].max_normal:.0f}% "
-      f"of fp16's max; {100 * float((res_all.abs() > 448).float().mean()):.3f}% of residual "
-      f"values exceed 448; bf16 stores the peak as "
-      f"{float(round_to_format(torch.tensor([peak]), 'bfloat16')):.6g} "
-      f"(spacing {float(ulp(torch.tensor([peak]), 'bfloat16')):g} there). The values above 448 sit "
-      f"in {len(big_channels)} of the {res_all.numel() // (len(EVAL) * N_LAYERS)} hidden channels: "
-      f"{big_channels}.")
+say(f"2. 'The residual peak saturates e4m3, fits fp16 and is exact in bf16's range': "
+    f"peak {peak:.6g} (layer {peak_layer}) = {100 * peak / FORMATS['float16'].max_normal:.0f}% "
+    f"of fp16's max; {100 * float((res_all.abs() > 448).float().mean()):.3f}% of residual "
+    f"values exceed 448; bf16 stores the peak as "
+    f"{float(round_to_format(torch.tensor([peak]), 'bfloat16')):.6g} "
+    f"(spacing {float(ulp(torch.tensor([peak]), 'bfloat16')):g} there). The values above 448 sit "
+    f"in {len(big_channels)} of the {res_all.numel() // (len(EVAL) * N_LAYERS)} hidden channels: "
+    f"{big_channels}.",
+    f"2. “残差峰值会使 e4m3 饱和、能放进 fp16，并且在 bf16 的范围内是精确的”："
+    f"峰值 {peak:.6g}（第 {peak_layer} 层）= fp16 最大值的 "
+    f"{100 * peak / FORMATS['float16'].max_normal:.0f}%；"
+    f"{100 * float((res_all.abs() > 448).float().mean()):.3f}% 的残差值超过 448；"
+    f"bf16 把峰值存为 {float(round_to_format(torch.tensor([peak]), 'bfloat16')):.6g}"
+    f"（那里的间距为 {float(ulp(torch.tensor([peak]), 'bfloat16')):g}）。超过 448 的值位于 "
+    f"{res_all.numel() // (len(EVAL) * N_LAYERS)} 个隐藏通道中的 {len(big_channels)} 个："
+    f"{big_channels}。")
 
 
 def distinct_per_group(w, group=32):
@@ -458,10 +494,13 @@ lin = {n: p.detach() for n, p in net.named_parameters()
        if p.ndim == 2 and n.split(".")[:2] in (["layers", "0"], ["layers", "15"], ["layers", "29"])}
 d_lin = max(int(distinct_per_group(p).max()) for p in lin.values())
 d_emb = distinct_per_group(net.embed_tokens.weight.detach()[:8192])
-print(f"3. 'Weights come from Q4_1, so each group of 32 holds <= 16 distinct values': decoder "
-      f"linears of layers 0, 15, 29 ({len(lin)} matrices): at most {d_lin} distinct per group "
-      f"of 32; the embedding (tied LM head), first 8192 rows: up to {int(d_emb.max())}, "
-      f"mean {float(d_emb.float().mean()):.1f}.")
+say(f"3. 'Weights come from Q4_1, so each group of 32 holds <= 16 distinct values': decoder "
+    f"linears of layers 0, 15, 29 ({len(lin)} matrices): at most {d_lin} distinct per group "
+    f"of 32; the embedding (tied LM head), first 8192 rows: up to {int(d_emb.max())}, "
+    f"mean {float(d_emb.float().mean()):.1f}.",
+    f"3. “权重来自 Q4_1，所以每组 32 个权重至多有 16 个不同的值”：第 0、15、29 层的解码器"
+    f"线性层（{len(lin)} 个矩阵）：每组 32 个中至多 {d_lin} 个不同的值；嵌入层（与 LM head "
+    f"共享），前 8192 行：最多 {int(d_emb.max())} 个，平均 {float(d_emb.float().mean()):.1f} 个。")
 
 # %% [markdown]
 # Where the expectations were wrong:
@@ -561,8 +600,10 @@ llm8 = LLM(MODEL, dtype="float32", kv_cache_dtype="fp8_e4m3", max_model_len=512,
 scale1_rows = llm8.score(EVAL, output="logits")  # built-in fp8 e4m3 cache, scale 1.0
 scales = llm8.llm_engine.calibrate_kv_scales([CALIB])  # amax / 448 per layer, on CALIB
 K_S, V_S = scales["k_scale"], scales["v_scale"]
-print(f"calibrated scales: K {min(K_S):.4f}..{max(K_S):.4f}, V {min(V_S):.5f}..{max(V_S):.4f} "
-      f"(layer 0's V: {V_S[0]:.5f}, i.e. values multiplied by {1 / V_S[0]:.0f} before rounding)")
+say(f"calibrated scales: K {min(K_S):.4f}..{max(K_S):.4f}, V {min(V_S):.5f}..{max(V_S):.4f} "
+    f"(layer 0's V: {V_S[0]:.5f}, i.e. values multiplied by {1 / V_S[0]:.0f} before rounding)",
+    f"校准得到的缩放因子：K {min(K_S):.4f}..{max(K_S):.4f}，V {min(V_S):.5f}..{max(V_S):.4f}"
+    f"（第 0 层的 V：{V_S[0]:.5f}，即数值在舍入前乘以 {1 / V_S[0]:.0f}）")
 
 
 def e4m3_stats(cls, layer_scales):
@@ -591,8 +632,11 @@ for c, ss in (("K", K_S), ("V", V_S), ("V, layer 0", V_S[:1])):
 # A power-of-two scale changes nothing inside the normal range, bit for bit:
 k5 = parts["K"][5]
 inside = (k5.abs() >= e4.min_normal) & (k5.abs() * 4 <= e4.max_normal)
-print("K of layer 5, values in the normal range: round(4x)/4 == round(x) bit for bit:",
-      torch.equal(round_fast(k5[inside] * 4, "fp8_e4m3") / 4, round_fast(k5[inside], "fp8_e4m3")))
+same_k5 = torch.equal(round_fast(k5[inside] * 4, "fp8_e4m3") / 4, round_fast(k5[inside], "fp8_e4m3"))
+say(f"K of layer 5, values in the normal range: round(4x)/4 == round(x) bit for bit: "
+    f"{'True' if same_k5 else 'False'}",
+    f"第 5 层的 K，正规范围内的值：round(4x)/4 == round(x)，逐位相同："
+    f"{'是' if same_k5 else '否'}")
 
 # %% [markdown]
 # The scale lifts layer 0's V out of the subnormals: the mean relative error *per
@@ -646,7 +690,8 @@ per_pos = {lab: metrics.kl_divergence(base_rows, rows).numpy() for lab, rows in 
 ref_kl = per_pos["e4m3, scale 1.0 (built-in)"]
 diff_ci = {lab: metrics.bootstrap_ci(blocks(k - ref_kl)) for lab, k in per_pos.items()}
 rows_of = dict(zip(per_pos, (scale1_rows, calib_rows, ftz_rows, chop_rows)))
-print(f"against the float32 KV cache, {len(EVAL)} positions:\n")
+say(f"against the float32 KV cache, {len(EVAL)} positions:\n",
+    f"相对 float32 KV cache，{len(EVAL)} 个位置：\n")
 print("| KV cache | mean KL (nats) [95% CI] | top-1 agreement | max abs log-prob diff | "
       "KL minus scale-1 KL [95% CI] |")
 print("|---|---|---|---|---|")
@@ -692,52 +737,99 @@ peak_bf16 = float(round_to_format(torch.tensor([peak]), "bfloat16"))
 v0_s1, v0_cal = scaled["V, layer 0", "scale 1"], scaled["V, layer 0", "calibrated"]
 ends_fixed = v0_cal["sub"] < v0_s1["sub"] and v0_cal["mean_rel"] < v0_s1["mean_rel"]
 claims = [
-    ("TF32 has far less mantissa precision than FP16", "seed 000 §2.2.3",
-     ("refuted" if same and m_tf32 >= m_fp16 else "not refuted")
-     + f": tf32 has {m_tf32} mantissa bits, fp16 {m_fp16}; tf32 and fp16 rounding of "
-     f"{x.numel():,} values in fp16's normal range identical bit for bit: {same}; tf32 "
-     f"differs only where fp16 runs out of exponent (1e5: fp16 inf; 1e-6: an fp16 "
-     f"subnormal) (§2.1)"),
-    ("FP8 keeps about 3 significant decimal digits", "seed 000 §2.3.3",
-     ("refuted" if digits["fp8_e4m3"][0] > THREE_DIGITS else "confirmed")
-     + f": e4m3: worst relative rounding error {100 * digits['fp8_e4m3'][0]:.1f} % "
-     f"({-math.log10(digits['fp8_e4m3'][0]):.1f} decimal digits; 3 digits is at most "
-     f"{100 * THREE_DIGITS:.2f} %); e5m2 {100 * digits['fp8_e5m2'][0]:.1f} %; fp16 "
-     f"{100 * digits['float16'][0]:.3f} % "
-     + ("is the format with about 3 digits" if digits["float16"][0] <= THREE_DIGITS
-        else "does not reach 3 digits either") + " (§2.2)"),
-    ("bf16 cannot hold integer positions above 256", "candle PR #3520, gpt-neox #1003",
-     ("confirmed" if first_lost["bfloat16"] == 257 else "not confirmed")
-     + f": {first_lost['bfloat16']} is the first integer bf16 loses; 15962 is stored as "
-     f"{stored_as[15962.0]:g}; fp16 keeps every integer below {first_lost['float16']}, "
-     f"tf32 every one below {first_lost['tf32']} (§2.3)"),
-    ("most of layer 0's V is subnormal in e4m3", "this chapter's plan",
-     ("yes" if frac_v0 > 0.5 else "no") + f": {100 * frac_v0:.0f} % of it (§4)"),
-    ("the residual peak is exact in bf16's range", "this chapter's plan",
-     ("in range" if peak <= FORMATS["bfloat16"].max_normal else "out of range")
-     + (", exact" if peak_bf16 == peak else ", not exact")
-     + f": {peak:.6g} is stored as {peak_bf16:.6g} (§4)"),
-    ("each group of 32 weights holds at most 16 values (Q4_1)", "this chapter's plan",
-     ("yes" if max(d_lin, int(d_emb.max())) <= 16 else
-      "for the decoder linears only" if d_lin <= 16 else "no")
-     + f": decoder linears: at most {d_lin}; the embedding / LM head: up to "
-     f"{int(d_emb.max())} (§4)"),
-    ("a scale fixes an fp8 KV cache", "common advice",
-     ("it fixes the ends of the range" if ends_fixed else "it does not fix the ends of the range")
-     + f" (layer 0's V: subnormal {100 * v0_s1['sub']:.0f} % -> {100 * v0_cal['sub']:.1f} %, "
-     f"mean error per value {100 * v0_s1['mean_rel']:.1f} % -> "
-     f"{100 * v0_cal['mean_rel']:.1f} %); mean KL {kl1:.2e} -> "
-     f"{klc:.2e} nats, " + ("a change the intervals of §6 cannot tell from noise here"
-                            if lo_c <= 0 <= hi_c else
-                            f"a change of {klc - kl1:+.1e} [{lo_c:+.1e}, {hi_c:+.1e}] (§6)")),
-    ("(hand-written fp8) truncating is as good as rounding", "the lab's broken quantizer",
-     ("no, worse" if lo_t > 0 else "no, better" if hi_t < 0 else "not distinguishable here")
-     + f": mean KL {klt:.2e} against {kl1:.2e} nats: {klt / kl1:.1f}x, difference "
-     f"[{lo_t:+.1e}, {hi_t:+.1e}] (95 % CI) (§6)"),
+    (Bi("TF32 has far less mantissa precision than FP16", "TF32 的尾数精度远低于 FP16"),
+     Bi("seed 000 §2.2.3", "种子课程 000 §2.2.3"),
+     Bi(f"{'refuted' if same and m_tf32 >= m_fp16 else 'not refuted'}: tf32 has {m_tf32} "
+        f"mantissa bits, fp16 {m_fp16}; tf32 and fp16 rounding of "
+        f"{x.numel():,} values in fp16's normal range identical bit for bit: "
+        f"{'True' if same else 'False'}; tf32 "
+        f"differs only where fp16 runs out of exponent (1e5: fp16 inf; 1e-6: an fp16 "
+        f"subnormal) (§2.1)",
+        f"{'被证伪' if same and m_tf32 >= m_fp16 else '未被证伪'}：tf32 有 {m_tf32} 个"
+        f"尾数位，fp16 有 {m_fp16} 个；在 fp16 正规范围内的 {x.numel():,} 个值上，tf32 与 "
+        f"fp16 的舍入逐位相同：{'是' if same else '否'}；tf32 只在 fp16 的指数用尽的地方"
+        f"不同（1e5：fp16 为 inf；1e-6：fp16 次正规数）（§2.1）")),
+    (Bi("FP8 keeps about 3 significant decimal digits", "FP8 保留约 3 位十进制有效数字"),
+     Bi("seed 000 §2.3.3", "种子课程 000 §2.3.3"),
+     Bi(f"{'refuted' if digits['fp8_e4m3'][0] > THREE_DIGITS else 'confirmed'}"
+        f": e4m3: worst relative rounding error {100 * digits['fp8_e4m3'][0]:.1f} % "
+        f"({-math.log10(digits['fp8_e4m3'][0]):.1f} decimal digits; 3 digits is at most "
+        f"{100 * THREE_DIGITS:.2f} %); e5m2 {100 * digits['fp8_e5m2'][0]:.1f} %; fp16 "
+        f"{100 * digits['float16'][0]:.3f} % "
+        f"{'is the format with about 3 digits' if digits['float16'][0] <= THREE_DIGITS else 'does not reach 3 digits either'}"
+        f" (§2.2)",
+        f"{'被证伪' if digits['fp8_e4m3'][0] > THREE_DIGITS else '得到证实'}"
+        f"：e4m3：最坏相对舍入误差 {100 * digits['fp8_e4m3'][0]:.1f} %"
+        f"（{-math.log10(digits['fp8_e4m3'][0]):.1f} 位十进制数字；3 位数字意味着至多 "
+        f"{100 * THREE_DIGITS:.2f} %）；e5m2 {100 * digits['fp8_e5m2'][0]:.1f} %；fp16 "
+        f"{100 * digits['float16'][0]:.3f} % "
+        f"{'才是约有 3 位数字的格式' if digits['float16'][0] <= THREE_DIGITS else '也达不到 3 位数字'}"
+        f"（§2.2）")),
+    (Bi("bf16 cannot hold integer positions above 256", "bf16 无法容纳 256 以上的整数位置"),
+     "candle PR #3520, gpt-neox #1003",
+     Bi(f"{'confirmed' if first_lost['bfloat16'] == 257 else 'not confirmed'}"
+        f": {first_lost['bfloat16']} is the first integer bf16 loses; 15962 is stored as "
+        f"{stored_as[15962.0]:g}; fp16 keeps every integer below {first_lost['float16']}, "
+        f"tf32 every one below {first_lost['tf32']} (§2.3)",
+        f"{'得到证实' if first_lost['bfloat16'] == 257 else '未得到证实'}"
+        f"：{first_lost['bfloat16']} 是 bf16 丢失的第一个整数；15962 被存储为 "
+        f"{stored_as[15962.0]:g}；fp16 保留 {first_lost['float16']} 以下的每个整数，"
+        f"tf32 保留 {first_lost['tf32']} 以下的每个整数（§2.3）")),
+    (Bi("most of layer 0's V is subnormal in e4m3", "第 0 层的 V 在 e4m3 中大部分是次正规数"),
+     Bi("this chapter's plan", "本章的计划"),
+     Bi(f"{'yes' if frac_v0 > 0.5 else 'no'}: {100 * frac_v0:.0f} % of it (§4)",
+        f"{'是' if frac_v0 > 0.5 else '否'}：占其 {100 * frac_v0:.0f} %（§4）")),
+    (Bi("the residual peak is exact in bf16's range", "残差峰值在 bf16 的范围内是精确的"),
+     Bi("this chapter's plan", "本章的计划"),
+     Bi(f"{'in range' if peak <= FORMATS['bfloat16'].max_normal else 'out of range'}"
+        f"{', exact' if peak_bf16 == peak else ', not exact'}"
+        f": {peak:.6g} is stored as {peak_bf16:.6g} (§4)",
+        f"{'在范围内' if peak <= FORMATS['bfloat16'].max_normal else '超出范围'}"
+        f"{'，精确' if peak_bf16 == peak else '，不精确'}"
+        f"：{peak:.6g} 被存储为 {peak_bf16:.6g}（§4）")),
+    (Bi("each group of 32 weights holds at most 16 values (Q4_1)",
+        "每组 32 个权重至多有 16 个值（Q4_1）"),
+     Bi("this chapter's plan", "本章的计划"),
+     Bi(f"{'yes' if max(d_lin, int(d_emb.max())) <= 16 else 'for the decoder linears only' if d_lin <= 16 else 'no'}"
+        f": decoder linears: at most {d_lin}; the embedding / LM head: up to "
+        f"{int(d_emb.max())} (§4)",
+        f"{'是' if max(d_lin, int(d_emb.max())) <= 16 else '仅对解码器线性层成立' if d_lin <= 16 else '否'}"
+        f"：解码器线性层：至多 {d_lin} 个；嵌入层 / LM head：最多 "
+        f"{int(d_emb.max())} 个（§4）")),
+    (Bi("a scale fixes an fp8 KV cache", "缩放因子能修好 fp8 KV cache"),
+     Bi("common advice", "常见建议"),
+     Bi(f"{'it fixes the ends of the range' if ends_fixed else 'it does not fix the ends of the range'}"
+        f" (layer 0's V: subnormal {100 * v0_s1['sub']:.0f} % -> {100 * v0_cal['sub']:.1f} %, "
+        f"mean error per value {100 * v0_s1['mean_rel']:.1f} % -> "
+        f"{100 * v0_cal['mean_rel']:.1f} %); mean KL {kl1:.2e} -> "
+        f"{klc:.2e} nats, "
+        f"{'a change the intervals of §6 cannot tell from noise here' if lo_c <= 0 <= hi_c else f'a change of {klc - kl1:+.1e} [{lo_c:+.1e}, {hi_c:+.1e}] (§6)'}",
+        f"{'它修好了范围的两端' if ends_fixed else '它没有修好范围的两端'}"
+        f"（第 0 层的 V：次正规数 {100 * v0_s1['sub']:.0f} % -> {100 * v0_cal['sub']:.1f} %，"
+        f"每个值的平均误差 {100 * v0_s1['mean_rel']:.1f} % -> "
+        f"{100 * v0_cal['mean_rel']:.1f} %）；平均 KL {kl1:.2e} -> "
+        f"{klc:.2e} nats，"
+        f"{'在这里，§6 的区间无法把这一变化与噪声区分开' if lo_c <= 0 <= hi_c else f'变化为 {klc - kl1:+.1e} [{lo_c:+.1e}, {hi_c:+.1e}]（§6）'}")),
+    (Bi("(hand-written fp8) truncating is as good as rounding", "（手写的 fp8）截断与舍入一样好"),
+     Bi("the lab's broken quantizer", "实验中坏掉的量化器"),
+     Bi(f"{'no, worse' if lo_t > 0 else 'no, better' if hi_t < 0 else 'not distinguishable here'}"
+        f": mean KL {klt:.2e} against {kl1:.2e} nats: {klt / kl1:.1f}x, difference "
+        f"[{lo_t:+.1e}, {hi_t:+.1e}] (95 % CI) (§6)",
+        f"{'不，更差' if lo_t > 0 else '不，更好' if hi_t < 0 else '此处无法区分'}"
+        f"：平均 KL {klt:.2e}，对比 {kl1:.2e} nats：{klt / kl1:.1f}x，差值 "
+        f"[{lo_t:+.1e}, {hi_t:+.1e}]（95 % CI）（§6）")),
 ]
-print("| claim | source | measured here |\n|---|---|---|")
-for c in claims:
-    print("| " + " | ".join(c) + " |")
+
+
+def _row(cells, lang):
+    return "| " + " | ".join(c if isinstance(c, str) else getattr(c, lang) for c in cells) + " |"
+
+
+# the Chinese header keeps "source": docs/claims.py reads a three-column table by that word
+say("| claim | source | measured here |\n|---|---|---|\n"
+    + "\n".join(_row(c, "en") for c in claims),
+    "| 论断 | 出处（source） | 本次实测 |\n|---|---|---|\n"
+    + "\n".join(_row(c, "zh") for c in claims))
 
 # %% [markdown]
 # ## Common misconceptions
