@@ -4,7 +4,8 @@
 #   make test   the test suite (what CI runs; includes the chapter notebooks and the
 #               nbgrader labs graded both ways)
 #   make lab    JupyterLab on the course, with nbgrader's extensions: the labs released to
-#               the Assignment List, the Formgrader on build/nbgrader (grades kept between starts)
+#               the Assignment List, the Formgrader on build/nbgrader (grades kept between starts);
+#               COURSE_LANG=zh releases them with Chinese instructions
 #   make grade  autograde every lab against CI's fixtures (solution, released copy, the
 #               lab's own wrong answers; the generic ones for ch01/ch02), exact scores
 #   make grade-all  every lab against EVERY fixture, the generic ones too (exception,
@@ -35,6 +36,9 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= auto
 
 LAB_PORT ?= 8888
+# The language of the labs' instructions for make lab / grade / grade-all: en, or zh (the
+# Chinese edition: docs/i18n.py; the same assignments, cells, points and tests).
+COURSE_LANG ?= en
 
 .PHONY: install demo test test-fast lab grade grade-all mutants course-isa lint-docker site clean help quantized
 
@@ -82,7 +86,7 @@ lab: install
 	@echo "make lab 1/3: the embedded model (fetched and converted on the first run, then cached)"
 	$(PY) -m minivllm.models.embedded
 	@echo "make lab 2/3: the labs (the first run releases all 30, under a minute; later only labs whose source changed)"
-	$(PY) -m grading.grade --prepare-only
+	$(PY) -m grading.grade --prepare-only --lang $(COURSE_LANG)
 	@echo "make lab 3/3: JupyterLab on port $(LAB_PORT): open the http://127.0.0.1:$(LAB_PORT)/lab?token=... URL it prints;"
 	@echo "  Nbgrader > Assignment List (learner: fetch, validate, submit), Nbgrader > Formgrader (instructor);"
 	@echo "  instructor commands: docs/instructor.md (grades and submissions stay in build/nbgrader)"
@@ -92,10 +96,10 @@ lab: install
 GRADE_ARGS ?=
 
 grade: install
-	$(PY) -m grading.grade $(GRADE_ARGS)
+	$(PY) -m grading.grade --lang $(COURSE_LANG) $(GRADE_ARGS)
 
 grade-all: install
-	$(PY) -m grading.grade --all $(GRADE_ARGS)
+	$(PY) -m grading.grade --all --lang $(COURSE_LANG) $(GRADE_ARGS)
 
 # LABS: the labs whose graders are measured (every record is checked, every lab gated).
 LABS ?= ch01 ch02 ch03 ch04 ch05 ch06 ch07 ch08 ch09 ch10 ch11 ch12 ch13 ch14 ch15 \

@@ -118,18 +118,29 @@ def rows_of_text(text: str) -> list[Row]:
     return rows
 
 
-def section_of(nb) -> Section | None:
-    """The claims section of an executed notebook (the last one, if several match):
-    its heading cell (after the heading, up to the next heading) and the outputs of the
-    code cells right after it, up to the next Markdown cell."""
+def section_index(nb) -> int | None:
+    """The index of the cell that heads the claims section (the last, if several)."""
     at = None
     for i, cell in enumerate(nb.cells):
         if cell.cell_type == "markdown" and HEADING.search(cell.source):
             at = i
+    return at
+
+
+def section_of(nb, at: int | None = None) -> Section | None:
+    """The claims section of an executed notebook (the last one, if several match):
+    its heading cell (after the heading, up to the next heading) and the outputs of the
+    code cells right after it, up to the next Markdown cell. ``at``: the heading cell's
+    index, found in another copy of the notebook (the English one, for a translation
+    whose heading this module's English pattern does not match)."""
+    at = section_index(nb) if at is None else at
     if at is None:
         return None
     source = nb.cells[at].source
-    m = HEADING.search(source)
+    # a translated heading does not match HEADING: its cell's first heading, then
+    m = HEADING.search(source) or re.search(r"^(#{2,3})\s+(.*?)\s*$", source, re.M)
+    if m is None:
+        return None
     sec = Section(m.group(2).strip())
     rest = source[m.end():]
     if nxt := NEXT_HEADING.search(rest):
@@ -142,13 +153,19 @@ def section_of(nb) -> Section | None:
     return sec
 
 
-def chapter_claims(executed: Path) -> Section:
+def chapter_claims(executed: Path, english: Path | None = None) -> Section:
     """The claims section of one executed chapter notebook; ClaimsError if it has none
-    or no row could be read."""
+    or no row could be read. ``english``: for a translated copy of the notebook, the
+    English copy, where the section is found (the same cell in both)."""
     import nbformat
 
     nb = nbformat.read(str(executed), as_version=4)
-    sec = section_of(nb)
+    at = None
+    if english is not None:
+        at = section_index(nbformat.read(str(english), as_version=4))
+        if at is None:
+            raise ClaimsError(f"{Path(english).name}: no 'Claim vs measurement' section")
+    sec = section_of(nb, at)
     name = Path(executed).name
     if sec is None:
         raise ClaimsError(f"{name}: no 'Claim vs measurement' section (a heading such as "
@@ -162,10 +179,18 @@ def chapter_claims(executed: Path) -> Section:
 
 def heading_anchor(heading: str) -> str:
     """The id a chapter page gives a Markdown heading (mkdocs-jupyter: Python-Markdown's
-    toc slugify, e.g. "7. Claim vs measurement" -> "7-claim-vs-measurement")."""
-    from markdown.extensions.toc import slugify
+    toc slugify, e.g. "7. Claim vs measurement" -> "7-claim-vs-measurement"). A heading
+    with Chinese characters keeps them ("7. 论断与实测" -> "7-论断与实测"): the ASCII slug
+    would drop them, leaving "7" or an empty id (docs/hooks.py gives mkdocs-jupyter this
+    function for the ids and the table of contents of every chapter page)."""
+    import unicodedata
 
-    return slugify(heading, "-")
+    if not re.search(r"[\u3400-\u9fff]", heading):
+        heading = unicodedata.normalize("NFKD", heading).encode("ascii", "ignore").decode("ascii")
+    else:
+        heading = unicodedata.normalize("NFKC", heading)
+    heading = re.sub(r"[^\w\s-]", "", heading).strip().lower()
+    return re.sub(r"[-\s]+", "-", heading)
 
 
 if __name__ == "__main__":  # python docs/claims.py build/notebooks/*.ipynb: rows per chapter

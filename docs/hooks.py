@@ -40,6 +40,7 @@ from mkdocs.structure.files import File
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import claims  # noqa: E402  (docs/claims.py)
+import i18n  # noqa: E402  (docs/i18n.py)
 import notebooks  # noqa: E402  (docs/notebooks.py)
 
 ROOT = notebooks.ROOT
@@ -159,12 +160,31 @@ def labs_on_disk() -> dict[int, Path]:
     return out
 
 
-def chapter_uri(src: Path) -> str:
-    return f"chapters/{src.stem}.ipynb"
+def chapter_uri(src: Path, lang: str = "en") -> str:
+    return ("zh/" if lang == "zh" else "") + f"chapters/{src.stem}.ipynb"
 
 
-def lab_uri(n: int) -> str:
-    return f"labs/ch{n:02d}.md"
+def lab_uri(n: int, lang: str = "en") -> str:
+    return ("zh/" if lang == "zh" else "") + f"labs/ch{n:02d}.md"
+
+
+# The chapter pages are the executed notebooks (docs/notebooks.py) as each language shows
+# them (docs/i18n.py localize: Markdown translated, what the code said in that language).
+PAGES_DIR = ROOT / "build" / "site-notebooks"
+
+
+def localized_path(src: Path, lang: str) -> Path:
+    return PAGES_DIR / lang / f"{Path(src).stem}.ipynb"
+
+
+def write_localized(src: Path, executed: Path, lang: str) -> Path:
+    import nbformat
+
+    nb = i18n.localize(nbformat.read(str(executed), as_version=4), src, lang)
+    out = localized_path(src, lang)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, out)
+    return out
 
 
 def syllabus_rows() -> list[tuple[str, int, str, str]]:
@@ -182,8 +202,25 @@ def syllabus_rows() -> list[tuple[str, int, str, str]]:
 
 # ------------------------------------------------------------------ mkdocs events
 
+def _chinese_heading_ids() -> None:
+    """mkdocs-jupyter makes a heading's id, and its table of contents, with an ASCII slug:
+    a Chinese heading would get "7" or an empty id (and no working link). Both use
+    ``claims.heading_anchor`` instead, which is the ASCII slug for a heading without
+    Chinese characters (the English pages' ids are unchanged)."""
+    import functools
+
+    import mkdocs_jupyter.convert as mj_convert
+    import mkdocs_jupyter.plugin as mj_plugin
+    from markdown.extensions.toc import TocExtension
+
+    mj_convert.slugify = claims.heading_anchor
+    mj_plugin.TocExtension = functools.partial(
+        TocExtension, slugify=lambda value, separator: claims.heading_anchor(value))
+
+
 def on_config(config):
     """Fill the nav's "Chapters" and "Labs" sections with what exists."""
+    _chinese_heading_ids()
     chapters, labs = chapters_on_disk(), labs_on_disk()
     for entry in config["nav"]:
         if not isinstance(entry, dict):
@@ -194,6 +231,9 @@ def on_config(config):
             children.extend(chapter_uri(src) for _, src in sorted(chapters.items()))
         elif title == "Labs":
             children.extend({f"Lab {n}": lab_uri(n)} for n in sorted(labs))
+        elif title.startswith("中文"):
+            children.append({"章节": [chapter_uri(src, "zh") for _, src in sorted(chapters.items())]})
+            children.append({"实验": [{f"实验 {n}": lab_uri(n, "zh")} for n in sorted(labs)]})
     return config
 
 
@@ -217,9 +257,12 @@ def on_files(files, config):
             executed = notebooks.executed_notebook(src, log=log.info)
         except Exception as e:  # a chapter that does not run must not publish
             raise PluginError(f"chapter {n}: {e}") from e
-        files.append(File.generated(config, chapter_uri(src), abs_src_path=str(executed)))
+        for lang in ("en", "zh"):
+            page = write_localized(src, executed, lang)
+            files.append(File.generated(config, chapter_uri(src, lang), abs_src_path=str(page)))
     for n, src in sorted(labs_on_disk().items()):
-        files.append(File.generated(config, lab_uri(n), content=lab_page(n, src)))
+        for lang in ("en", "zh"):
+            files.append(File.generated(config, lab_uri(n, lang), content=lab_page(n, src, lang)))
     for uri, path in mathjax_files():
         files.append(File.generated(config, uri, abs_src_path=str(path)))
     return files
@@ -230,8 +273,9 @@ def on_pre_page(page, config, files):
     """mkdocs-jupyter's wrapper around a generated file loses its ``abs_src_path`` (it
     recomputes it from ``src_dir``, which a generated file does not have): restore it."""
     for src in chapters_on_disk().values():
-        if page.file.src_uri == chapter_uri(src):
-            page.file.__dict__["abs_src_path"] = str(notebooks.cached_path(src))
+        for lang in ("en", "zh"):
+            if page.file.src_uri == chapter_uri(src, lang):
+                page.file.__dict__["abs_src_path"] = str(localized_path(src, lang))
     return page
 
 
@@ -336,8 +380,10 @@ def syllabus_markdown(page) -> str:
                     "|---|---|---|---|"]
             stage_now = stage
         title = TITLES_ZH[n - 1] if zh else title
-        name = f"[{title}]({_rel(page, chapter_uri(chapters[n]))})" if n in chapters else title
-        lab = (f"[{'实验' if zh else 'lab'} {n}]({_rel(page, lab_uri(n))})"
+        lang = "zh" if zh else "en"
+        name = (f"[{title}]({_rel(page, chapter_uri(chapters[n], lang))})" if n in chapters
+                else title)
+        lab = (f"[{'实验' if zh else 'lab'} {n}]({_rel(page, lab_uri(n, lang))})"
                if n in labs else "")
         out.append(f"| {n} | {name} | {lab} | {STATUS_ZH[status] if zh else status} |")
     counts = {s: sum(1 for *_, st in syllabus_rows() if st == s)
@@ -377,13 +423,15 @@ def _md_cell(text: str, markdown: bool) -> str:
     return "".join(out)
 
 
-def chapter_claims() -> dict[int, claims.Section]:
-    """Chapter number -> its claims section, from the executed notebooks (``on_files``
-    has made sure each is there). A chapter without readable rows fails the build."""
+def chapter_claims(lang: str = "en") -> dict[int, claims.Section]:
+    """Chapter number -> its claims section, from the executed notebooks as the pages in
+    ``lang`` show them (``on_files`` has written them). A chapter without readable rows
+    fails the build."""
     out = {}
     for n, src in sorted(chapters_on_disk().items()):
         try:
-            out[n] = claims.chapter_claims(notebooks.cached_path(src))
+            out[n] = claims.chapter_claims(localized_path(src, lang),
+                                           english=localized_path(src, "en"))
         except (claims.ClaimsError, OSError) as e:
             raise PluginError(f"claims page, chapter {n}: {e}") from e
     return out
@@ -393,13 +441,13 @@ def claims_markdown(page) -> str:
     """Every chapter's claim-vs-measurement rows, by stage and chapter; the first cell of
     each row links to the chapter's own section."""
     zh = page_lang(page) == "zh"
-    chapters, sections = chapters_on_disk(), chapter_claims()
+    chapters, sections = chapters_on_disk(), chapter_claims("zh" if zh else "en")
     stage_of = {n: stage for stage, n, _, _ in syllabus_rows()}
     stages_zh = dict(zip((st for st, _ in SYLLABUS), SYLLABUS_ZH))
     total = sum(len(s.rows) for s in sections.values())
     if zh:
         out = [f"以下 {len(sections)} 章共 {total} 行，均在构建网站时从已执行的 notebook 中读取"
-               "（`docs/claims.py`）；每行第一列链接到该章的对应小节。论断与实测内容保持原文（英文）。"]
+               "（`docs/claims.py`），与各章中文页面显示的表格相同；每行第一列链接到该章的对应小节。"]
     else:
         out = [f"{total} rows from {len(sections)} chapters, read from the executed notebooks "
                "when the site was built (`docs/claims.py`); the first cell of each row links "
@@ -409,7 +457,7 @@ def claims_markdown(page) -> str:
         if stage_of.get(n) != stage_now:
             stage_now = stage_of.get(n)
             out += ["", f"## {stages_zh.get(stage_now, stage_now) if zh else stage_now}"]
-        link = (_rel(page, chapter_uri(chapters[n])) + "#"
+        link = (_rel(page, chapter_uri(chapters[n], "zh" if zh else "en")) + "#"
                 + claims.heading_anchor(sec.heading))
         out += ["", f"### {n}. {_chapter_title(n, 'zh' if zh else 'en')}", "",
                 '<div class="claims-table" markdown>', "",  # its column widths: extra.css
@@ -465,12 +513,78 @@ def _timeout() -> str:
     return m.group(1) if m else "?"
 
 
-def lab_page(n: int, src: Path) -> str:
+# The generated parts of a lab page, in each language.
+LAB_TEXT = {
+    "en": {
+        "you_write": "You write (cell `{gid}`):",
+        "graded_by": "Graded by: ",
+        "graded_cell": "`{gid}` ({pts:g} point{s}, {kind})",
+        "hidden": "hidden tests", "visible": "visible tests",
+        "working": "## Working on the lab",
+        "working_text": (
+            "The source is `{rel}`. Run `make lab`: it converts the labs and releases "
+            "them to a local exchange, then starts JupyterLab at the repository root. "
+            "Fetch the lab from nbgrader's *Assignment List* (or right-click the `.py` source, "
+            "*Open With > Notebook*, to read it with its solutions), run the cells in "
+            "order, fill in the cells marked `# YOUR CODE HERE`, and use *Validate* "
+            "before you submit."),
+        "grading": "## Grading",
+        "cells": "{k} autograded cells, {total:g} points in all:",
+        "table": ["| test cell | points | |", "|---|---|---|"],
+        "hidden_row": "hidden tests (added back when grading)", "visible_row": "visible",
+        "how": (
+            "The autograder (`nbgrader autograde`) restores the hidden tests, runs every "
+            "cell of the submission from the top with a limit of {timeout} s per cell "
+            "(`grading/nbgrader_config.py`), and calls your functions on inputs that are not "
+            "in the notebook, comparing with a reference it computes itself: a stored number "
+            "or a function that only works on the examples scores nothing. A failing test "
+            "cell prints what was expected, what was measured and by how much it missed."),
+        "fixtures": ("CI grades this lab against fixture submissions "
+                     "(`grading/fixtures/ch{n:02d}.py`), each with its exact expected score:"),
+        "fixtures_table": ["| fixture submission | expected score |", "|---|---|"],
+        "make_grade": ("`make grade` runs the whole check: see the "
+                       "[instructor guide]({guide})."),
+        "title": "# Lab {n}\n",
+    },
+    "zh": {
+        "you_write": "你要编写（单元 `{gid}`）：",
+        "graded_by": "评分单元：",
+        "graded_cell": "`{gid}`（{pts:g} 分，{kind}）",
+        "hidden": "隐藏测试", "visible": "可见测试",
+        "working": "## 完成实验",
+        "working_text": (
+            "源文件是 `{rel}`。运行 `make lab`：它会转换各个实验并发布到本地的交换目录，然后在"
+            "仓库根目录启动 JupyterLab（`make lab COURSE_LANG=zh` 发布中文版，作业名称、单元、"
+            "分值与测试都与英文版相同）。从 nbgrader 的 *Assignment List* 中获取实验（或右键单击 "
+            "`.py` 源文件，选择 *Open With > Notebook*，连同参考答案一起阅读），按顺序运行各单元，"
+            "填写标有 `# YOUR CODE HERE` 的单元，提交前先用 *Validate* 检查。"),
+        "grading": "## 评分",
+        "cells": "共 {k} 个自动评分单元，总分 {total:g} 分：",
+        "table": ["| 测试单元 | 分值 | |", "|---|---|---|"],
+        "hidden_row": "隐藏测试（评分时加回）", "visible_row": "可见",
+        "how": (
+            "自动评分器（`nbgrader autograde`）会恢复隐藏测试，从头运行提交的每个单元，每个单元限时 "
+            "{timeout} 秒（`grading/nbgrader_config.py`），并在 notebook 中没有出现过的输入上调用你的"
+            "函数，与它自己计算的参考结果比较：存下来的数字，或者只在示例上成立的函数，都得不到分。"
+            "未通过的测试单元会打印期望值、实测值以及相差多少。"),
+        "fixtures": ("CI 用若干份固定的提交（`grading/fixtures/ch{n:02d}.py`）为本实验评分，"
+                     "每份都有确切的预期得分："),
+        "fixtures_table": ["| 固定提交 | 预期得分 |", "|---|---|"],
+        "make_grade": "`make grade` 运行完整的检查：见[教师指南]({guide})（英文）。",
+        "title": "# 实验 {n}\n",
+    },
+}
+
+
+def lab_page(n: int, src: Path, lang: str = "en") -> str:
     """A lab's page: its own text (task by task, with the graded cells and their points),
-    how to open it, and how it is graded. Solutions and test code are not shown."""
+    how to open it, and how it is graded. Solutions and test code are not shown. In
+    Chinese (``lang="zh"``): the lab's translated Markdown (docs/i18n.py; an untranslated
+    cell shows its English under a mark) and the generated parts in Chinese."""
     import jupytext
 
-    nb = jupytext.read(src)
+    T = LAB_TEXT[lang]
+    nb = jupytext.read(src) if lang == "en" else i18n.localize(jupytext.read(src), src, lang)
     rel = src.relative_to(ROOT)
     lines: list[str] = []
     graded = _points_table(nb.cells)
@@ -479,7 +593,7 @@ def lab_page(n: int, src: Path) -> str:
 
     def flush():
         if pending:
-            lines.extend(["", "Graded by: " + "; ".join(pending) + ".", ""])
+            lines.extend(["", T["graded_by"] + "; ".join(pending) + ("。" if lang == "zh" else "."), ""])
             pending.clear()
 
     for c in nb.cells:
@@ -490,44 +604,31 @@ def lab_page(n: int, src: Path) -> str:
         elif meta.get("solution"):
             sig = _signatures(c.source)
             if sig:
-                lines += ["You write (cell `" + meta["grade_id"] + "`):", "", "```python",
+                lines += [T["you_write"].format(gid=meta["grade_id"]), "", "```python",
                           sig, "```", ""]
         elif meta.get("grade"):
-            kind = "hidden tests" if "### BEGIN HIDDEN TESTS" in c.source else "visible tests"
+            kind = T["hidden"] if "### BEGIN HIDDEN TESTS" in c.source else T["visible"]
             pts = float(meta.get("points", 0))
-            pending.append(f"`{meta['grade_id']}` ({pts:g} point{'s' if pts != 1 else ''}, {kind})")
+            pending.append(T["graded_cell"].format(gid=meta["grade_id"], pts=pts,
+                                                   s="s" if pts != 1 else "", kind=kind))
     flush()
     if not lines or not lines[0].startswith("# "):
-        lines.insert(0, f"# Lab {n}\n")
+        lines.insert(0, T["title"].format(n=n))
 
-    lines += ["## Working on the lab", "",
-              f"The source is `{rel}`. Run `make lab`: it converts the labs and releases "
-              "them to a local exchange, then starts JupyterLab at the repository root. "
-              "Fetch the lab from nbgrader's *Assignment List* (or right-click the `.py` source, "
-              "*Open With > Notebook*, to read it with its solutions), run the cells in "
-              "order, fill in the cells marked `# YOUR CODE HERE`, and use *Validate* "
-              "before you submit.", ""]
-    lines += ["## Grading", "",
-              f"{len(graded)} autograded cells, {total:g} points in all:", "",
-              "| test cell | points | |", "|---|---|---|"]
-    lines += [f"| `{g}` | {p:g} | {'hidden tests (added back when grading)' if h else 'visible'} |"
+    lines += [T["working"], "", T["working_text"].format(rel=rel), ""]
+    lines += [T["grading"], "", T["cells"].format(k=len(graded), total=total), ""]
+    lines += T["table"]
+    lines += [f"| `{g}` | {p:g} | {T['hidden_row'] if h else T['visible_row']} |"
               for g, p, h in graded]
-    lines += ["", "The autograder (`nbgrader autograde`) restores the hidden tests, runs every "
-              "cell of the submission from the top with a limit of "
-              f"{_timeout()} s per cell (`grading/nbgrader_config.py`), and calls your "
-              "functions on inputs that are not in the notebook, comparing with a reference "
-              "it computes itself: a stored number or a function that only works on the "
-              "examples scores nothing. A failing test cell prints what was expected, what "
-              "was measured and by how much it missed.", ""]
+    lines += ["", T["how"].format(timeout=_timeout()), ""]
     fixtures = _fixtures(n)
     if fixtures:
-        lines += ["CI grades this lab against fixture submissions "
-                  f"(`grading/fixtures/ch{n:02d}.py`), each with its exact expected score:", "",
-                  "| fixture submission | expected score |", "|---|---|"]
+        lines += [T["fixtures"].format(n=n), ""]
+        lines += T["fixtures_table"]
         lines += [f"| {name} | {score:g} / {fixtures['max']:g} |"
                   for name, score in fixtures["scores"].items()]
-        lines += ["", "`make grade` runs the whole check: see the "
-                  "[instructor guide](../instructor.md)."]
+        guide = "../../instructor.md" if lang == "zh" else "../instructor.md"
+        lines += ["", T["make_grade"].format(guide=guide)]
     return "\n".join(lines) + "\n"
 
 

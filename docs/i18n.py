@@ -223,14 +223,20 @@ def _alternatives(cell: str) -> list[str]:
     return out
 
 
+# English alternatives that are everyday words too ("half of the tokens"): not checked.
+EVERYDAY = {"half"}
+
+
 def glossary() -> list[tuple[list[str], list[str]]]:
-    """(English alternatives, Chinese alternatives) for each row of docs/zh/glossary.md."""
+    """(English alternatives, Chinese alternatives) for each row of docs/zh/glossary.md
+    (the English ones less ``EVERYDAY`` words)."""
     rows = []
     for line in GLOSSARY.read_text(encoding="utf-8").splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) != 3 or cells[0] in ("中文", "") or set(cells[0]) <= set("-:"):
             continue
-        rows.append((_alternatives(cells[1]), _alternatives(cells[0])))
+        rows.append(([a for a in _alternatives(cells[1]) if a not in EVERYDAY],
+                     _alternatives(cells[0])))
     return rows
 
 
@@ -288,6 +294,28 @@ def _said(o, lang: str) -> str | None:
     return text if isinstance(text, str) else "".join(text)
 
 
+# A line break between two Chinese characters (or CJK punctuation) inside a paragraph: the
+# translations keep the English source's line wrapping, and a browser renders each such
+# break as a space ("之后， 回答"). Joined when a page or a lab is made, outside code.
+_CJK_CH = "\u3000-\u303f\u3400-\u9fff\uff00-\uffef"
+_CJK_BREAK = re.compile(f"(?<=[{_CJK_CH}])[ \t]*\n[ \t]*(?=[{_CJK_CH}])")
+
+
+def join_cjk_lines(text: str) -> str:
+    """``text`` with the line breaks between two CJK characters removed (with the
+    indentation of the next line), except inside fenced code blocks."""
+    out, pos = [], 0
+    for m in FENCE.finditer(text):
+        out += [_CJK_BREAK.sub("", text[pos:m.start()]), m.group(0)]
+        pos = m.end()
+    return "".join(out + [_CJK_BREAK.sub("", text[pos:])])
+
+
+def _untranslated(en: str, zh: str) -> bool:
+    """A block still holding the English ``sync`` put there (no Chinese, prose to translate)."""
+    return any(p.startswith("no Chinese") for p in check_pair(en, zh))
+
+
 def localize(nb, src: Path, lang: str, *, strict: bool = False):
     """A copy of the executed notebook ``nb`` of ``src`` in ``lang`` ("en" or "zh").
 
@@ -304,8 +332,9 @@ def localize(nb, src: Path, lang: str, *, strict: bool = False):
             if c.cell_type != "markdown":
                 continue
             b = blocks.get(i)
-            if b is not None and b.text.strip() and b.digest == digest(c.source):
-                c.source = b.text
+            if (b is not None and b.text.strip() and b.digest == digest(c.source)
+                    and not _untranslated(c.source, b.text)):
+                c.source = join_cjk_lines(b.text)
             elif strict:
                 raise TranslationError(f"{Path(src).name}, cell {i}: "
                                        f"{'stale' if b else 'no'} {lang} translation")

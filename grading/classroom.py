@@ -102,11 +102,14 @@ def assignment_dir_config_text(course_config: Path, source: str) -> str:
         "load_subconfig(_course)  # noqa: F821\n"])
 
 
-def lab_digest(lab: str) -> str:
-    """What a lab's released copy is made from: its sources and the course's settings
-    (the stub that replaces a solution is one)."""
+def lab_digest(lab: str, lang: str = "en") -> str:
+    """What a lab's released copy is made from: its sources, in a language other than
+    English their translation, and the course's settings (the stub that replaces a
+    solution is one)."""
     h = hashlib.sha256()
-    for path in [*sorted((ROOT / "labs" / "source" / lab).glob("*.py")), COURSE_CONFIG]:
+    d = ROOT / "labs" / "source" / lab
+    extra = sorted(d.glob(f"*.{lang}.md")) if lang != "en" else []
+    for path in [*sorted(d.glob("*.py")), *extra, COURSE_CONFIG]:
         h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()
 
@@ -184,7 +187,8 @@ def set_aside(course: Path) -> Path | None:
 
 
 def prepare(labs: list[str], course: Path, exchange: Path, assignment_dir: Path | None,
-            exchange_in_config: bool, nbgrader, base: Path, source: str) -> dict:
+            exchange_in_config: bool, nbgrader, base: Path, source: str,
+            lang: str = "en") -> dict:
     """Bring the course root ``course`` and the exchange up to date for ``labs``, keeping
     everything the class made. ``nbgrader(course, *args)`` runs one nbgrader command in the
     course root (``grading.grade._nbgrader``). The course root's configuration loads
@@ -193,7 +197,9 @@ def prepare(labs: list[str], course: Path, exchange: Path, assignment_dir: Path 
     exchange and ``assignment_dir``. Without it (the images, where
     /etc/jupyter/nbgrader_config.py sets the exchange) labs are released with
     ``--Exchange.root`` and the configuration's exchange is left alone. Returns what it
-    did per lab."""
+    did per lab. ``lang``: the language of the labs' instructions ("en", "zh"); a lab
+    released in another language is released again in this one unless it has
+    submissions."""
     from grading.grade import convert_lab
 
     t0 = time.perf_counter()
@@ -221,13 +227,18 @@ def prepare(labs: list[str], course: Path, exchange: Path, assignment_dir: Path 
     submissions = submission_counts(course, exchange, labs)
     status, todo, release_only = {}, [], []
     for lab in labs:
-        digest = lab_digest(lab)
+        digest = lab_digest(lab, lang)
         released = (course / "release" / lab).is_dir()
-        current = stamp.get(lab) == {"digest": digest, "exchange": str(exchange)}
+        current = stamp.get(lab) == {"digest": digest, "exchange": str(exchange), "lang": lang}
         if current and released and (outbound / lab).is_dir():
             status[lab] = "up to date"
         elif submissions[lab] and released:
-            if stamp.get(lab, {}).get("digest") not in (None, digest):
+            if stamp.get(lab, {}).get("lang", "en") != lang:
+                _say(f"{lab}: released in {stamp.get(lab, {}).get('lang', 'en')!r}, asked for {lang!r}, "
+                     f"but it has {submissions[lab]} submission(s): kept the version the "
+                     "learners were given")
+                status[lab] = "kept (another language, has submissions)"
+            elif stamp.get(lab, {}).get("digest") not in (None, digest):
                 _say(f"{lab}: its source changed, but it has {submissions[lab]} submission(s): "
                      "kept the version the learners were given (nbgrader cannot change the "
                      "cells of an assignment with submissions)")
@@ -245,7 +256,7 @@ def prepare(labs: list[str], course: Path, exchange: Path, assignment_dir: Path 
         out.mkdir(parents=True, exist_ok=True)
         for old in out.glob("*.ipynb"):
             old.unlink()
-        convert_lab(lab, out)
+        convert_lab(lab, out, lang)
     in_source = sorted(p.name for p in (course / "source").iterdir() if p.is_dir())
     if len(todo) > 1 and set(todo) == {x for x in in_source if x.startswith("ch")}:
         # every lab of the course root at once, in one nbgrader process (a process per
@@ -261,7 +272,7 @@ def prepare(labs: list[str], course: Path, exchange: Path, assignment_dir: Path 
         _say(f"releasing to the exchange {exchange}")
         release(course, todo + release_only, None if exchange_in_config else exchange)
     for lab in todo:
-        stamp[lab] = {"digest": lab_digest(lab), "exchange": str(exchange)}
+        stamp[lab] = {"digest": lab_digest(lab, lang), "exchange": str(exchange), "lang": lang}
         status[lab] = "generated and released"
     for lab in release_only:
         status[lab] += ", released again"

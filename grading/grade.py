@@ -118,16 +118,39 @@ def _solution_code(cell_source: str) -> str:
 BUILT_DIGESTS: dict[str, str] = {}
 
 
-def convert_lab(lab: str, out: Path) -> None:
+LANGS = ("en", "zh")
+
+
+def _i18n():
+    """docs/i18n.py (the translations of the labs' Markdown), loaded on its own."""
+    import importlib.util
+
+    mod = sys.modules.get("docs_i18n")
+    if mod is None:
+        spec = importlib.util.spec_from_file_location("docs_i18n", ROOT / "docs" / "i18n.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["docs_i18n"] = mod
+        spec.loader.exec_module(mod)
+    return mod
+
+
+def convert_lab(lab: str, out: Path, lang: str = "en") -> None:
     """Write each ``labs/source/<lab>/*.py`` (jupytext percent, nbgrader metadata kept)
-    into ``out`` as ``.ipynb``, nbgrader's source format."""
+    into ``out`` as ``.ipynb``, nbgrader's source format. ``lang="zh"``: its Markdown
+    cells in Chinese (``labs/source/<lab>/<name>.zh.md``, docs/i18n.py); the code cells,
+    cell ids, points and tests are the English lab's. Raises ValueError for another
+    language, and docs/i18n.py's TranslationError when a cell's translation is missing or
+    stale (a lab is not released half translated)."""
     import jupytext
 
+    if lang not in LANGS:
+        raise ValueError(f"lab language {lang!r}: expected one of {LANGS}")
     for py in sorted((ROOT / "labs" / "source" / lab).glob("*.py")):
-        jupytext.write(jupytext.read(py), out / (py.stem + ".ipynb"), fmt="ipynb")
+        nb = jupytext.read(py) if lang == "en" else _i18n().localize_source(py, lang)
+        jupytext.write(nb, out / (py.stem + ".ipynb"), fmt="ipynb")
 
 
-def build_course(course: Path, labs: list[str]) -> None:
+def build_course(course: Path, labs: list[str], lang: str = "en") -> None:
     if course.exists():
         shutil.rmtree(course)
     (course / "source").mkdir(parents=True)
@@ -137,7 +160,7 @@ def build_course(course: Path, labs: list[str]) -> None:
         out.mkdir(parents=True)
         if (ROOT / "grading" / "fixtures" / f"{lab}.py").is_file():
             BUILT_DIGESTS[lab] = records.digest(lab)
-        convert_lab(lab, out)
+        convert_lab(lab, out, lang)
 
 
 def lab_cells(nb) -> tuple[dict[str, str], dict[str, float]]:
@@ -418,7 +441,8 @@ def prepare(args, labs: list[str]) -> int:
     print(f"prepare: course root {course}, exchange {exchange}"
           + (f", learner's folder {labs_dir}" if labs_dir else ""), flush=True)
     try:
-        classroom.prepare(labs, course, exchange, labs_dir, in_config, _nbgrader, base, source)
+        classroom.prepare(labs, course, exchange, labs_dir, in_config, _nbgrader, base, source,
+                          lang=args.lang)
     except Exception as e:  # nbgrader failed (RuntimeError), or the exchange (ExchangeError)
         print(f"prepare FAILED: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
@@ -462,6 +486,11 @@ def main(argv=None) -> int:
                          "converts, generates and releases only the labs whose source "
                          "changed, writes the nbgrader_config.py of the course root and of "
                          "the learner's folder (grading/classroom.py)")
+    ap.add_argument("--lang", default=os.environ.get("COURSE_LANG") or "en", choices=LANGS,
+                    help="the language of the labs' instructions (default: $COURSE_LANG, else "
+                         "en): zh releases the Chinese edition, with the same assignment "
+                         "names, cells, points and tests (docs/i18n.py); refused while a "
+                         "lab's translation is missing or stale")
     ap.add_argument("--class-config", default=str(CLASS_CONFIG), metavar="FILE",
                     help="--prepare-only: the nbgrader configuration whose course root, "
                          "exchange and assignment folder it uses (default: the repository's "
@@ -491,7 +520,11 @@ def main(argv=None) -> int:
     if args.prepare_only:
         return prepare(args, labs)
     course = Path(args.course_root or ROOT / "build" / "grading")
-    build_course(course, labs)
+    try:
+        build_course(course, labs, args.lang)
+    except ValueError as e:  # a translation missing or stale (docs/i18n.py)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     # SIGTERM (a CI timeout, `kill`) unwinds like Ctrl-C, so the load processes stop too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with cpu_load(args.load) as burners:

@@ -242,3 +242,78 @@ def test_prepare_only_releases_labs_to_a_local_exchange(tmp_path):
     text = nb.read_text()
     assert "BEGIN SOLUTION" not in text and "BEGIN HIDDEN TESTS" not in text
     assert "raise NotImplementedError()" in text
+
+
+# ------------------------------------------------------------------ the labs in Chinese
+
+def _translated_labs() -> list[str]:
+    i18n = grade._i18n()
+    return [lab for lab in LABS
+            if all(i18n.translation_path(p).is_file() and i18n.status(p).ok
+                   for p in (ROOT / "labs" / "source" / lab).glob("*.py"))]
+
+
+@pytest.mark.parametrize("lab", LABS)
+def test_a_lab_converts_to_chinese_with_the_same_cells(lab, tmp_path):
+    """grade.convert_lab(lang="zh"): the Markdown cells in Chinese, everything nbgrader
+    grades by (cell order and types, nbgrader metadata: its cell ids (grade_id), points,
+    locks; code, tests) the English lab's; a lab whose translation is missing or stale is
+    refused. (The notebook format's own cell "id" is a fresh random one at each
+    conversion, in English too: jupytext's; nbgrader does not use it.)"""
+    import nbformat
+
+    i18n = grade._i18n()
+    if lab not in _translated_labs():
+        with pytest.raises(i18n.TranslationError):
+            grade.convert_lab(lab, tmp_path, "zh")
+        pytest.skip(f"{lab}: not translated yet (refused, as it must be)")
+    (tmp_path / "en").mkdir()
+    (tmp_path / "zh").mkdir()
+    grade.convert_lab(lab, tmp_path / "en", "en")
+    grade.convert_lab(lab, tmp_path / "zh", "zh")
+    for en_path in (tmp_path / "en").glob("*.ipynb"):
+        en = nbformat.read(en_path, as_version=4)
+        zh = nbformat.read(tmp_path / "zh" / en_path.name, as_version=4)
+        assert len(en.cells) == len(zh.cells)
+        changed = 0
+        for a, b in zip(en.cells, zh.cells):
+            assert (a.cell_type, a.metadata) == (b.cell_type, b.metadata)
+            if a.cell_type == "code":
+                assert a.source == b.source
+            else:
+                changed += a.source != b.source
+                assert i18n.CJK.search(b.source) or not i18n.check_pair(a.source, a.source)
+        assert changed, "no Markdown cell was translated"
+    with pytest.raises(ValueError, match="expected one of"):
+        grade.convert_lab(lab, tmp_path, "fr")
+
+
+# The lab graded in Chinese in CI (one lab: grading it costs about half a minute; every
+# translated lab: `make grade COURSE_LANG=zh`).
+ZH_GRADED_LAB = "ch09"
+
+
+@pytest.mark.embedded
+def test_a_lab_released_in_chinese_gets_the_same_exact_scores(tmp_path, embedded_model_dir):
+    """ZH_GRADED_LAB released with Chinese instructions (`--lang zh`) and graded: the
+    solution, the released copy and the lab's first wrong answer get exactly the scores
+    the fixture file states for the English lab, cell by cell for the solution; the
+    released notebook's instructions are Chinese."""
+    pytest.importorskip("nbgrader")
+    import nbformat
+
+    lab = ZH_GRADED_LAB
+    assert lab in _translated_labs(), f"{lab}'s translation is missing or stale"
+    fx = fixtures.load(lab)
+    specific = next(n for n, f in fx.FIXTURES.items() if f.kind == "specific")
+    proc, lab_result, _ = _grade(tmp_path, lab, "--lang", "zh", "--no-feedback",
+                                 "--fixtures", f"solution,release,{specific}")
+    by = {f["fixture"]: f for f in lab_result["fixtures"]}
+    got = {n: by[n]["score"] for n in by}
+    assert got == {n: float(fx.FIXTURES[n].score) for n in ("solution", "release", specific)}, (
+        got, proc.stderr[-3000:])
+    assert by["solution"]["cells"] == by["solution"]["cell_max"]
+    assert lab_result["ok"] and proc.returncode == 0, lab_result["problems"]
+    (released,) = (tmp_path / "course" / "release" / lab).glob("*.ipynb")
+    md = [c.source for c in nbformat.read(released, as_version=4).cells if c.cell_type == "markdown"]
+    assert sum(bool(grade._i18n().CJK.search(s)) for s in md) >= len(md) // 2, md[:2]

@@ -154,26 +154,34 @@ NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?:e[-+]?\d+)?(?![\w.])")
 def test_claims_page_has_every_chapters_rows(site, url):
     """The claims page (and its Chinese edition) gathers the claim-vs-measurement rows of
     all 30 chapters, generated from the executed notebooks: each chapter's rows are those
-    docs/claims.py reads from its notebook, each links to the chapter's own section (an
-    anchor its page has), and each number a row shows is on the chapter's page."""
+    docs/claims.py reads from its notebook as the page in that language shows it (the
+    Chinese rows: what the chapter said in Chinese, docs/i18n.py), each links to the
+    chapter's own section in that language (an anchor its page has), and each number a
+    row shows is on the chapter's page."""
+    from urllib.parse import quote, urljoin
+
+    zh = url.startswith("zh/")
     chapters = _chapters_on_disk()
     assert set(chapters) == set(range(1, 31)), sorted(chapters)
     rows = _claim_rows(site, url)
     assert set(rows) == set(chapters), sorted(set(chapters) - set(rows))
-    claims, nbs = _docs_module("claims"), _docs_module("notebooks")
+    claims, hooks_pages = _docs_module("claims"), ROOT / "build" / "site-notebooks"
+    prefix = "zh/" if zh else ""
     for n, src in sorted(chapters.items()):
-        sec = claims.chapter_claims(nbs.cached_path(src))
+        sec = claims.chapter_claims(hooks_pages / ("zh" if zh else "en") / f"{src.stem}.ipynb",
+                                    english=hooks_pages / "en" / f"{src.stem}.ipynb")
         assert len(rows[n]) == len(sec.rows), (n, len(rows[n]), len(sec.rows))
-        page = site / "chapters" / src.stem / "index.html"
+        page = site / prefix / "chapters" / src.stem / "index.html"
         html = page.read_text()
         anchor = claims.heading_anchor(sec.heading)
-        assert f'id="{anchor}"' in html, (n, anchor)
+        assert f'id="{anchor}"' in html or f'id="{quote(anchor)}"' in html, (n, anchor)
         text = _Text()
         text.feed(html)
         shown = text.text
         for num, claim, measured in rows[n]:
             assert len(num["links"]) == 1, (n, num)
-            assert num["links"][0].endswith(f"chapters/{src.stem}/#{anchor}"), (n, num["links"])
+            target = urljoin(f"http://site/{url}/", num["links"][0])
+            assert target == f"http://site/{prefix}chapters/{src.stem}/#{anchor}", (n, num["links"])
             assert claim["text"].strip() and measured["text"].strip(), (n, claim, measured)
             missing = [x for x in NUMBER.findall(measured["text"]) if x not in shown]
             assert not missing, (n, measured["text"][:120], missing)
@@ -265,6 +273,61 @@ def test_chinese_edition(site):
     for url in ("", "zh/"):
         html = (site / url / "index.html").read_text()
         assert 'hreflang="zh"' in html and 'hreflang="en"' in html, url
+
+
+def _output_texts(html: str) -> list[str]:
+    """The text of each printed output block of a chapter page (stdout, text/plain)."""
+    from html import unescape
+
+    return [unescape(re.sub(r"<[^>]+>", "", m)) for m in
+            re.findall(r'jp-RenderedText[^>]*>\s*<pre>(.*?)</pre>', html, re.S)]
+
+
+def _translated(src: Path) -> bool:
+    i18n = _docs_module("i18n")
+    return i18n.translation_path(src).is_file() and i18n.status(src).ok
+
+
+def test_chinese_chapter_pages(site):
+    """Every chapter has its page in the Chinese section (zh/chapters/<chapter>/, lang
+    "zh"), built from the same executed notebook as the English page: as many printed
+    output blocks, each with the same numbers as its English counterpart (the sentences
+    the code says in Chinese carry the English's numbers: minivllm.i18n). A chapter whose
+    translation is complete shows no "not yet translated" mark and Chinese prose."""
+    from minivllm.i18n import numbers
+
+    for n, src in sorted(_chapters_on_disk().items()):
+        en = (site / "chapters" / src.stem / "index.html").read_text()
+        zh = (site / "zh" / "chapters" / src.stem / "index.html").read_text()
+        assert '<html lang="zh"' in zh and '<html lang="en"' in en, n
+        a, b = _output_texts(en), _output_texts(zh)
+        assert len(a) == len(b) > 0, (n, len(a), len(b))
+        for x, y in zip(a, b):
+            assert numbers(x) == numbers(y), (n, x[:300], y[:300])
+        article = zh[zh.find("<article"):zh.rfind("</article>")]
+        if _translated(src):
+            assert "尚未翻译" not in article, n
+            assert len(re.findall(r"[\u4e00-\u9fff]", article)) > 1000, n
+
+
+def test_chinese_lab_pages(site):
+    """Every lab has its page in the Chinese section: lang "zh", the same points, no line
+    of a solution or hidden test; a lab whose translation is complete shows no "not yet
+    translated" mark."""
+    for src in sorted((ROOT / "labs" / "source").glob("ch*/*.py")):
+        lab = src.parent.name
+        html = (site / "zh" / "labs" / lab / "index.html").read_text()
+        assert '<html lang="zh"' in html, lab
+        text = _page(site, f"zh/labs/{lab}").text
+        source = src.read_text()
+        total = sum(float(x) for x in re.findall(r'"points": ([0-9.]+)', source))
+        assert f"总分 {total:g} 分" in text, (lab, total)
+        secret = [ln.strip() for block in
+                  re.findall(r"### BEGIN (?:SOLUTION|HIDDEN TESTS)\n(.*?)### END", source, re.S)
+                  for ln in block.splitlines() if len(ln.strip()) > 25]
+        assert secret and not [ln for ln in secret if ln in text], lab
+        if _translated(src):
+            assert "尚未翻译" not in text, lab
 
 
 def test_module_map_is_the_readmes(site):
@@ -712,3 +775,62 @@ def test_search_finds_a_chapter(driver, base_url):
     driver.save_screenshot(str(SHOTS / "search.png"))
     box.send_keys(Keys.ESCAPE)
     _assert_site_only(driver, base_url)
+
+
+def _first_translated(kind: str) -> Path:
+    srcs = (sorted(_chapters_on_disk().values()) if kind == "chapter" else
+            sorted((ROOT / "labs" / "source").glob("ch*/*.py")))
+    done = [s for s in srcs if _translated(s)]
+    if not done:
+        pytest.fail(f"no {kind} is translated (docs/i18n.py status)")
+    return done[0]
+
+
+def test_chinese_chapter_and_lab_in_the_browser(driver, base_url):
+    """A Chinese chapter page and a Chinese lab page in the browser (screenshots
+    reports/site/zh-chapter.png, zh-lab.png): lang "zh", Chinese headings, and the
+    chapter's printed outputs carry the same numbers as the English page's, block by
+    block. The language selector leads from the English chapter page to its Chinese
+    counterpart and back."""
+    from selenium.webdriver.common.by import By
+    from minivllm.i18n import numbers
+
+    src = _first_translated("chapter")
+    outputs = "return [...document.querySelectorAll('.jp-OutputArea-output pre')].map(e => e.innerText)"
+
+    def open_page(url):
+        driver.get(base_url + url)
+        _wait(driver, lambda d: d.find_element(By.CSS_SELECTOR, "article h1"), f"{url}'s heading")
+        return driver.execute_script(outputs)
+
+    _requests(driver)
+    en = open_page(f"chapters/{src.stem}/")
+    zh = open_page(f"zh/chapters/{src.stem}/")
+    assert driver.execute_script("return document.documentElement.lang") == "zh"
+    h1 = driver.find_element(By.CSS_SELECTOR, "article h1").text
+    assert re.search(r"[\u4e00-\u9fff]", h1), h1
+    assert len(en) == len(zh) > 0, (len(en), len(zh))
+    differ = [(a[:200], b[:200]) for a, b in zip(en, zh) if numbers(a) != numbers(b)]
+    assert not differ, differ
+    said = sum(a != b for a, b in zip(en, zh))
+    print(f"{src.stem}: {len(en)} output blocks, {said} with sentences in Chinese, numbers equal")
+    driver.save_screenshot(str(SHOTS / "zh-chapter.png"))
+    _assert_site_only(driver, base_url)
+
+    lab = _first_translated("lab").parent.name
+    driver.get(base_url + f"zh/labs/{lab}/")
+    h1 = _wait(driver, lambda d: d.find_element(By.CSS_SELECTOR, "article h1"), "the lab's heading")
+    assert re.search(r"[\u4e00-\u9fff]", h1.text), h1.text
+    assert "总分" in driver.find_element(By.CSS_SELECTOR, "article").text
+    driver.save_screenshot(str(SHOTS / "zh-lab.png"))
+    _assert_site_only(driver, base_url)
+
+    # the language selector: English chapter -> its Chinese page -> back
+    for start, lang, target in ((f"chapters/{src.stem}/", "zh", f"zh/chapters/{src.stem}/"),
+                                (f"zh/chapters/{src.stem}/", "en", f"chapters/{src.stem}/")):
+        driver.get(base_url + start)
+        link = _wait(driver, lambda d: d.find_element(
+            By.CSS_SELECTOR, f'.md-select a[hreflang="{lang}"]'), "the language selector")
+        driver.execute_script("arguments[0].click();", link)
+        _wait(driver, lambda d: d.current_url.split("#")[0] == base_url + target,
+              f"the selector to lead from {start} to {target} (now {driver.current_url})")
