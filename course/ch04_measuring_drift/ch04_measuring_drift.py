@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from matplotlib.figure import Figure
 
 from minivllm import LLM, SamplingParams
+from minivllm.i18n import Bi, say
 from minivllm.precision import ReferenceModel, evalsets, faults, metrics, plots
 from minivllm.precision.noise import permuted_mlp_reduction
 from minivllm.quantization.kv_cache import quantize_kv
@@ -63,7 +64,8 @@ fp32 = LLM(MODEL, dtype="float32", **KW)                     # the reference eng
 bf16 = LLM(MODEL, dtype="auto", **KW)                        # vLLM's default: bf16 on this CPU
 bf16_fix = LLM(MODEL, dtype="auto", lm_head_dtype="float32", **KW)  # the mitigation
 tok = fp32.get_tokenizer()
-print("dtype='auto' runs in", bf16.llm_engine.model_config.dtype)
+say(f"dtype='auto' runs in {bf16.llm_engine.model_config.dtype}",
+    f"dtype='auto' 以 {bf16.llm_engine.model_config.dtype} 运行")
 # 8 windows of 32 corpus tokens: 256 teacher-forced positions, 8 clusters for the bootstrap
 seqs = evalsets.corpus_sequences(tok, seq_len=32, max_sequences=8)
 print(f"{len(seqs)} windows x {len(seqs[0])} tokens = {sum(map(len, seqs))} positions")
@@ -172,8 +174,10 @@ for p, o in zip(prompts, sampled):
     ref_lp = rows[torch.arange(len(toks)), torch.tensor(toks)].double().numpy()
     deltas.append(eng_lp - ref_lp)
 dl_sampled = np.concatenate(deltas)
-print(f"bf16 engine's sampled-token log-probs vs float32 recompute ({dl_sampled.size} tokens): "
-      f"max |Δ| {np.abs(dl_sampled).max():.3f}, RMS {np.sqrt((dl_sampled ** 2).mean()):.3f} nats")
+say(f"bf16 engine's sampled-token log-probs vs float32 recompute ({dl_sampled.size} tokens): "
+    f"max |Δ| {np.abs(dl_sampled).max():.3f}, RMS {np.sqrt((dl_sampled ** 2).mean()):.3f} nats",
+    f"bf16 引擎被采样 token 的对数概率对比 float32 重计算（{dl_sampled.size} 个 token）："
+    f"最大 |Δ| {np.abs(dl_sampled).max():.3f}，RMS {np.sqrt((dl_sampled ** 2).mean()):.3f} nats")
 
 # %% [markdown]
 # (The recompute scores only the continuation's rows: `LLM.score(..., positions=)` runs
@@ -247,8 +251,10 @@ for name, ctx in [("fp16 K/V (float32 engine)", lambda: fp32.swap_step("kv.quant
     with ctx():
         configs.append(task(row(name, drifts(fp32.score(seqs))), answers(fp32)))
 configs.sort(key=lambda r: r["mean KL"])
-print(f"float32 engine's own QA accuracy: "
-      f"{np.mean([evalsets.answer_matches(o.text, q.answers) for o, q in zip(ref_ans, qa)]):.0%}")
+say(f"float32 engine's own QA accuracy: "
+    f"{np.mean([evalsets.answer_matches(o.text, q.answers) for o, q in zip(ref_ans, qa)]):.0%}",
+    f"float32 引擎自身的 QA 准确率："
+    f"{np.mean([evalsets.answer_matches(o.text, q.answers) for o, q in zip(ref_ans, qa)]):.0%}")
 print_table(configs)
 print("\n| config | QA accuracy | greedy agreement | first divergence per answer |")
 print("|---|---|---|---|")
@@ -285,9 +291,12 @@ others = {m: v for m, v in disagreement.items() if m != "mean KL"}
 n_against = sum(a > 0 for a, _ in others.values())
 worst = max(others, key=lambda m: others[m][0])
 tiest = max(others, key=lambda m: others[m][1])
-print(f"\n{n_against} of {len(others)} other metrics order at least one pair of configurations "
-      f"against KL; most: {worst} ({others[worst][0]} of {len(pairs)} pairs). Most ties: "
-      f"{tiest} ({others[tiest][1]} of {len(pairs)} pairs it cannot tell apart).")
+say(f"\n{n_against} of {len(others)} other metrics order at least one pair of configurations "
+    f"against KL; most: {worst} ({others[worst][0]} of {len(pairs)} pairs). Most ties: "
+    f"{tiest} ({others[tiest][1]} of {len(pairs)} pairs it cannot tell apart).",
+    f"\n其他 {len(others)} 个指标中，有 {n_against} 个至少把一对配置排得与 KL 相反；最多的是："
+    f"{worst}（{len(pairs)} 对中有 {others[worst][0]} 对）。持平最多的是："
+    f"{tiest}（{len(pairs)} 对中有 {others[tiest][1]} 对它无法区分）。")
 
 fig = Figure(figsize=(8.5, 4.6), layout="constrained")
 ax = fig.add_subplot()
@@ -351,14 +360,20 @@ def verdict(r, noise_row=noise, threshold=PRACTICAL_KL):
     return above_noise, material, "anomaly" if above_noise and material else "noise"
 
 
-print(f"noise floor: mean KL {noise['mean KL']:.1e}, 95% CI up to {noise['KL CI'][1]:.1e} nats; "
-      f"practical threshold {PRACTICAL_KL:g} nats")
-print("| config | KL CI low | above noise floor | above threshold | verdict |")
-print("|---|---|---|---|---|")
+say(f"noise floor: mean KL {noise['mean KL']:.1e}, 95% CI up to {noise['KL CI'][1]:.1e} nats; "
+    f"practical threshold {PRACTICAL_KL:g} nats",
+    f"噪声基底：平均 KL {noise['mean KL']:.1e}，95% CI 上端 {noise['KL CI'][1]:.1e} nats；"
+    f"实际阈值 {PRACTICAL_KL:g} nats")
+lines = [Bi("| config | KL CI low | above noise floor | above threshold | verdict |",
+            "| config | KL CI 下端 | 高于噪声基底 | 高于阈值 | 结论 |"),
+         Bi("|---|---|---|---|---|", "|---|---|---|---|---|")]
 for r in configs:
     a, m, v = verdict(r)
-    print(f"| {r['config']} | {r['KL CI'][0]:.1e} | {'yes' if a else 'no'} | "
-          f"{'yes' if m else 'no'} | **{v}** |")
+    lines.append(Bi(f"| {r['config']} | {r['KL CI'][0]:.1e} | {'yes' if a else 'no'} | "
+                    f"{'yes' if m else 'no'} | **{'anomaly' if v == 'anomaly' else 'noise'}** |",
+                    f"| {r['config']} | {r['KL CI'][0]:.1e} | {'是' if a else '否'} | "
+                    f"{'是' if m else '否'} | **{'异常' if v == 'anomaly' else '噪声'}** |"))
+say("\n".join(x.en for x in lines), "\n".join(x.zh for x in lines))
 
 # %% [markdown]
 # ## 6. Why, and the fix measured: an fp32 LM head
@@ -390,17 +405,28 @@ def tgt_lp(rows_list):
 head_only = (tgt_lp(bf16_rows) - tgt_lp(fix_rows)).double()
 head_rms = float(head_only.pow(2).mean().sqrt())
 head_on_fp32 = next(r for r in configs if r["config"].startswith("bf16 LM head"))["tgt RMS"]
-print("RMS |Δlogprob| of the target tokens against float32 (256 positions):")
-print(f"  bf16 engine, bf16 LM head                  {bf16_body:.4f} "
-      f"(max {bf16_row['tgt max']:.3f})")
-print(f"  bf16 engine, fp32 LM head (lm_head_dtype)  {fixed:.4f} "
-      f"(max {fix_row['tgt max']:.3f}): {fixed / bf16_body:.2f}x")
-print(f"  the head's own rounding (bf16 vs fp32 head, same hidden states): {head_rms:.4f}")
-print(f"  a bf16 head on the float32 body            {head_on_fp32:.4f}")
-print(f"  quadrature check: sqrt(fixed^2 + head^2) = {np.hypot(fixed, head_rms):.4f} "
-      f"vs {bf16_body:.4f} measured")
-print(f"mean KL: {bf16_row['mean KL']:.2e} -> {fix_row['mean KL']:.2e} nats; "
-      f"top-5 overlap {100 * bf16_row['top-5']:.2f}% -> {100 * fix_row['top-5']:.2f}%")
+say("RMS |Δlogprob| of the target tokens against float32 (256 positions):",
+    "目标 token 相对 float32 的 RMS |Δlogprob|（256 个位置）：")
+say(f"  bf16 engine, bf16 LM head                  {bf16_body:.4f} "
+    f"(max {bf16_row['tgt max']:.3f})",
+    f"  bf16 引擎，bf16 LM head                    {bf16_body:.4f}"
+    f"（最大 {bf16_row['tgt max']:.3f}）")
+say(f"  bf16 engine, fp32 LM head (lm_head_dtype)  {fixed:.4f} "
+    f"(max {fix_row['tgt max']:.3f}): {fixed / bf16_body:.2f}x",
+    f"  bf16 引擎，fp32 LM head（lm_head_dtype）   {fixed:.4f}"
+    f"（最大 {fix_row['tgt max']:.3f}）：{fixed / bf16_body:.2f}x")
+say(f"  the head's own rounding (bf16 vs fp32 head, same hidden states): {head_rms:.4f}",
+    f"  head 自身的舍入（bf16 head 对比 fp32 head，隐藏状态相同）：{head_rms:.4f}")
+say(f"  a bf16 head on the float32 body            {head_on_fp32:.4f}",
+    f"  float32 主体上的 bf16 head                 {head_on_fp32:.4f}")
+say(f"  quadrature check: sqrt(fixed^2 + head^2) = {np.hypot(fixed, head_rms):.4f} "
+    f"vs {bf16_body:.4f} measured",
+    f"  平方和检查：sqrt(fixed^2 + head^2) = {np.hypot(fixed, head_rms):.4f}，"
+    f"实测为 {bf16_body:.4f}")
+say(f"mean KL: {bf16_row['mean KL']:.2e} -> {fix_row['mean KL']:.2e} nats; "
+    f"top-5 overlap {100 * bf16_row['top-5']:.2f}% -> {100 * fix_row['top-5']:.2f}%",
+    f"平均 KL：{bf16_row['mean KL']:.2e} -> {fix_row['mean KL']:.2e} nats；"
+    f"top-5 重合度 {100 * bf16_row['top-5']:.2f}% -> {100 * fix_row['top-5']:.2f}%")
 
 # %%
 fig = Figure(figsize=(7, 3.6), layout="constrained")
