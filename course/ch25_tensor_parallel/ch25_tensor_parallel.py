@@ -69,6 +69,7 @@ import torch
 from matplotlib.figure import Figure
 
 from minivllm import LLM, SamplingParams
+from minivllm.i18n import Bi, claims_table, say
 from minivllm.parallel.emulated_tp import (all_reduce_rank_order, check_tensor_parallel_size,
                                            emulate_tensor_parallel, shard_contiguous,
                                            shard_merged_column, shard_qkv)
@@ -192,7 +193,8 @@ print(f"bfloat16 tp=3 vs tp=1: mean KL {kl16:.2e} nats, max |logit diff| {diff16
       f"top-1 agreement {100 * top1_16:.1f}%, greedy first divergence {div16} "
       f"(None = all {greedy.max_tokens} equal)")
 print(f"for scale, bfloat16 tp=1 vs float32 tp=1: mean KL {kl16_vs32:.2e} nats")
-print(f"bfloat16 tp=3 run twice: bit-identical {torch.equal(tp16, tp16_again)}")
+say(f"bfloat16 tp=3 run twice: bit-identical {torch.equal(tp16, tp16_again)}",
+    f"bfloat16 tp=3 运行两次：逐位相同 {torch.equal(tp16, tp16_again)}")
 
 # %% [markdown]
 # In float32 the split is invisible in the distribution (KL many orders below anything a
@@ -257,12 +259,15 @@ for name, lg in by_order.items():
           f"{(lg - tp16).abs().max().item():10.3g} {metrics.mean_kl(tp16, lg):10.2e} "
           f"{metrics.mean_kl(ref16, lg):10.2e}")
 runs_differ = not torch.equal(by_order["arrival, run 1"], by_order["arrival, run 2"])
-print(f"arrival order, run 1 vs run 2: bits differ {runs_differ}, KL "
-      f"{metrics.mean_kl(by_order['arrival, run 1'], by_order['arrival, run 2']):.2e}")
+say(f"arrival order, run 1 vs run 2: bits differ {runs_differ}, KL "
+    f"{metrics.mean_kl(by_order['arrival, run 1'], by_order['arrival, run 2']):.2e}",
+    f"到达顺序，第 1 次与第 2 次运行：位不同 {runs_differ}，KL "
+    f"{metrics.mean_kl(by_order['arrival, run 1'], by_order['arrival, run 2']):.2e}")
 with emulate_tensor_parallel(b16, TP, all_reduce_fn=all_reduce_ring):
     g16_ring = generate(b16)
 div_ring = [metrics.first_divergence(a, b) for a, b in zip(g16_tp, g16_ring)]
-print(f"greedy, ring-like vs rank order: first divergence {div_ring}")
+say(f"greedy, ring-like vs rank order: first divergence {div_ring}",
+    f"贪心输出，类 ring 与 rank 顺序：首次分歧位置 {div_ring}")
 
 # %%
 fig = Figure(figsize=(7.5, 3.0), layout="constrained")
@@ -354,10 +359,14 @@ with tp_gate_up_contiguous(real):
     bad_real = logits(real)
 kl_bad_real = metrics.mean_kl(ref32, bad_real)
 real.llm_engine.shutdown()
-print(f"float32, real tp=3 vs tp=1: mean KL {kl_real:.2e} nats, max |logit diff| "
-      f"{diff_real:.2e}, greedy tokens equal: {same_greedy}")
-print(f"real tp=3 vs the emulation (rank order): max |logit diff| {diff_real_emu:.2e}, "
-      f"bit-identical: {torch.equal(real32, tp32)}")
+say(f"float32, real tp=3 vs tp=1: mean KL {kl_real:.2e} nats, max |logit diff| "
+    f"{diff_real:.2e}, greedy tokens equal: {same_greedy}",
+    f"float32，真实 tp=3 与 tp=1：平均 KL {kl_real:.2e} nats，最大 |logit diff| "
+    f"{diff_real:.2e}，贪心 token 相等：{same_greedy}")
+say(f"real tp=3 vs the emulation (rank order): max |logit diff| {diff_real_emu:.2e}, "
+    f"bit-identical: {torch.equal(real32, tp32)}",
+    f"真实 tp=3 与模拟（rank 顺序）：最大 |logit diff| {diff_real_emu:.2e}，"
+    f"逐位相同：{torch.equal(real32, tp32)}")
 print(f"real tp=3 with contiguous gate_up shards: mean KL {kl_bad_real:.3g} nats")
 print(f"scoring {len(seqs)} x {len(seqs[0])} tokens took {t_real:.2f} s over 3 processes")
 
@@ -374,30 +383,63 @@ print(f"scoring {len(seqs)} x {len(seqs[0])} tokens took {t_real:.2f} s over 3 p
 # ## 7. Claim vs measurement
 
 # %%
-print("| claim | what we measured here |")
-print("|---|---|")
-print(f"| SmolLM2 admits tensor_parallel_size 1 or 3 only | vLLM's checks allow {allowed}; "
-      f"at tp=3 each rank has 3 query heads, 1 KV head, 512 MLP units |")
-print(f"| fp32: KL at noise level | tp=3 vs tp=1: mean KL {kl32:.1e} nats, max |logit diff| "
-      f"{diff32:.1e}, top-1 {100 * top1_32:.0f}% of {len(ref32)} positions |")
-print(f"| bf16: larger, greedy divergence possible (course plan estimate) | tp=3 vs tp=1: "
-      f"mean KL {kl16:.1e} "
-      f"nats (bf16 vs fp32 at tp=1: {kl16_vs32:.1e}), max |logit diff| {diff16:.2g}, top-1 "
-      f"{100 * top1_16:.1f}%, greedy first divergence {div16} |")
-print(f"| run-to-run variation appears only when the reduction order varies | fixed order run "
-      f"twice: bit-identical {torch.equal(tp16, tp16_again)}; arrival order run twice: bits "
-      f"differ {runs_differ} |")
-print(f"| the reduction order itself matters in bf16 | ring-like vs rank order: "
-      f"{100 * (by_order['ring-like'] != tp16).float().mean().item():.0f}% of logits differ, "
-      f"KL {metrics.mean_kl(tp16, by_order['ring-like']):.1e}; greedy first divergence "
-      f"{div_ring} |")
-print(f"| contiguous gate_up shards give garbage (KL >> 1) | float32 tp=3: mean KL "
-      f"{kl_bad:.3g} nats, top-1 {100 * top1_bad:.1f}% |")
-print(f"| real processes reproduce the emulated numbers | gloo tp=3 vs tp=1 float32: mean KL "
-      f"{kl_real:.1e}, max |logit diff| {diff_real:.1e}, greedy equal {same_greedy}; contiguous "
-      f"gate_up: KL {kl_bad_real:.3g} |")
-print("| vllm #2891: TP=1 vs TP=4 greedy outputs differ, probably reduction order | "
-      "consistent with section 3 (bf16 tp=3 vs tp=1 above); not reproduced on MPT |")
+claims_table([
+    (Bi("SmolLM2 admits tensor_parallel_size 1 or 3 only",
+        "SmolLM2 只允许 tensor_parallel_size 为 1 或 3"),
+     Bi(f"vLLM's checks allow {allowed}; "
+        f"at tp=3 each rank has 3 query heads, 1 KV head, 512 MLP units",
+        f"vLLM 的检查允许 {allowed}；"
+        f"tp=3 时每个 rank 有 3 个 query 头、1 个 KV 头、512 个 MLP 单元")),
+    (Bi("fp32: KL at noise level", "fp32：KL 处于噪声水平"),
+     Bi(f"tp=3 vs tp=1: mean KL {kl32:.1e} nats, max |logit diff| "
+        f"{diff32:.1e}, top-1 {100 * top1_32:.0f}% of {len(ref32)} positions",
+        f"tp=3 与 tp=1：平均 KL {kl32:.1e} nats，最大 |logit diff| "
+        f"{diff32:.1e}，{len(ref32)} 个位置上 top-1 {100 * top1_32:.0f}%")),
+    (Bi("bf16: larger, greedy divergence possible (course plan estimate)",
+        "bf16：更大，可能出现贪心分歧（课程计划的估计）"),
+     Bi(f"tp=3 vs tp=1: "
+        f"mean KL {kl16:.1e} "
+        f"nats (bf16 vs fp32 at tp=1: {kl16_vs32:.1e}), max |logit diff| {diff16:.2g}, top-1 "
+        f"{100 * top1_16:.1f}%, greedy first divergence {div16}",
+        f"tp=3 与 tp=1："
+        f"平均 KL {kl16:.1e} "
+        f"nats（tp=1 时 bf16 与 fp32：{kl16_vs32:.1e}），最大 |logit diff| {diff16:.2g}，top-1 "
+        f"{100 * top1_16:.1f}%，贪心首次分歧位置 {div16}")),
+    (Bi("run-to-run variation appears only when the reduction order varies",
+        "只有当归约顺序变化时，才会出现运行之间的差异"),
+     Bi(f"fixed order run "
+        f"twice: bit-identical {torch.equal(tp16, tp16_again)}; arrival order run twice: bits "
+        f"differ {runs_differ}",
+        f"固定顺序运行"
+        f"两次：逐位相同 {torch.equal(tp16, tp16_again)}；到达顺序运行两次：位"
+        f"不同 {runs_differ}")),
+    (Bi("the reduction order itself matters in bf16", "在 bf16 中，归约顺序本身就有影响"),
+     Bi(f"ring-like vs rank order: "
+        f"{100 * (by_order['ring-like'] != tp16).float().mean().item():.0f}% of logits differ, "
+        f"KL {metrics.mean_kl(tp16, by_order['ring-like']):.1e}; greedy first divergence "
+        f"{div_ring}",
+        f"类 ring 与 rank 顺序："
+        f"{100 * (by_order['ring-like'] != tp16).float().mean().item():.0f}% 的 logits 不同，"
+        f"KL {metrics.mean_kl(tp16, by_order['ring-like']):.1e}；贪心首次分歧位置 "
+        f"{div_ring}")),
+    (Bi("contiguous gate_up shards give garbage (KL >> 1)",
+        "连续切分的 gate_up 分片给出乱码（KL >> 1）"),
+     Bi(f"float32 tp=3: mean KL "
+        f"{kl_bad:.3g} nats, top-1 {100 * top1_bad:.1f}%",
+        f"float32 tp=3：平均 KL "
+        f"{kl_bad:.3g} nats，top-1 {100 * top1_bad:.1f}%")),
+    (Bi("real processes reproduce the emulated numbers", "真实进程复现了模拟的数值"),
+     Bi(f"gloo tp=3 vs tp=1 float32: mean KL "
+        f"{kl_real:.1e}, max |logit diff| {diff_real:.1e}, greedy equal {same_greedy}; contiguous "
+        f"gate_up: KL {kl_bad_real:.3g}",
+        f"gloo tp=3 与 tp=1，float32：平均 KL "
+        f"{kl_real:.1e}，最大 |logit diff| {diff_real:.1e}，贪心输出相等 {same_greedy}；连续切分的 "
+        f"gate_up：KL {kl_bad_real:.3g}")),
+    (Bi("vllm #2891: TP=1 vs TP=4 greedy outputs differ, probably reduction order",
+        "vllm #2891：TP=1 与 TP=4 的贪心输出不同，可能是归约顺序所致"),
+     Bi("consistent with section 3 (bf16 tp=3 vs tp=1 above); not reproduced on MPT",
+        "与第 3 节一致（上面 bf16 tp=3 与 tp=1 的比较）；没有在 MPT 上复现")),
+], header=(Bi("claim", "论断"), Bi("what we measured here", "本次实测")))
 
 # %% [markdown]
 # ## Common misconceptions
