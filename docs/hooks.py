@@ -288,6 +288,8 @@ def on_page_markdown(markdown, page, config, files):
         markdown = markdown.replace("<!-- module-map -->", module_map_markdown())
     if "<!-- claims -->" in markdown:
         markdown = markdown.replace("<!-- claims -->", claims_markdown(page))
+    if page_lang(page) == "zh":  # a line break between Chinese characters is no space
+        markdown = i18n.join_cjk_lines(markdown)
     return markdown
 
 
