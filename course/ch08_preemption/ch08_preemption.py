@@ -56,6 +56,7 @@ import torch
 from matplotlib.figure import Figure
 
 from minivllm import LLM
+from minivllm.i18n import Bi, claims_table, say
 from minivllm.precision import faults
 from measure_recompute import batch_run, chat_prompts, compare, sampling, wilson
 
@@ -105,8 +106,10 @@ print(f"preemptions per request: {pre}; resumed at output index: {[r['resumed_at
 print(f"first divergence from the unpreempted run: {[r['first_divergence'] for r in rec32]}")
 kl_res32 = np.array([x for r in rec32 for x in r["kl_resumed"]])
 kl_oth32 = np.array([x for r in rec32 for x in r["kl_other"]])
-print(f"KL at the {len(kl_res32)} resumed positions: max {kl_res32.max():.2e} nats; at the other "
-      f"{len(kl_oth32)} positions: max {kl_oth32.max():.2e}")
+say(f"KL at the {len(kl_res32)} resumed positions: max {kl_res32.max():.2e} nats; at the other "
+    f"{len(kl_oth32)} positions: max {kl_oth32.max():.2e}",
+    f"{len(kl_res32)} 个恢复位置上的 KL：最大 {kl_res32.max():.2e} nats；其他 "
+    f"{len(kl_oth32)} 个位置上：最大 {kl_oth32.max():.2e}")
 
 # %% [markdown]
 # In float32 the correct engine gives every preempted request the tokens of its
@@ -138,13 +141,29 @@ for name, fault in FAULTS.items():
     with fault(llm):
         fault_rec[name] = compare(solo32, batch_run(llm, prompts, params))
 rows = {"correct engine": rec32, **fault_rec}
+NAMES_ZH = {"correct engine": "正确的引擎", "drop outputs on resume": "恢复时丢弃输出",
+            "double append on resume": "恢复时重复追加",
+            "penalties count re-prefilled output as prompt": "惩罚把重新 prefill 的输出算作提示词"}
+
+
+def run_name(name, lang):
+    """A ``rows`` key in ``lang`` ("en" or "zh")."""
+    return name if lang == "en" else NAMES_ZH[name]
+
+
 for name, recs in rows.items():
     p = [r for r in recs if r["preemptions"] > 0]
     c = [r for r in recs if r["preemptions"] == 0]
-    print(f"{name:>46}: preempted {sum(r['first_divergence'] is not None for r in p)}/{len(p)} "
-          f"diverged (first divergence {[r['first_divergence'] for r in p]}, mean agreement "
-          f"{np.mean([r['agreement'] for r in p]):.2f}); never preempted "
-          f"{sum(r['first_divergence'] is not None for r in c)}/{len(c)} diverged")
+    say(f"{run_name(name, 'en'):>46}: preempted "
+        f"{sum(r['first_divergence'] is not None for r in p)}/{len(p)} "
+        f"diverged (first divergence {[r['first_divergence'] for r in p]}, mean agreement "
+        f"{np.mean([r['agreement'] for r in p]):.2f}); never preempted "
+        f"{sum(r['first_divergence'] is not None for r in c)}/{len(c)} diverged",
+        f"{run_name(name, 'zh'):>46}：被抢占的请求中 "
+        f"{sum(r['first_divergence'] is not None for r in p)}/{len(p)} "
+        f"出现分歧（首次分歧位置 {[r['first_divergence'] for r in p]}，平均一致率 "
+        f"{np.mean([r['agreement'] for r in p]):.2f}）；从未被抢占的请求中 "
+        f"{sum(r['first_divergence'] is not None for r in c)}/{len(c)} 出现分歧")
 
 # %% [markdown]
 # The metric finds each bug on the preempted requests (the counts above), and a request
@@ -198,12 +217,22 @@ kl_res16 = np.array([x for r in rec16 for x in r["kl_resumed"]])
 kl_oth16 = np.array([x for r in rec16 for x in r["kl_other"]])
 print(f"bfloat16: preemptions {[r['preemptions'] for r in rec16]}, first divergence "
       f"{[r['first_divergence'] for r in rec16]}")
-_res = (f"mean {kl_res16.mean():.2e}, max {kl_res16.max():.2e} nats" if len(kl_res16)
-        else "none before a divergence")
-print(f"KL at {len(kl_res16)} resumed positions: {_res}; at the {len(kl_oth16)} other positions: mean "
-      f"{kl_oth16.mean():.2e}, max {kl_oth16.max():.2e} ({(kl_oth16 > 0).mean():.0%} of them "
-      f"not exactly 0)")
-print(f"float32 for comparison: resumed max {kl_res32.max():.2e}, other max {kl_oth32.max():.2e}")
+def tr(text, lang):
+    """The ``lang`` ("en" or "zh") text of a ``Bi``."""
+    return getattr(text, lang)
+
+
+_res = (Bi(f"mean {kl_res16.mean():.2e}, max {kl_res16.max():.2e} nats",
+           f"平均 {kl_res16.mean():.2e}，最大 {kl_res16.max():.2e} nats") if len(kl_res16)
+        else Bi("none before a divergence", "在分歧之前一个也没有"))
+say(f"KL at {len(kl_res16)} resumed positions: {tr(_res, 'en')}; at the {len(kl_oth16)} other "
+    f"positions: mean {kl_oth16.mean():.2e}, max {kl_oth16.max():.2e} "
+    f"({(kl_oth16 > 0).mean():.0%} of them not exactly 0)",
+    f"{len(kl_res16)} 个恢复位置上的 KL：{tr(_res, 'zh')}；其他 {len(kl_oth16)} 个"
+    f"位置上：平均 {kl_oth16.mean():.2e}，最大 {kl_oth16.max():.2e}"
+    f"（其中 {(kl_oth16 > 0).mean():.0%} 不恰好为 0）")
+say(f"float32 for comparison: resumed max {kl_res32.max():.2e}, other max {kl_oth32.max():.2e}",
+    f"float32 作为对比：恢复位置最大 {kl_res32.max():.2e}，其他位置最大 {kl_oth32.max():.2e}")
 
 # %% [markdown]
 # ## 4. The rates, on more requests (measured beforehand)
@@ -276,56 +305,91 @@ fig
 
 # %%
 def _rate(key):
+    """Section 4's rates for run ``key``, in words (Bi)."""
     t = ST[key]
-    return (f"{t['kp']}/{t['np']} preempted (95 % CI {t['ci_p'][0]:.0%}-{t['ci_p'][1]:.0%}) vs "
-            f"{t['kc']}/{t['nc']} never-preempted requests diverged within "
-            f"{RATE_TOKENS} tokens; mean KL right after a "
-            f"resume {t['res'].mean():.1e} nats vs {t['oth'].mean():.1e} at other positions")
+    return Bi(f"{t['kp']}/{t['np']} preempted (95 % CI {t['ci_p'][0]:.0%}-{t['ci_p'][1]:.0%}) vs "
+              f"{t['kc']}/{t['nc']} never-preempted requests diverged within "
+              f"{RATE_TOKENS} tokens; mean KL right after a "
+              f"resume {t['res'].mean():.1e} nats vs {t['oth'].mean():.1e} at other positions",
+              f"被抢占的 {t['kp']}/{t['np']}（95 % CI {t['ci_p'][0]:.0%}-{t['ci_p'][1]:.0%}）对比"
+              f"从未被抢占的 {t['kc']}/{t['nc']} 个请求在 {RATE_TOKENS} 个 token 内出现分歧；"
+              f"恢复之后紧接着的平均 KL {t['res'].mean():.1e} nats，对比其他位置的 "
+              f"{t['oth'].mean():.1e}")
 
 
 p32 = [r for r in rec32 if r["preemptions"]]
 same32 = sum(r["first_divergence"] is None for r in p32)
-print("| claim | what we measured |")
-print("|---|---|")
-print("| seed 000 §2.1.3: eviction and recompute under memory pressure change the answers "
-      "| with a correct engine in float32, "
-      + ("no" if p32 and same32 == len(p32) else "yes")
-      + f": {same32}/{len(p32)} preempted requests "
-      f"token-identical to their unpreempted runs with seeded sampling and penalties, KL at the "
-      f"resumed positions <= {kl_res32.max():.1e} nats |")
+NO32 = bool(p32) and same32 == len(p32)
+claim_rows = [
+    (Bi("seed 000 §2.1.3: eviction and recompute under memory pressure change the answers",
+        "种子课程 000 §2.1.3：内存压力下的驱逐与重计算会改变回答"),
+     Bi(f"with a correct engine in float32, {'no' if NO32 else 'yes'}: {same32}/{len(p32)} "
+        f"preempted requests token-identical to their unpreempted runs with seeded sampling and "
+        f"penalties, KL at the resumed positions <= {kl_res32.max():.1e} nats",
+        f"在 float32 中用正确的引擎：{'否' if NO32 else '是'}：{same32}/{len(p32)} 个"
+        f"被抢占的请求在带随机种子的采样和惩罚下与它们未被抢占的运行 token 完全相同，"
+        f"恢复位置上的 KL <= {kl_res32.max():.1e} nats")),
+]
 for key in B16:
-    _verdict = "can" if ST[key]["kp"] > 0 else "did not in this run"
-    print(f"| ... in 16 bits it {_verdict} ({key}) | {_rate(key)} ({rates['date']}) |")
+    _verdict = (Bi("can", "会") if ST[key]["kp"] > 0 else
+                Bi("did not in this run", "在本次运行中没有"))
+    claim_rows.append(
+        (Bi(f"... in 16 bits it {tr(_verdict, 'en')} ({key})",
+            f"……在 16 位下{tr(_verdict, 'zh')}（{key}）"),
+         Bi(f"{tr(_rate(key), 'en')} ({rates['date']})",
+            f"{tr(_rate(key), 'zh')}（{rates['date']}）")))
 _ratio = [ST[k]["res"].mean() / ST[k]["oth"].mean() for k in B16
           if len(ST[k]["res"]) and ST[k]["oth"].mean() > 0]
 _wp, _wc = wilson(KP, NP), wilson(KC, NC)
 SAME_ORDER = 10  # a resume KL within 10x of the other positions' is the same order
-print("| ... so preemption is what changes answers under load in 16 bits | "
-      + ("yes, more often than the batch does" if _wp[0] > _wc[1] else
-         "no, less often than the batch does" if _wp[1] < _wc[0] else
-         "not more than the batch does (the 95 % intervals overlap)")
-      + f": pooled over the 16-bit runs, {KP}/{NP} preempted "
-      f"({_wp[0]:.0%}-{_wp[1]:.0%}) vs {KC}/{NC} never-preempted "
-      f"({_wc[0]:.0%}-{_wc[1]:.0%}) requests changed tokens |")
-print("| ... 'garbage under FP16' | "
-      + ("not from recompute numerics" if max(_ratio) < SAME_ORDER else
-         "recompute numerics add more than other 16-bit differences")
-      + f": in 16 bits the mean KL right after a resume is {min(_ratio):.1f}-{max(_ratio):.1f}x "
-      f"the mean KL at other positions of the same runs (any 16-bit rounding difference, batch "
-      f"composition included; same order: within {SAME_ORDER}x), and "
-      + (f"{KC}/{NC} never-preempted requests diverge as well" if KC else
-         "no never-preempted request diverged")
-      + "; lost or duplicated tokens come from state bugs (section 2) |")
+_more = (Bi("yes, more often than the batch does", "是，比批次造成的更频繁") if _wp[0] > _wc[1] else
+         Bi("no, less often than the batch does", "否，比批次造成的更少") if _wp[1] < _wc[0] else
+         Bi("not more than the batch does (the 95 % intervals overlap)",
+            "不比批次造成的更多（95 % 区间重叠）"))
+_num = (Bi("not from recompute numerics", "并非来自重计算的数值") if max(_ratio) < SAME_ORDER else
+        Bi("recompute numerics add more than other 16-bit differences",
+           "重计算的数值带来的差异多于其他 16 位差异"))
+_ctl = (Bi(f"{KC}/{NC} never-preempted requests diverge as well",
+           f"从未被抢占的请求中也有 {KC}/{NC} 个出现分歧") if KC else
+        Bi("no never-preempted request diverged", "没有任何从未被抢占的请求出现分歧"))
+claim_rows += [
+    (Bi("... so preemption is what changes answers under load in 16 bits",
+        "……所以在 16 位下，负载下改变回答的是抢占"),
+     Bi(f"{tr(_more, 'en')}: pooled over the 16-bit runs, {KP}/{NP} preempted "
+        f"({_wp[0]:.0%}-{_wp[1]:.0%}) vs {KC}/{NC} never-preempted "
+        f"({_wc[0]:.0%}-{_wc[1]:.0%}) requests changed tokens",
+        f"{tr(_more, 'zh')}：合并所有 16 位运行，被抢占的 {KP}/{NP} "
+        f"（{_wp[0]:.0%}-{_wp[1]:.0%}）对比从未被抢占的 {KC}/{NC} "
+        f"（{_wc[0]:.0%}-{_wc[1]:.0%}）个请求的 token 发生了改变")),
+    (Bi("... 'garbage under FP16'", "……“在 FP16 下成了乱码”"),
+     Bi(f"{tr(_num, 'en')}: in 16 bits the mean KL right after a resume is "
+        f"{min(_ratio):.1f}-{max(_ratio):.1f}x the mean KL at other positions of the same runs "
+        f"(any 16-bit rounding difference, batch composition included; same order: within "
+        f"{SAME_ORDER}x), and {tr(_ctl, 'en')}; lost or duplicated tokens come from state bugs "
+        f"(section 2)",
+        f"{tr(_num, 'zh')}：在 16 位下，恢复之后紧接着的平均 KL 是同一批运行中其他位置平均 KL 的 "
+        f"{min(_ratio):.1f}-{max(_ratio):.1f}x（任何 16 位舍入差异，包括批次组成；同一量级：在 "
+        f"{SAME_ORDER}x 以内），而且{tr(_ctl, 'zh')}；丢失或重复的 token 来自状态 bug"
+        f"（第 2 节）")),
+]
 for name, recs in fault_rec.items():
     p = [r for r in recs if r["preemptions"]]
     k_p = sum(r["first_divergence"] is not None for r in p)
     k_c = sum(r["first_divergence"] is not None for r in recs if not r["preemptions"])
-    print(f"| {name} changes preempted requests only | "
-          + ("yes" if k_p and not k_c else "no") + f": {k_p}/{len(p)} preempted diverged, "
-          f"{k_c} never-preempted |")
+    claim_rows.append(
+        (Bi(f"{run_name(name, 'en')} changes preempted requests only",
+            f"{run_name(name, 'zh')}只改变被抢占的请求"),
+         Bi(f"{'yes' if k_p and not k_c else 'no'}: {k_p}/{len(p)} preempted diverged, "
+            f"{k_c} never-preempted",
+            f"{'是' if k_p and not k_c else '否'}：被抢占的 {k_p}/{len(p)} 个出现分歧，"
+            f"从未被抢占的 {k_c} 个")))
 n_same = sum(r["first_divergence"] is None for r in rec32)
-print("| fp32 + penalties + forced preemption gives identical tokens (course plan estimate) | "
-      + ("confirmed" if n_same == N else "not confirmed") + f": {n_same}/{N} identical |")
+claim_rows.append(
+    (Bi("fp32 + penalties + forced preemption gives identical tokens (course plan estimate)",
+        "fp32 + 惩罚 + 强制抢占给出相同的 token（课程计划的估计）"),
+     Bi(f"{'confirmed' if n_same == N else 'not confirmed'}: {n_same}/{N} identical",
+        f"{'已证实' if n_same == N else '未证实'}：{n_same}/{N} 相同")))
+claims_table(claim_rows, header=(Bi("claim", "论断"), Bi("what we measured", "本次实测")))
 
 # %% [markdown]
 # ## Common misconceptions
