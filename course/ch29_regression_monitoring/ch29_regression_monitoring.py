@@ -60,12 +60,20 @@ import torch
 from matplotlib.figure import Figure
 
 from minivllm import LLM, SamplingParams
+from minivllm.i18n import Bi, claims_table, say
 from minivllm.precision import evalsets, metrics
 from minivllm.precision import regress as R
 from minivllm.precision.monitor import DriftMonitor
 from minivllm.precision.noise import permuted_mlp_reduction
 
 T0 = time.perf_counter()
+
+
+def tr(text, lang):
+    """The English or the Chinese of a Bi (the same fields in both f-strings of a say)."""
+    return getattr(text, lang)
+
+
 KW = {"model": "smollm2-135m-instruct", "dtype": "float32", "max_model_len": 256,
       "num_gpu_blocks_override": 256}
 SERVED = {"temperature": 0.7}  # the deployment's default sampling: its generation config
@@ -91,8 +99,10 @@ with permuted_mlp_reduction(base, seed=1):
     noise_rows = base.score(seqs)
 noise_check = R.golden_check(golden, noise_rows)
 print(f"snapshot: {len(seqs)} windows x {len(seqs[0])} tokens, dtype {golden['dtype']}")
-print(f"float32 rounding noise (reordered MLP sum): largest |token log-prob change| "
-      f"{noise_check.max_abs_error:.2e} nats")
+say(f"float32 rounding noise (reordered MLP sum): largest |token log-prob change| "
+    f"{noise_check.max_abs_error:.2e} nats",
+    f"float32 舍入噪声（打乱顺序的 MLP 求和）：token 对数概率的最大变化 "
+    f"{noise_check.max_abs_error:.2e} nats")
 print("tolerances (regress.DEFAULT_TOLERANCES):", R.DEFAULT_TOLERANCES)
 same = R.check_golden(base, golden)
 print("same engine again:    ", same.to_markdown())
@@ -145,8 +155,10 @@ gate = R.check(base, {"fp8 KV cache": fp8, "repetition_penalty 1.3 default": pen
                       "block_size 32, max_num_seqs 4": benign},
                seqs=seqs, prompts=traffic[-4:], max_tokens=8, baseline_label="float32, temperature 0.7")
 print(gate.to_markdown())
-print(f"(gate: {time.perf_counter() - t:.1f} s; in CI: `minivllm regress --candidate ...`, "
-      f"exit status {0 if gate.passed else 1})")
+say(f"(gate: {time.perf_counter() - t:.1f} s; in CI: `minivllm regress --candidate ...`, "
+    f"exit status {0 if gate.passed else 1})",
+    f"（门禁：{time.perf_counter() - t:.1f} s；在 CI 中：`minivllm regress --candidate ...`，"
+    f"退出状态 {0 if gate.passed else 1}）")
 V = {v.label: v for v in gate.verdicts}
 
 # %% [markdown]
@@ -169,13 +181,19 @@ V = {v.label: v for v in gate.verdicts}
 kl8 = V["fp8 KV cache"].kl_per_sequence
 lo, hi = metrics.bootstrap_ci(kl8)
 print("fp8 KV, mean KL per window:", " ".join(f"{x:.2e}" for x in kl8))
-print(f"mean {np.mean(kl8):.2e}, 95% interval [{lo:.2e}, {hi:.2e}]; noise floor upper end "
-      f"{gate.noise.kl_ci[1]:.1e}")
+say(f"mean {np.mean(kl8):.2e}, 95% interval [{lo:.2e}, {hi:.2e}]; noise floor upper end "
+    f"{gate.noise.kl_ci[1]:.1e}",
+    f"均值 {np.mean(kl8):.2e}，95% 区间 [{lo:.2e}, {hi:.2e}]；噪声基底上端 "
+    f"{gate.noise.kl_ci[1]:.1e}")
 one = [0.0] * (len(kl8) - 1) + [max(kl8) * 3]
-print(f"one bad window of {len(one)} (KL {one[-1]:.2e}): mean {np.mean(one):.2e} > 1e-3 is "
-      f"{np.mean(one) > 1e-3}, interval [{metrics.bootstrap_ci(one)[0]:.1e}, "
-      f"{metrics.bootstrap_ci(one)[1]:.1e}]: is_regression = "
-      f"{R.is_regression(one, gate.noise_kl_per_sequence, 1e-3)}")
+say(f"one bad window of {len(one)} (KL {one[-1]:.2e}): mean {np.mean(one):.2e} > 1e-3 is "
+    f"{np.mean(one) > 1e-3}, interval [{metrics.bootstrap_ci(one)[0]:.1e}, "
+    f"{metrics.bootstrap_ci(one)[1]:.1e}]: is_regression = "
+    f"{R.is_regression(one, gate.noise_kl_per_sequence, 1e-3)}",
+    f"{len(one)} 个窗口中有一个坏窗口（KL {one[-1]:.2e}）：均值 {np.mean(one):.2e} > 1e-3 为 "
+    f"{np.mean(one) > 1e-3}，区间 [{metrics.bootstrap_ci(one)[0]:.1e}, "
+    f"{metrics.bootstrap_ci(one)[1]:.1e}]：is_regression = "
+    f"{R.is_regression(one, gate.noise_kl_per_sequence, 1e-3)}")
 
 # %% [markdown]
 # The last line is a choice, not a law: with four windows, one window is not evidence that
@@ -242,8 +260,10 @@ served = {"warmup": serve(base, rec, traffic[:30], [30], 0),
           "benign": serve(base, rec, traffic[30:80][::-1], [20, 30], 1000)}
 n_warm = 30
 benign_alarms = sum(r[3] for r in rec.rows[n_warm:])
-print(f"benign: {len(rec.rows) - n_warm} requests watched, alarm {mon.alarm}, "
-      f"largest CUSUM {max(r[2] for r in rec.rows[n_warm:]):.2f} (threshold {mon.threshold})")
+say(f"benign: {len(rec.rows) - n_warm} requests watched, alarm {mon.alarm}, "
+    f"largest CUSUM {max(r[2] for r in rec.rows[n_warm:]):.2f} (threshold {mon.threshold})",
+    f"benign（正常流量）：监视了 {len(rec.rows) - n_warm} 个请求，告警 {mon.alarm}，"
+    f"最大 CUSUM {max(r[2] for r in rec.rows[n_warm:]):.2f}（阈值 {mon.threshold}）")
 ref_state = mon.baseline()
 print("baseline (mean, sd) per request:", {k: tuple(round(x, 3) for x in v)
                                            for k, v in ref_state.items()})
@@ -255,9 +275,12 @@ for name, llm, prompts in (("repetition_penalty 1.3 default", penalty, traffic[3
     r = Recorder(m)
     served[name] = serve(llm, r, prompts, [len(prompts)], 5000)
     watch[name], alarm_at[name] = r.rows, m.alarm_at
-    print(f"{name}: alarm at request {m.alarm_at} of {m.requests}" if m.alarm else
-          f"{name}: no alarm in {m.requests} requests (largest CUSUM "
-          f"{max(x[2] for x in r.rows):.2f})")
+    say(Bi(f"{name}: alarm at request {m.alarm_at} of {m.requests}",
+           f"{name}：在 {m.requests} 个请求中的第 {m.alarm_at} 个告警") if m.alarm else
+        Bi(f"{name}: no alarm in {m.requests} requests (largest CUSUM "
+           f"{max(x[2] for x in r.rows):.2f})",
+           f"{name}：{m.requests} 个请求中没有告警（最大 CUSUM "
+           f"{max(x[2] for x in r.rows):.2f}）"))
 print(f"(traffic: {time.perf_counter() - t:.1f} s)")
 
 # %%
@@ -326,9 +349,14 @@ for name in ("benign", "fp8 KV cache"):
     for d in per_req:
         m.update(d)
     shadow[name] = (per_req, m)
-    print(f"shadow-scored {name}: {len(per_req)} requests, mean |diff| per request "
-          f"{np.mean([np.mean(d) for d in per_req]):.2e} nats (largest {max(max(d) for d in per_req):.2e}); "
-          + (f"alarm after {m.alarm_at} scored requests" if m.alarm else "no alarm"))
+    alarm = (Bi(f"alarm after {m.alarm_at} scored requests", f"在 {m.alarm_at} 个已打分请求之后告警")
+             if m.alarm else Bi("no alarm", "没有告警"))
+    say(f"shadow-scored {name}: {len(per_req)} requests, mean |diff| per request "
+        f"{np.mean([np.mean(d) for d in per_req]):.2e} nats (largest {max(max(d) for d in per_req):.2e}); "
+        f"{tr(alarm, 'en')}",
+        f"影子打分 {name}：{len(per_req)} 个请求，每个请求的平均 |diff| "
+        f"{np.mean([np.mean(d) for d in per_req]):.2e} nats（最大 {max(max(d) for d in per_req):.2e}）；"
+        f"{tr(alarm, 'zh')}")
 
 # %% [markdown]
 # ## 4. Detection latency and false alarms, over many orders
@@ -368,9 +396,12 @@ configs = {"defaults (h 12, k 0.5)": dict(warmup=30),
 stats = {name: replay(kw) for name, kw in configs.items()}
 for name, (fa, d) in stats.items():
     fin = d[np.isfinite(d)]
-    print(f"{name}: false alarm in {100 * fa:.1f}% of runs of {len(healthy) - 30} benign "
-          f"requests; penalty default caught in {len(fin)}/{len(d)} runs, after a median "
-          f"{np.median(fin):.0f} (max {fin.max():.0f}) requests")
+    say(f"{name}: false alarm in {100 * fa:.1f}% of runs of {len(healthy) - 30} benign "
+        f"requests; penalty default caught in {len(fin)}/{len(d)} runs, after a median "
+        f"{np.median(fin):.0f} (max {fin.max():.0f}) requests",
+        f"{name}：在 {len(healthy) - 30} 个正常请求的运行中，{100 * fa:.1f}% 出现误报；"
+        f"惩罚默认值在 {len(fin)}/{len(d)} 次运行中被捕捉，中位数为 "
+        f"{np.median(fin):.0f} 个请求之后（最多 {fin.max():.0f} 个）")
 
 # %% [markdown]
 # The default monitor rarely raises a false alarm over 50 healthy requests and catches
@@ -393,8 +424,8 @@ fa_tight, _ = stats["too tight (h 3, k 0)"]
 benv = V["block_size 32, max_num_seqs 4"]
 
 
-def pf(ok):
-    return "passes" if ok else "fails"
+def pf(ok, lang):
+    return {"en": "passes" if ok else "fails", "zh": "通过" if ok else "不通过"}[lang]
 
 
 # "visible only in sampled outputs": the penalty default's KL not above the noise floor's
@@ -403,53 +434,88 @@ def pf(ok):
 pen_hidden_in_scores = (pen.drift.mean_kl <= gate.noise.kl_ci[1]
                         and pen.drift.top1_agreement >= gate.noise.top1_agreement)
 pen_seen_in_samples = pen.default_agreement < gate.noise_default_agreement
+pen_confirmed = pen_hidden_in_scores and pen_seen_in_samples
+a_pen, a_fp8 = alarm_at["repetition_penalty 1.3 default"], alarm_at["fp8 KV cache"]
+live_pen = (Bi(f"alarm at request {a_pen}", f"在第 {a_pen} 个请求告警") if a_pen is not None
+            else Bi(f"no alarm in {len(d_pen)} requests", f"{len(d_pen)} 个请求中没有告警"))
+median_pen = (Bi(f", after a median {np.median(d_def[np.isfinite(d_def)]):.0f} (max "
+                 f"{d_def[np.isfinite(d_def)].max():.0f}) requests",
+                 f"，中位数为 {np.median(d_def[np.isfinite(d_def)]):.0f} 个请求之后（最多 "
+                 f"{d_def[np.isfinite(d_def)].max():.0f} 个）")
+              if np.isfinite(d_def).any() else Bi("", ""))
+sampled_fp8 = (Bi(f"not from sampled log-probs: no alarm in {len(watch['fp8 KV cache'])} requests; ",
+                  f"被采样的对数概率看不出来：{len(watch['fp8 KV cache'])} 个请求中没有告警；")
+               if a_fp8 is None else
+               Bi(f"sampled log-probs: alarm at request {a_fp8}; ",
+                  f"被采样的对数概率：在第 {a_fp8} 个请求告警；"))
+sh_fp8 = shadow["fp8 KV cache"][1]
+shadow_fp8 = (Bi(f"alarm after {sh_fp8.alarm_at} scored requests", f"在 {sh_fp8.alarm_at} 个已打分请求之后告警")
+              if sh_fp8.alarm else Bi("no alarm", "没有告警"))
+base_mean, base_sd = ref_state["logprob"]
+shift_pen = abs(np.mean([r[0] for r in d_pen]) - base_mean) / base_sd
+shift_fp8 = abs(np.mean([r[0] for r in watch["fp8 KV cache"]]) - base_mean) / base_sd
 rows = [
-    ("seed 000 §2.4.4: build a precision regression test set",
-     f"`minivllm regress`: {len(seqs)} windows x {len(seqs[0])} tokens + 4 prompts x 8 "
-     f"tokens; fp8 KV {pf(fp8v.passed)}, the penalty default {pf(pen.passed)}, the "
-     f"batch/layout change {pf(benv.passed)}"),
-    ("golden snapshots with per-dtype tolerances (CS336-style)",
-     f"float32 noise {noise_check.max_abs_error:.1e} nats vs tolerance {same.tolerance:g} "
-     f"({pf(noise_check.passed)}); same engine {same.max_abs_error:.1e} ({pf(same.passed)}); "
-     f"fp8 KV {bad.max_abs_error:.2f} ({pf(bad.passed)})"),
-    ("a sampling default applied or not (NeMo-RL #3497, lm-eval #3154) is visible only in "
-     "sampled outputs",
-     ("confirmed" if pen_hidden_in_scores and pen_seen_in_samples else "not confirmed")
-     + f" (against the noise floor's KL interval, top-1 and sampling agreement): penalty "
-     f"default KL {pen.drift.mean_kl:.1e} (noise floor upper {gate.noise.kl_ci[1]:.1e}), top-1 "
-     f"{100 * pen.drift.top1_agreement:.0f}% (noise floor {100 * gate.noise.top1_agreement:.0f}%), "
-     f"default-sampling agreement {100 * pen.default_agreement:.0f}% (noise floor "
-     f"{100 * gate.noise_default_agreement:.0f}%)"),
-    ("report.compare as a CI gate, using the noise floor and CIs",
-     f"fp8 KV: KL {fp8v.drift.mean_kl:.1e} [{fp8v.drift.kl_ci[0]:.1e}, {fp8v.drift.kl_ci[1]:.1e}]"
-     f" vs noise floor upper {gate.noise.kl_ci[1]:.1e}: {pf(fp8v.passed)}; benign KL "
-     f"{benv.drift.mean_kl:.1e}: {pf(benv.passed)}"),
-    ("course plan: a drift monitor detects a penalty default within N requests",
-     ("live: " + (f"alarm at request {alarm_at['repetition_penalty 1.3 default']}"
-                  if alarm_at["repetition_penalty 1.3 default"] is not None else
-                  f"no alarm in {len(d_pen)} requests"))
-     + f"; replayed: caught in {int(np.isfinite(d_def).sum())}/{len(d_def)} runs"
-     + (f", after a median {np.median(d_def[np.isfinite(d_def)]):.0f} (max "
-        f"{d_def[np.isfinite(d_def)].max():.0f}) requests" if np.isfinite(d_def).any() else "")),
-    ("course plan: ... or an fp8 KV cache swapped in",
-     (f"not from sampled log-probs: no alarm in {len(watch['fp8 KV cache'])} requests; "
-      if alarm_at["fp8 KV cache"] is None else
-      f"sampled log-probs: alarm at request {alarm_at['fp8 KV cache']}; ") +
-     "shadow scoring: " + (f"alarm after {shadow['fp8 KV cache'][1].alarm_at} scored "
-                            f"requests" if shadow["fp8 KV cache"][1].alarm else "no alarm")),
-    ("false-alarm rate on benign reorders",
-     f"live: {benign_alarms} alarms in {len(watch['benign'])} requests; replayed: "
-     f"{100 * fa_def:.1f}% of runs (too tight: {100 * fa_tight:.0f}%)"),
-    ("monitor docstring: 1-sd shift flagged after a median 24 requests (simulated)",
-     f"the penalty default is a shift of "
-     f"{abs(np.mean([r[0] for r in d_pen]) - ref_state['logprob'][0]) / ref_state['logprob'][1]:.1f}"
-     f" sd in mean log-prob; fp8 KV "
-     f"{abs(np.mean([r[0] for r in watch['fp8 KV cache']]) - ref_state['logprob'][0]) / ref_state['logprob'][1]:.2f} sd"),
+    (Bi("seed 000 §2.4.4: build a precision regression test set",
+        "种子课程 000 §2.4.4：建立精度回归测试集"),
+     Bi(f"`minivllm regress`: {len(seqs)} windows x {len(seqs[0])} tokens + 4 prompts x 8 "
+        f"tokens; fp8 KV {pf(fp8v.passed, 'en')}, the penalty default {pf(pen.passed, 'en')}, the "
+        f"batch/layout change {pf(benv.passed, 'en')}",
+        f"`minivllm regress`：{len(seqs)} 个窗口 x {len(seqs[0])} 个 token + 4 个提示词 x 8 "
+        f"个 token；fp8 KV {pf(fp8v.passed, 'zh')}，惩罚默认值 {pf(pen.passed, 'zh')}，"
+        f"批次/布局改变 {pf(benv.passed, 'zh')}")),
+    (Bi("golden snapshots with per-dtype tolerances (CS336-style)",
+        "按 dtype 设定容差的黄金快照（CS336 的做法）"),
+     Bi(f"float32 noise {noise_check.max_abs_error:.1e} nats vs tolerance {same.tolerance:g} "
+        f"({pf(noise_check.passed, 'en')}); same engine {same.max_abs_error:.1e} "
+        f"({pf(same.passed, 'en')}); fp8 KV {bad.max_abs_error:.2f} ({pf(bad.passed, 'en')})",
+        f"float32 噪声 {noise_check.max_abs_error:.1e} nats，容差 {same.tolerance:g}"
+        f"（{pf(noise_check.passed, 'zh')}）；同一引擎 {same.max_abs_error:.1e}"
+        f"（{pf(same.passed, 'zh')}）；fp8 KV {bad.max_abs_error:.2f}（{pf(bad.passed, 'zh')}）")),
+    (Bi("a sampling default applied or not (NeMo-RL #3497, lm-eval #3154) is visible only in "
+        "sampled outputs",
+        "采样默认值是否生效（NeMo-RL #3497，lm-eval #3154）只在采样输出中可见"),
+     Bi(f"{'confirmed' if pen_confirmed else 'not confirmed'} (against the noise floor's KL "
+        f"interval, top-1 and sampling agreement): penalty default KL {pen.drift.mean_kl:.1e} "
+        f"(noise floor upper {gate.noise.kl_ci[1]:.1e}), top-1 "
+        f"{100 * pen.drift.top1_agreement:.0f}% (noise floor {100 * gate.noise.top1_agreement:.0f}%), "
+        f"default-sampling agreement {100 * pen.default_agreement:.0f}% (noise floor "
+        f"{100 * gate.noise_default_agreement:.0f}%)",
+        f"{'证实' if pen_confirmed else '未证实'}（对照噪声基底的 KL 区间、top-1 一致率和采样一致率）："
+        f"惩罚默认值的 KL {pen.drift.mean_kl:.1e}（噪声基底上端 {gate.noise.kl_ci[1]:.1e}），top-1 "
+        f"{100 * pen.drift.top1_agreement:.0f}%（噪声基底 {100 * gate.noise.top1_agreement:.0f}%），"
+        f"默认采样下的一致率 {100 * pen.default_agreement:.0f}%（噪声基底 "
+        f"{100 * gate.noise_default_agreement:.0f}%）")),
+    (Bi("report.compare as a CI gate, using the noise floor and CIs",
+        "把 report.compare 用作 CI 门禁，使用噪声基底和置信区间"),
+     Bi(f"fp8 KV: KL {fp8v.drift.mean_kl:.1e} [{fp8v.drift.kl_ci[0]:.1e}, {fp8v.drift.kl_ci[1]:.1e}]"
+        f" vs noise floor upper {gate.noise.kl_ci[1]:.1e}: {pf(fp8v.passed, 'en')}; benign KL "
+        f"{benv.drift.mean_kl:.1e}: {pf(benv.passed, 'en')}",
+        f"fp8 KV：KL {fp8v.drift.mean_kl:.1e} [{fp8v.drift.kl_ci[0]:.1e}, {fp8v.drift.kl_ci[1]:.1e}]"
+        f"，噪声基底上端 {gate.noise.kl_ci[1]:.1e}：{pf(fp8v.passed, 'zh')}；无害变更的 KL "
+        f"{benv.drift.mean_kl:.1e}：{pf(benv.passed, 'zh')}")),
+    (Bi("course plan: a drift monitor detects a penalty default within N requests",
+        "课程计划：漂移监控器能在 N 个请求之内检测到惩罚默认值"),
+     Bi(f"live: {tr(live_pen, 'en')}; replayed: caught in {int(np.isfinite(d_def).sum())}/"
+        f"{len(d_def)} runs{tr(median_pen, 'en')}",
+        f"实时：{tr(live_pen, 'zh')}；重放：在 {int(np.isfinite(d_def).sum())}/"
+        f"{len(d_def)} 次运行中被捕捉{tr(median_pen, 'zh')}")),
+    (Bi("course plan: ... or an fp8 KV cache swapped in",
+        "课程计划：……或者换上了 fp8 KV cache"),
+     Bi(f"{tr(sampled_fp8, 'en')}shadow scoring: {tr(shadow_fp8, 'en')}",
+        f"{tr(sampled_fp8, 'zh')}影子打分：{tr(shadow_fp8, 'zh')}")),
+    (Bi("false-alarm rate on benign reorders", "正常流量重新排序下的误报率"),
+     Bi(f"live: {benign_alarms} alarms in {len(watch['benign'])} requests; replayed: "
+        f"{100 * fa_def:.1f}% of runs (too tight: {100 * fa_tight:.0f}%)",
+        f"实时：{len(watch['benign'])} 个请求中 {benign_alarms} 次告警；重放："
+        f"{100 * fa_def:.1f}% 的运行（过紧配置：{100 * fa_tight:.0f}%）")),
+    (Bi("monitor docstring: 1-sd shift flagged after a median 24 requests (simulated)",
+        "监控器的文档字符串：1 个 sd 的偏移在中位数 24 个请求之后被标出（模拟）"),
+     Bi(f"the penalty default is a shift of {shift_pen:.1f} sd in mean log-prob; fp8 KV "
+        f"{shift_fp8:.2f} sd",
+        f"惩罚默认值使平均对数概率偏移 {shift_pen:.1f} sd；fp8 KV 偏移 "
+        f"{shift_fp8:.2f} sd")),
 ]
-print("| claim | what we measured here |")
-print("|---|---|")
-for c, v in rows:
-    print(f"| {c} | {v} |")
+claims_table(rows, header=(Bi("claim", "论断"), Bi("what we measured here", "本次实测")))
 
 # %% [markdown]
 # ## Common misconceptions
