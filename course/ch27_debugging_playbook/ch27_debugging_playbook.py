@@ -56,6 +56,7 @@ import time
 from matplotlib.figure import Figure
 
 from minivllm import LLM
+from minivllm.i18n import Bi, claims_table, say
 from minivllm.precision import evalsets, metrics
 from minivllm.precision.bisect import KLMeasure, bisect_config
 from minivllm.precision.layer_diff import layer_diff
@@ -156,15 +157,22 @@ if flips:
     k = flips[0] + 1
     p = long_ids[:k]
     g1, b1 = ref.score(p, output="logits")[-1].argmax(), bad_llm.score(p, output="logits")[-1].argmax()
-    print(f"{len(long_ids)}-token sequence: top-1 differs at {len(flips)} positions, first "
-          f"after {k} tokens")
-    print(f"minimal repro: {k} tokens, ...{tok.decode(p[-12:])!r}")
-    print(f"  scored alone: good engine -> {tok.decode([int(g1)])!r}, bad engine -> "
-          f"{tok.decode([int(b1)])!r}")
+    say(f"{len(long_ids)}-token sequence: top-1 differs at {len(flips)} positions, first "
+        f"after {k} tokens",
+        f"{len(long_ids)} token 的序列：top-1 在 {len(flips)} 个位置上不同，第一个在 "
+        f"{k} 个 token 之后")
+    say(f"minimal repro: {k} tokens, ...{tok.decode(p[-12:])!r}",
+        f"最小化复现：{k} 个 token，...{tok.decode(p[-12:])!r}")
+    say(f"  scored alone: good engine -> {tok.decode([int(g1)])!r}, bad engine -> "
+        f"{tok.decode([int(b1)])!r}",
+        f"  单独打分：正常引擎 -> {tok.decode([int(g1)])!r}，出错引擎 -> "
+        f"{tok.decode([int(b1)])!r}")
 else:
     k = None
-    print(f"no top-1 flip in {len(long_ids)} tokens (mean KL "
-          f"{metrics.mean_kl(good_rows, bad_rows):.2e}): the repro is the KL itself")
+    say(f"no top-1 flip in {len(long_ids)} tokens (mean KL "
+        f"{metrics.mean_kl(good_rows, bad_rows):.2e}): the repro is the KL itself",
+        f"{len(long_ids)} 个 token 中没有 top-1 翻转（平均 KL "
+        f"{metrics.mean_kl(good_rows, bad_rows):.2e}）：复现就是 KL 本身")
 
 # %% [markdown]
 # ## 4. Layer-by-layer diff: where does the error start?
@@ -179,9 +187,12 @@ else:
 
 # %%
 d_fp8 = layer_diff(bad_llm, ref, prompts[0])
-print(f"fp8 KV cache: first jump at layer {d_fp8.first_jump_layer} "
-      f"({d_fp8.first_jump_block}); residual error after layer 0 "
-      f"{d_fp8.residual_errors()[0]:.1e}, after layer 29 {d_fp8.residual_errors()[-1]:.1e}")
+say(f"fp8 KV cache: first jump at layer {d_fp8.first_jump_layer} "
+    f"({d_fp8.first_jump_block}); residual error after layer 0 "
+    f"{d_fp8.residual_errors()[0]:.1e}, after layer 29 {d_fp8.residual_errors()[-1]:.1e}",
+    f"fp8 KV cache：第一次跳变在第 {d_fp8.first_jump_layer} 层"
+    f"（{d_fp8.first_jump_block}）；第 0 层之后的残差误差 "
+    f"{d_fp8.residual_errors()[0]:.1e}，第 29 层之后 {d_fp8.residual_errors()[-1]:.1e}")
 del bad_llm
 
 # %% [markdown]
@@ -242,12 +253,17 @@ mys_fixed = m.build(fixed_cfg)
 n_builds[0] += 2
 d_near = layer_diff(mys_bad, mys_fixed, prompts[0])
 first_nonzero = next(p for p, e in zip(d_near.points, d_near.errors) if e > 0)
-print(f"against the bad config minus the culprit: first jump at layer "
-      f"{d_near.first_jump_layer} ({d_near.first_jump_block}); first nonzero capture "
-      f"point: {first_nonzero}")
+say(f"against the bad config minus the culprit: first jump at layer "
+    f"{d_near.first_jump_layer} ({d_near.first_jump_block}); first nonzero capture "
+    f"point: {first_nonzero}",
+    f"与去掉罪魁的出错配置相比：第一次跳变在第 "
+    f"{d_near.first_jump_layer} 层（{d_near.first_jump_block}）；第一个非零的采集"
+    f"点：{first_nonzero}")
 worst = max(range(30), key=lambda i: d_near.residual_errors()[i])
-print(f"the layer with the LARGEST residual error: {worst} (error {d_near.residual_errors()[worst]:.1e})"
-      f" -- not where it starts")
+say(f"the layer with the LARGEST residual error: {worst} (error {d_near.residual_errors()[worst]:.1e})"
+    f" -- not where it starts",
+    f"残差误差最大的层：{worst}（误差 {d_near.residual_errors()[worst]:.1e}）"
+    f"——不是误差开始的地方")
 found = {"culprit": culprit, "layer": d_near.first_jump_layer, "block": d_near.first_jump_block}
 answer = m.reveal()
 print("found:   ", found)
@@ -282,36 +298,58 @@ del mys_bad, mys_fixed
 # ## 7. Claim vs measurement
 
 # %%
+_diff_keys = ", ".join(sorted(set(res.diff) | set(mres.diff)))
 rows = [
-    ("Seed 003 §1.1: debug by log analysis, config review, minimal repro",
-     f"config review made mechanical: bisection named `{res.culprits}` among "
-     f"{len(res.diff)} changed keys in {len(res.steps)} measured configurations; minimal "
-     f"repro: " + (f"{k} of {len(long_ids)} tokens" if k else "no top-1 flip (KL only)")),
-    ("tell normal fluctuation from a precision anomaly (seed 003 §1.1)",
-     f"float32 noise here: {same:.1e} (same config), {relayout:.1e} (other layout); "
-     f"fp8 KV {res.bad_value:.1e}; mystery {kl_bad:.1e}"),
-    ("vllm #5898: batch size > 1 changes greedy output",
-     f"not in float32 on this CPU: max_num_seqs 1, block_size 32, no prefix cache gave KL "
-     f"{relayout:.1e} (bit-identical logits); the reduction-order effect needs 16-bit "
-     f"formats or batch-dependent kernels (chapter 5)"),
-    ("course plan: each bisection step builds an engine (~2 s), <= 8 engines",
-     f"{real_builds} engines for the real config ({real_time:.0f} s), {mys_builds} for the "
-     f"mystery ({mys_time:.0f} s), {n_builds[0]} in this notebook"),
-    ("course plan: layer_diff gives the first-jump layer and block",
-     f"mystery {SEED}: layer {d_near.first_jump_layer} ({d_near.first_jump_block}), "
-     f"revealed {answer['layer']} ({answer['block']}); the largest error is at layer {worst}"),
-    ("course plan: bisect dtype, kv_cache_dtype, chunked prefill, prefix caching, "
-     "quantization, batch size",
-     "run here: " + ", ".join(sorted(set(res.diff) | set(mres.diff))) + "; dtype and "
-     "quantization are keys like the others for `minivllm bisect` but not run here (each "
-     "adds engines to build and score on a CPU)"),
-    ("course plan: remove the fault, KL back to the noise floor",
-     f"culprit reverted: KL {kl_fixed:.1e} (bad {kl_bad:.1e})"),
+    (Bi("Seed 003 §1.1: debug by log analysis, config review, minimal repro",
+        "种子课程 003 §1.1：通过日志分析、配置审查、最小化复现来调试"),
+     Bi(f"config review made mechanical: bisection named `{res.culprits}` among "
+        f"{len(res.diff)} changed keys in {len(res.steps)} measured configurations; minimal "
+        f"repro: " + (f"{k} of {len(long_ids)} tokens" if k else "no top-1 flip (KL only)"),
+        f"配置审查变成机械操作：二分在 {len(res.diff)} 个改动的键中、用 "
+        f"{len(res.steps)} 个已测配置指出了 `{res.culprits}`；最小化"
+        f"复现：" + (f"{len(long_ids)} 个 token 中的 {k} 个" if k else "没有 top-1 翻转（只有 KL）"))),
+    (Bi("tell normal fluctuation from a precision anomaly (seed 003 §1.1)",
+        "区分正常波动与精度异常（种子课程 003 §1.1）"),
+     Bi(f"float32 noise here: {same:.1e} (same config), {relayout:.1e} (other layout); "
+        f"fp8 KV {res.bad_value:.1e}; mystery {kl_bad:.1e}",
+        f"这里 float32 的噪声：{same:.1e}（相同配置），{relayout:.1e}（另一种布局）；"
+        f"fp8 KV {res.bad_value:.1e}；神秘引擎 {kl_bad:.1e}")),
+    (Bi("vllm #5898: batch size > 1 changes greedy output",
+        "vllm #5898：批大小 > 1 会改变贪心输出"),
+     Bi(f"not in float32 on this CPU: max_num_seqs 1, block_size 32, no prefix cache gave KL "
+        f"{relayout:.1e} (bit-identical logits); the reduction-order effect needs 16-bit "
+        f"formats or batch-dependent kernels (chapter 5)",
+        f"在这块 CPU 上的 float32 中不会：max_num_seqs 1、block_size 32、不用前缀缓存给出的 KL 为 "
+        f"{relayout:.1e}（logits 逐位相同）；归约顺序的效应需要 16 位"
+        f"格式或依赖于批次的 kernel（第 5 章）")),
+    (Bi("course plan: each bisection step builds an engine (~2 s), <= 8 engines",
+        "课程计划：每个二分步骤构建一个引擎（~2 s），<= 8 个引擎"),
+     Bi(f"{real_builds} engines for the real config ({real_time:.0f} s), {mys_builds} for the "
+        f"mystery ({mys_time:.0f} s), {n_builds[0]} in this notebook",
+        f"真实配置 {real_builds} 个引擎（{real_time:.0f} s），神秘引擎 {mys_builds} 个"
+        f"（{mys_time:.0f} s），本 notebook 共 {n_builds[0]} 个")),
+    (Bi("course plan: layer_diff gives the first-jump layer and block",
+        "课程计划：layer_diff 给出第一次跳变的层和块"),
+     Bi(f"mystery {SEED}: layer {d_near.first_jump_layer} ({d_near.first_jump_block}), "
+        f"revealed {answer['layer']} ({answer['block']}); the largest error is at layer {worst}",
+        f"神秘引擎 {SEED}：第 {d_near.first_jump_layer} 层（{d_near.first_jump_block}），"
+        f"揭晓的答案为 {answer['layer']}（{answer['block']}）；最大误差在第 {worst} 层")),
+    (Bi("course plan: bisect dtype, kv_cache_dtype, chunked prefill, prefix caching, "
+        "quantization, batch size",
+        "课程计划：对 dtype、kv_cache_dtype、分块预填充、前缀缓存、"
+        "量化、批大小做二分"),
+     Bi(f"run here: {_diff_keys}; dtype and "
+        "quantization are keys like the others for `minivllm bisect` but not run here (each "
+        "adds engines to build and score on a CPU)",
+        f"这里运行了：{_diff_keys}；dtype 和"
+        "量化对 `minivllm bisect` 来说和其他键一样，但这里没有运行（每一个都"
+        "会增加要在 CPU 上构建和打分的引擎）")),
+    (Bi("course plan: remove the fault, KL back to the noise floor",
+        "课程计划：去掉故障，KL 回到噪声基底"),
+     Bi(f"culprit reverted: KL {kl_fixed:.1e} (bad {kl_bad:.1e})",
+        f"恢复罪魁原值：KL {kl_fixed:.1e}（出错时 {kl_bad:.1e}）")),
 ]
-print("| claim | what we measured here |")
-print("|---|---|")
-for c, v in rows:
-    print(f"| {c} | {v} |")
+claims_table(rows, header=(Bi("claim", "论断"), Bi("what we measured here", "本次实测")))
 
 # %% [markdown]
 # ## Common misconceptions
