@@ -58,6 +58,7 @@ import torch
 from matplotlib.figure import Figure
 
 from minivllm import LLM, SamplingParams
+from minivllm.i18n import Bi, claims_table, say
 from minivllm.precision import evalsets, faults, metrics
 from minivllm.tokenizer import render_chat_ref
 
@@ -86,8 +87,10 @@ print("bos_token:", repr(tok.bos_token), tok.bos_token_id)
 print("encode('Hello'):", tok.encode("Hello"), " add_special_tokens=False:",
       tok.encode("Hello", add_special_tokens=False))
 print("rendered template:\n" + text)
-print(f"{len(ids)} ids; first five {ids[:5]}; id 1 appears {ids.count(1)} times "
-      f"(once per message, including the generation prompt)")
+say(f"{len(ids)} ids; first five {ids[:5]}; id 1 appears {ids.count(1)} times "
+    f"(once per message, including the generation prompt)",
+    f"{len(ids)} 个 id；前五个 {ids[:5]}；id 1 出现 {ids.count(1)} 次"
+    f"（每条消息一次，包括生成提示）")
 bos_llama_like = faults.bos_adding_tokenizer(tok)
 print("a tokenizer that adds BOS (Llama-3 style), encode('Hello'):",
       bos_llama_like.encode("Hello"))
@@ -165,8 +168,10 @@ def accuracy(prompts, items, params=GREEDY):
 acc1, texts1 = accuracy(variants[1], qa[:N_QA])
 acc2, texts2 = accuracy(variants[2], qa[:N_QA])
 changed = [(q.question, a, b) for q, a, b in zip(qa[:N_QA], texts1, texts2) if a != b]
-print(f"greedy QA accuracy: 1 start token {acc1}/{N_QA}, 2 start tokens {acc2}/{N_QA}; "
-      f"{len(changed)} of {N_QA} answers changed")
+say(f"greedy QA accuracy: 1 start token {acc1}/{N_QA}, 2 start tokens {acc2}/{N_QA}; "
+    f"{len(changed)} of {N_QA} answers changed",
+    f"贪心问答准确率：1 个起始 token {acc1}/{N_QA}，2 个起始 token {acc2}/{N_QA}；"
+    f"{N_QA} 个答案中有 {len(changed)} 个改变")
 for qn, a, b in changed[:3]:
     print(f"  {qn!r}: {a!r} -> {b!r}")
 
@@ -252,15 +257,20 @@ for name, outs in strategies.items():
 LEFT = f"left (truncate_prompt_tokens={room})"
 left_first = strategies[LEFT][0].prompt_token_ids
 print("\nleft-truncated prompt starts:", repr(tok.decode(left_first[:12])))
-print("system prompt kept? left:", 1 == left_first[0] and tok.decode(left_first[:3]) ==
-      "<|im_start|>system\n", "| by turns:", tok.decode(by_turns[0][:3]) == "<|im_start|>system\n")
+kept_left = 1 == left_first[0] and tok.decode(left_first[:3]) == "<|im_start|>system\n"
+kept_turns = tok.decode(by_turns[0][:3]) == "<|im_start|>system\n"
+say(f"system prompt kept? left: {kept_left} | by turns: {kept_turns}",
+    f"系统提示词是否保留？左侧截断：{kept_left} | 按轮次截断：{kept_turns}")
 right_first = strategies["right (first tokens)"][0].prompt_token_ids
 print("right-truncated prompt ends:", repr(tok.decode(right_first[-12:])))
 minus1 = llm.generate(long_ids[:1], SamplingParams(temperature=0, max_tokens=12,
                                                    truncate_prompt_tokens=-1))[0]
-print(f"truncate_prompt_tokens=-1: prompt {len(minus1.prompt_token_ids)} tokens, answer "
-      f"{minus1.outputs[0].text!r} ({len(minus1.outputs[0].token_ids)} token, finish_reason "
-      f"{minus1.outputs[0].finish_reason!r}): no room left for the answer")
+say(f"truncate_prompt_tokens=-1: prompt {len(minus1.prompt_token_ids)} tokens, answer "
+    f"{minus1.outputs[0].text!r} ({len(minus1.outputs[0].token_ids)} token, finish_reason "
+    f"{minus1.outputs[0].finish_reason!r}): no room left for the answer",
+    f"truncate_prompt_tokens=-1：提示词 {len(minus1.prompt_token_ids)} 个 token，答案 "
+    f"{minus1.outputs[0].text!r}（{len(minus1.outputs[0].token_ids)} 个 token，finish_reason "
+    f"{minus1.outputs[0].finish_reason!r}）：没有给答案留下空间")
 
 # %% [markdown]
 # Left truncation keeps the question and the generation prompt, so the model can still
@@ -303,51 +313,101 @@ from minivllm.tokenizer import render_chat_ref as engine_step  # noqa: E402
 fixed = [engine_step(bos_llama_like, c, True, None) for c in convs]
 hf_ids = bos_llama_like.apply_chat_template(convs[0], tokenize=True, add_generation_prompt=True)
 hf_ids = list(hf_ids["input_ids"] if not isinstance(hf_ids, list) else hf_ids)
-print("engine step with the BOS-adding tokenizer == reference ids:", fixed == good_prompts)
-print("transformers apply_chat_template(tokenize=True) == reference:", hf_ids == good_prompts[0])
-print("without the generation prompt, the model writes the header itself:",
-      repr(llm.generate([no_gen[0]], GREEDY)[0].outputs[0].text))
+say(f"engine step with the BOS-adding tokenizer == reference ids: {fixed == good_prompts}",
+    f"使用会添加 BOS 的分词器时，引擎的步骤 == 参考 id：{fixed == good_prompts}")
+say(f"transformers apply_chat_template(tokenize=True) == reference: {hf_ids == good_prompts[0]}",
+    f"transformers apply_chat_template(tokenize=True) == 参考：{hf_ids == good_prompts[0]}")
+no_gen_text = llm.generate([no_gen[0]], GREEDY)[0].outputs[0].text
+say(f"without the generation prompt, the model writes the header itself: {no_gen_text!r}",
+    f"没有生成提示时，模型自己写出了角色头：{no_gen_text!r}")
 
 # %% [markdown]
 # ## 6. Claim vs measurement
 
 # %%
 d_nll = 100 * (bos_table[2][0] / bos_table[1][0] - 1)
-print("| claim | what we measured here |")
-print("|---|---|")
-print(f"| SmolLM2's tokenizer adds no BOS (course plan) | yes: encode('Hello') = "
-      f"{tok.encode('Hello')} with or without special tokens; its bos_token is "
-      f"<\\|im_start\\|> (id {tok.bos_token_id}), written by the template |")
-print(f"| its template injects a default system prompt | yes: "
-      f"{'You are a helpful AI assistant named SmolLM' in text} for a conversation without one |")
-print(f"| a double BOS costs accuracy (vllm PR #16976; GSM8K 0.90 -> 0.76 on "
-      f"Llama-3.3-70B, tpu-inference PR #1380) | planted here (this tokenizer cannot do it): "
-      f"answer NLL {bos_table[1][0]:.3f} -> {bos_table[2][0]:.3f} nats/token "
-      f"({d_nll:+.0f}%), KL {bos_table[2][1]:.1e} nats, greedy QA {acc1}/{N_QA} -> "
-      f"{acc2}/{N_QA}; a small model on one-line answers, not GSM8K: the size of the "
-      f"70B drop is not reproduced here"
-      + (", its direction is (the answers' loss rises)" if d_nll > 0 else
-         ", nor its direction (the answers' loss does not rise)")
-      + ("" if acc2 < acc1 else "; no answer flips") + " |")
 _nll_0, _nll_1 = bos_table[0][0], bos_table[1][0]
-print(f"| removing the double BOS: +6 MMLU points (retaining-by-doing #5) | not measured "
-      f"(no MMLU here); removing the template's own start token moves the distribution "
-      f"(KL {bos_table[0][1]:.1e}) at answer NLL {_nll_0:.3f} against {_nll_1:.3f} with it "
-      + ("(higher)" if _nll_0 > _nll_1 * 1.01 else "(lower)" if _nll_0 < _nll_1 * 0.99
-         else "(about the same)") + " |")
-print(f"| max-model-len is not auto-truncation (seed 002) | yes: a {len(long_ids[0])}-token "
-      f"prompt raises ValueError at max_model_len={MAX_LEN} (400 in the server) |")
-print(f"| truncate_prompt_tokens keeps the last k tokens (vLLM) | yes: k={room} kept the "
-      f"last {len(left_first)} tokens, accuracy {trunc_acc[LEFT]}/{N_TRUNC}, system prompt "
-      f"gone; -1 kept {len(minus1.prompt_token_ids)} = max_model_len - 1 and left room for "
-      f"{len(minus1.outputs[0].token_ids)} generated token |")
-print(f"| truncating the wrong side loses the question | right truncation: "
-      f"{trunc_acc['right (first tokens)']}/{N_TRUNC} |")
-print(f"| truncate by turns, keep the system prompt (course plan's fix) | "
-      f"{trunc_acc['by turns, system kept']}/{N_TRUNC} (question alone: "
-      f"{trunc_acc['question alone']}/{N_TRUNC}) |")
-print(f"| a missing add_generation_prompt | answer NLL {bos_table[1][0]:.3f} -> "
-      f"{nll_nogen:.3f}, KL {kl_nogen:.2f} nats: the largest template effect measured here |")
+_sys = 'You are a helpful AI assistant named SmolLM' in text
+
+
+def join(*parts):
+    """One text from Bi parts and plain strings, in both languages."""
+    return Bi("".join(getattr(p, "en", p) for p in parts),
+              "".join(getattr(p, "zh", p) for p in parts))
+
+
+claims_table([
+    (Bi("SmolLM2's tokenizer adds no BOS (course plan)", "SmolLM2 的分词器不添加 BOS（课程计划）"),
+     Bi(f"yes: encode('Hello') = "
+        f"{tok.encode('Hello')} with or without special tokens; its bos_token is "
+        f"<\\|im_start\\|> (id {tok.bos_token_id}), written by the template",
+        f"是：无论带不带特殊 token，encode('Hello') = "
+        f"{tok.encode('Hello')}；它的 bos_token 是 "
+        f"<\\|im_start\\|>（id {tok.bos_token_id}），由模板写入")),
+    (Bi("its template injects a default system prompt", "它的模板会注入一条默认的系统提示词"),
+     Bi(f"yes: {_sys} for a conversation without one",
+        f"是：对没有系统提示词的对话为 {_sys}")),
+    (Bi("a double BOS costs accuracy (vllm PR #16976; GSM8K 0.90 -> 0.76 on "
+        "Llama-3.3-70B, tpu-inference PR #1380)",
+        "重复的 BOS 会损失准确率（vllm PR #16976；Llama-3.3-70B 上 GSM8K 0.90 -> 0.76，"
+        "tpu-inference PR #1380）"),
+     join(Bi(f"planted here (this tokenizer cannot do it): "
+             f"answer NLL {bos_table[1][0]:.3f} -> {bos_table[2][0]:.3f} nats/token "
+             f"({d_nll:+.0f}%), KL {bos_table[2][1]:.1e} nats, greedy QA {acc1}/{N_QA} -> "
+             f"{acc2}/{N_QA}; a small model on one-line answers, not GSM8K: the size of the "
+             f"70B drop is not reproduced here",
+             f"在这里植入（这个分词器本身不会这样）："
+             f"答案 NLL {bos_table[1][0]:.3f} -> {bos_table[2][0]:.3f} nats/token"
+             f"（{d_nll:+.0f}%），KL {bos_table[2][1]:.1e} nats，贪心问答 {acc1}/{N_QA} -> "
+             f"{acc2}/{N_QA}；这是一个小模型回答单行问题，不是 GSM8K：这里没有复现 "
+             f"70B 下降的幅度"),
+          Bi(", its direction is (the answers' loss rises)", "，但复现了方向（答案的损失上升）")
+          if d_nll > 0 else
+          Bi(", nor its direction (the answers' loss does not rise)", "，也没有复现方向（答案的损失没有上升）"),
+          "" if acc2 < acc1 else Bi("; no answer flips", "；没有答案翻转"))),
+    (Bi("removing the double BOS: +6 MMLU points (retaining-by-doing #5)",
+        "去掉重复的 BOS：MMLU +6 分（retaining-by-doing #5）"),
+     join(Bi(f"not measured "
+             f"(no MMLU here); removing the template's own start token moves the distribution "
+             f"(KL {bos_table[0][1]:.1e}) at answer NLL {_nll_0:.3f} against {_nll_1:.3f} with it ",
+             f"没有测量"
+             f"（这里没有 MMLU）；去掉模板自己的起始 token 会使分布移动"
+             f"（KL {bos_table[0][1]:.1e}），答案 NLL 为 {_nll_0:.3f}，保留它时为 {_nll_1:.3f}"),
+          Bi("(higher)", "（更高）") if _nll_0 > _nll_1 * 1.01 else
+          Bi("(lower)", "（更低）") if _nll_0 < _nll_1 * 0.99 else
+          Bi("(about the same)", "（大致相同）"))),
+    (Bi("max-model-len is not auto-truncation (seed 002)", "max-model-len 不是自动截断（种子课程 002）"),
+     Bi(f"yes: a {len(long_ids[0])}-token "
+        f"prompt raises ValueError at max_model_len={MAX_LEN} (400 in the server)",
+        f"是：一个 {len(long_ids[0])} token 的"
+        f"提示词在 max_model_len={MAX_LEN} 时抛出 ValueError（服务端返回 400）")),
+    (Bi("truncate_prompt_tokens keeps the last k tokens (vLLM)",
+        "truncate_prompt_tokens 保留最后 k 个 token（vLLM）"),
+     Bi(f"yes: k={room} kept the "
+        f"last {len(left_first)} tokens, accuracy {trunc_acc[LEFT]}/{N_TRUNC}, system prompt "
+        f"gone; -1 kept {len(minus1.prompt_token_ids)} = max_model_len - 1 and left room for "
+        f"{len(minus1.outputs[0].token_ids)} generated token",
+        f"是：k={room} 保留了"
+        f"最后 {len(left_first)} 个 token，准确率 {trunc_acc[LEFT]}/{N_TRUNC}，系统提示词"
+        f"没了；-1 保留了 {len(minus1.prompt_token_ids)} = max_model_len - 1 个，只给 "
+        f"{len(minus1.outputs[0].token_ids)} 个生成的 token 留出了空间")),
+    (Bi("truncating the wrong side loses the question", "截错一侧会丢掉问题"),
+     Bi(f"right truncation: "
+        f"{trunc_acc['right (first tokens)']}/{N_TRUNC}",
+        f"右侧截断："
+        f"{trunc_acc['right (first tokens)']}/{N_TRUNC}")),
+    (Bi("truncate by turns, keep the system prompt (course plan's fix)",
+        "按轮次截断，保留系统提示词（课程计划中的修复）"),
+     Bi(f"{trunc_acc['by turns, system kept']}/{N_TRUNC} (question alone: "
+        f"{trunc_acc['question alone']}/{N_TRUNC})",
+        f"{trunc_acc['by turns, system kept']}/{N_TRUNC}（只有问题时："
+        f"{trunc_acc['question alone']}/{N_TRUNC}）")),
+    (Bi("a missing add_generation_prompt", "缺少 add_generation_prompt"),
+     Bi(f"answer NLL {bos_table[1][0]:.3f} -> "
+        f"{nll_nogen:.3f}, KL {kl_nogen:.2f} nats: the largest template effect measured here",
+        f"答案 NLL {bos_table[1][0]:.3f} -> "
+        f"{nll_nogen:.3f}，KL {kl_nogen:.2f} nats：这里测得的最大的模板效应")),
+], header=(Bi("claim", "论断"), Bi("what we measured here", "本次实测")))
 
 # %% [markdown]
 # ## Common misconceptions
