@@ -82,6 +82,7 @@ import torch
 from matplotlib.figure import Figure
 
 from minivllm import LLM, SamplingParams
+from minivllm.i18n import Bi, say
 from minivllm.layers.linear import Linear, Nvfp4Method, QuantLinear, linear_ref
 from minivllm.numerics import round_to_format
 from minivllm.precision import evalsets, metrics
@@ -93,6 +94,13 @@ from minivllm.quantization.checkpoint import cached_quantized
 
 torch.manual_seed(0)
 T0 = time.perf_counter()
+
+
+def tr(text, lang):
+    """The English or the Chinese of a Bi, or a str that reads the same in both."""
+    return text if isinstance(text, str) else getattr(text, lang)
+
+
 MODEL = "smollm2-135m-instruct"
 KW = dict(max_model_len=256, kv_cache_memory_bytes=48 * 1024**2)
 d16 = LLM(MODEL, dtype="bfloat16", **KW)  # what dtype="auto" picks on CPU
@@ -188,11 +196,17 @@ BI_ON_POLICY = CMP["batch_invariant"]["alone vs trainer"][1]
 ratio_lo, ratio_hi = (float(torch.exp(f(LP["batch_invariant"]["alone"]
                                         - LP["batch_invariant"]["trainer"])))
                       for f in (torch.min, torch.max))
-print("batch dependence of the log-probs with the default engine: "
-      + ("reproduced here" if BATCH_DEP else "NOT seen in this run (chapter 5 has the text-level test)"))
-print("batch_invariant=True: busy == alone bit for bit: "
-      f"{BI_BATCH_FIXED}; sampler == trainer bit for bit: {BI_ON_POLICY}; per-token ratio "
-      f"p_sampler / p_trainer in [{ratio_lo:.4f}, {ratio_hi:.4f}] with the mode on")
+say(Bi("batch dependence of the log-probs with the default engine: reproduced here",
+       "默认引擎下对数概率的批次依赖性：在这里复现") if BATCH_DEP else
+    Bi("batch dependence of the log-probs with the default engine: NOT seen in this run "
+       "(chapter 5 has the text-level test)",
+       "默认引擎下对数概率的批次依赖性：本次运行中未观察到（第 5 章有文本层面的测试）"))
+say("batch_invariant=True: busy == alone bit for bit: "
+    f"{BI_BATCH_FIXED}; sampler == trainer bit for bit: {BI_ON_POLICY}; per-token ratio "
+    f"p_sampler / p_trainer in [{ratio_lo:.4f}, {ratio_hi:.4f}] with the mode on",
+    "batch_invariant=True：繁忙 == 单独（逐位）："
+    f"{BI_BATCH_FIXED}；采样器 == 训练器（逐位）：{BI_ON_POLICY}；开启该模式时，逐 token 比值 "
+    f"p_sampler / p_trainer 在 [{ratio_lo:.4f}, {ratio_hi:.4f}] 之内")
 
 # %% [markdown]
 # **Reading the table.** "busy vs alone" is batch dependence: the same sequence, the same
@@ -323,7 +337,8 @@ with torch.inference_mode():
         alone_rows = [fn(x_dn[i:i + 1].clone(), w_dn)[0] for i in range(16)]
         GEMM_ROWS[gname] = {M: sum(not torch.equal(fn(x_dn[:M].clone(), w_dn)[i], alone_rows[i])
                                    for i in range(M)) for M in (2, 4, 8, 16)}
-        print(f"{gname:<34} rows differing from alone, by M: {GEMM_ROWS[gname]}")
+        say(f"{gname:<34} rows differing from alone, by M: {GEMM_ROWS[gname]}",
+            f"{gname:<34} 与单独计算不同的行数，按 M：{GEMM_ROWS[gname]}")
 
 # %% [markdown]
 # Read the three lines above: a GEMM whose row count is 0 at every M kept each row's bits
@@ -357,8 +372,10 @@ dist = (a[:, None] - GRID[None]).abs()
 brute_idx = torch.where(dist == dist.min(1, keepdim=True).values,
                         torch.arange(8) % 2 * 100 + torch.arange(8), 999).min(1).values % 100
 brute = GRID[brute_idx] * torch.where(torch.signbit(x), -1.0, 1.0)
-print(f"E2M1 rounding of {len(x)} values: engine == FloatFormat {torch.equal(ours, general)}, "
-      f"engine == brute force (ties to even) {torch.equal(ours, brute)}")
+say(f"E2M1 rounding of {len(x)} values: engine == FloatFormat {torch.equal(ours, general)}, "
+    f"engine == brute force (ties to even) {torch.equal(ours, brute)}",
+    f"对 {len(x)} 个值做 E2M1 舍入：引擎 == FloatFormat {torch.equal(ours, general)}，"
+    f"引擎 == 暴力搜索（恰在中间时取偶数）{torch.equal(ours, brute)}")
 print("midpoints 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 round to",
       fp4.e2m1_values(fp4.e2m1_codes(torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]))).tolist())
 
@@ -366,9 +383,13 @@ print("midpoints 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 round to",
 try:
     torch.tensor([1.0]).to(torch.float4_e2m1fn_x2)
     TORCH_FP4_CAST = "available"
+    FP4_CAST = FP4_CAST_SHORT = Bi("available", "可用")
 except (RuntimeError, NotImplementedError, TypeError) as e:
     TORCH_FP4_CAST = f"not available ({type(e).__name__}: {str(e)[:60]})"
-print(f"torch {torch.__version__}: float32 -> float4_e2m1fn_x2 cast {TORCH_FP4_CAST}")
+    FP4_CAST = Bi(TORCH_FP4_CAST, f"不可用（{type(e).__name__}: {str(e)[:60]}）")
+    FP4_CAST_SHORT = Bi("not available", "不可用")
+say(f"torch {torch.__version__}: float32 -> float4_e2m1fn_x2 cast {tr(FP4_CAST, 'en')}",
+    f"torch {torch.__version__}：float32 -> float4_e2m1fn_x2 类型转换{tr(FP4_CAST, 'zh')}")
 
 fig = Figure(figsize=(7, 2.4), layout="constrained")
 ax = fig.add_subplot()
@@ -419,14 +440,19 @@ BITS = {k: 8 * v / W.numel() for k, v in stored.items()}
 # torch's own casts of the scales: E8M0 for MXFP4, E4M3 for NVFP4's block scales
 e8m0 = torch.exp2(mx_s.float() - 127).to(torch.float8_e8m0fnu).view(torch.uint8)
 e4m3 = (W.reshape(W.shape[0], -1, 16).abs().amax(-1) / 6 / nv_g).to(torch.float8_e4m3fn)
-print(f"MXFP4 scale bytes == torch float8_e8m0fnu cast of 2^e: {torch.equal(e8m0, mx_s)}; "
-      f"NVFP4 block scales == torch float8_e4m3fn cast: "
-      f"{torch.equal(e4m3.view(torch.uint8), nv_b.view(torch.uint8))}")
+say(f"MXFP4 scale bytes == torch float8_e8m0fnu cast of 2^e: {torch.equal(e8m0, mx_s)}; "
+    f"NVFP4 block scales == torch float8_e4m3fn cast: "
+    f"{torch.equal(e4m3.view(torch.uint8), nv_b.view(torch.uint8))}",
+    f"MXFP4 缩放因子字节 == 对 2^e 做 torch float8_e8m0fnu 类型转换：{torch.equal(e8m0, mx_s)}；"
+    f"NVFP4 块缩放因子 == torch float8_e4m3fn 类型转换："
+    f"{torch.equal(e4m3.view(torch.uint8), nv_b.view(torch.uint8))}")
 
 mx_top = (W.reshape(W.shape[0], -1, 32).abs().amax(-1) / torch.exp2(mx_s.float() - 127))
 SAT = float((mx_top > 6).float().mean())
-print(f"MXFP4: the block's largest |w| lands at {float(mx_top.min()):.2f}..{float(mx_top.max()):.2f} "
-      f"grid units; {SAT:.1%} of blocks exceed 6 and saturate")
+say(f"MXFP4: the block's largest |w| lands at {float(mx_top.min()):.2f}..{float(mx_top.max()):.2f} "
+    f"grid units; {SAT:.1%} of blocks exceed 6 and saturate",
+    f"MXFP4：块中最大的 |w| 落在 {float(mx_top.min()):.2f}..{float(mx_top.max()):.2f} "
+    f"个网格单位；{SAT:.1%} 的块超过 6 并饱和")
 
 blk_err = {}
 for k, d in deq.items():  # relative RMS error per 32-element span (the same spans for all)
@@ -435,8 +461,10 @@ for k, d in deq.items():  # relative RMS error per 32-element span (the same spa
     blk_err[k] = (e / n).sqrt().flatten()
 REL = {k: float((deq[k] - W).norm() / W.norm()) for k in deq}
 for k, rel in REL.items():
-    print(f"{k:<14} {BITS[k]:.3f} bits/weight; relative error of the layer {rel:.4f}; "
-          f"median per-block relative error {float(blk_err[k].median()):.4f}")
+    say(f"{k:<14} {BITS[k]:.3f} bits/weight; relative error of the layer {rel:.4f}; "
+        f"median per-block relative error {float(blk_err[k].median()):.4f}",
+        f"{k:<14} 每个权重 {BITS[k]:.3f} 比特；该层的相对误差 {rel:.4f}；"
+        f"每块相对误差的中位数 {float(blk_err[k].median()):.4f}")
 
 fig = Figure(figsize=(7, 3), layout="constrained")
 ax = fig.add_subplot(1, 2, 1)
@@ -599,18 +627,30 @@ W4A4_RATIO = nv4[0] / nv16[0]
 W4A4_APART = nv4[1][0] > nv16[1][1] or nv4[1][1] < nv16[1][0]
 NV_MX_RATIO = mx16[0] / nv16[0]
 NV_MX_APART = mx16[1][0] > nv16[1][1] or mx16[1][1] < nv16[1][0]
-print(f"NVFP4 W4A4 vs W4A16: KL x{W4A4_RATIO:.2f} "
-      f"({'intervals apart' if W4A4_APART else 'intervals overlap'}); W4A4's KL is "
-      f"{'below' if nv4[0] < mx16[0] else 'above'} MXFP4 weight-only's ({nv4[0]:.3f} vs "
-      f"{mx16[0]:.3f}); layer 10: output error {LAYER_ERR['NVFP4 W4A16']:.4f} -> "
-      f"{LAYER_ERR['NVFP4 W4A4']:.4f} (activations alone, float weights: {ACT_ONLY_ERR:.4f})")
-print(f"MXFP4 vs NVFP4 weight-only: KL x{NV_MX_RATIO:.2f} "
-      f"({'intervals apart' if NV_MX_APART else 'intervals overlap'}) for "
-      f"{KL['NVFP4 W4A16'][2] - KL['MXFP4 W4A16'][2]:.2f} fewer bits per weight")
-print(f"layer 10 down_proj: largest |input| on the scored text {float(X10.abs().max()):.1f}, "
-      f"calibrated {AMAX['layers.10.mlp.down_proj']:.1f} (above it, the block scale "
-      f"saturates at 448); largest calibrated amax of any linear "
-      f"{max(AMAX.values()):.0f} ({max(AMAX, key=AMAX.get)})")
+say(f"NVFP4 W4A4 vs W4A16: KL x{W4A4_RATIO:.2f} "
+    f"({'intervals apart' if W4A4_APART else 'intervals overlap'}); W4A4's KL is "
+    f"{'below' if nv4[0] < mx16[0] else 'above'} MXFP4 weight-only's ({nv4[0]:.3f} vs "
+    f"{mx16[0]:.3f}); layer 10: output error {LAYER_ERR['NVFP4 W4A16']:.4f} -> "
+    f"{LAYER_ERR['NVFP4 W4A4']:.4f} (activations alone, float weights: {ACT_ONLY_ERR:.4f})",
+    f"NVFP4 W4A4 对比 W4A16：KL x{W4A4_RATIO:.2f}"
+    f"（{'区间分开' if W4A4_APART else '区间重叠'}）；W4A4 的 KL "
+    f"{'低于' if nv4[0] < mx16[0] else '高于'} MXFP4 仅权重量化的 KL（{nv4[0]:.3f} 对比 "
+    f"{mx16[0]:.3f}）；第 10 层：输出误差 {LAYER_ERR['NVFP4 W4A16']:.4f} -> "
+    f"{LAYER_ERR['NVFP4 W4A4']:.4f}（只量化激活、权重为浮点：{ACT_ONLY_ERR:.4f}）")
+say(f"MXFP4 vs NVFP4 weight-only: KL x{NV_MX_RATIO:.2f} "
+    f"({'intervals apart' if NV_MX_APART else 'intervals overlap'}) for "
+    f"{KL['NVFP4 W4A16'][2] - KL['MXFP4 W4A16'][2]:.2f} fewer bits per weight",
+    f"MXFP4 对比 NVFP4（仅权重）：KL 为 x{NV_MX_RATIO:.2f}"
+    f"（{'区间分开' if NV_MX_APART else '区间重叠'}），换来每个权重少用 "
+    f"{KL['NVFP4 W4A16'][2] - KL['MXFP4 W4A16'][2]:.2f} 比特")
+say(f"layer 10 down_proj: largest |input| on the scored text {float(X10.abs().max()):.1f}, "
+    f"calibrated {AMAX['layers.10.mlp.down_proj']:.1f} (above it, the block scale "
+    f"saturates at 448); largest calibrated amax of any linear "
+    f"{max(AMAX.values()):.0f} ({max(AMAX, key=AMAX.get)})",
+    f"layer 10 down_proj：被打分文本上的最大 |input| {float(X10.abs().max()):.1f}，"
+    f"校准值 {AMAX['layers.10.mlp.down_proj']:.1f}（超过它时，块缩放因子"
+    f"在 448 处饱和）；所有线性层中最大的校准 amax 为 "
+    f"{max(AMAX.values()):.0f}（{max(AMAX, key=AMAX.get)}）")
 print(f"section 5 took {time.perf_counter() - t_s5:.1f} s")
 
 fig = Figure(figsize=(6.5, 2.8), layout="constrained")
@@ -730,8 +770,10 @@ for label, dt, pre in (("float16, tensor scale after the GEMM", torch.float16, F
     bad = int((~torch.isfinite(rows)).any(-1).sum())
     kl = metrics.mean_kl(base, rows) if bad == 0 else float("nan")
     nan_rows[label] = (bad, kl)
-    print(f"{label:<40} rows with NaN/inf logits: {bad} of {len(rows)}; "
-          f"KL vs the engine's NVFP4: {kl:.2g}")
+    say(f"{label:<40} rows with NaN/inf logits: {bad} of {len(rows)}; "
+        f"KL vs the engine's NVFP4: {kl:.2g}",
+        f"{label:<40} logits 含 NaN/inf 的行：{len(rows)} 行中有 {bad} 行；"
+        f"相对引擎 NVFP4 的 KL：{kl:.2g}")
 
 # %% [markdown]
 # Where it overflows first: the largest intermediate `|x · W_u|` each linear of layer 0..29
@@ -752,8 +794,10 @@ finally:
     for h in hooks:
         h.remove()
 over = {k: v for k, v in peaks.items() if v > 65504}
-print(f"{len(over)} of {len(peaks)} linears have intermediates above 65504; largest "
-      f"{max(peaks.values()):.3g} in {max(peaks, key=peaks.get)}")
+say(f"{len(over)} of {len(peaks)} linears have intermediates above 65504; largest "
+    f"{max(peaks.values()):.3g} in {max(peaks, key=peaks.get)}",
+    f"{len(peaks)} 个线性层中有 {len(over)} 个的中间值超过 65504；最大值 "
+    f"{max(peaks.values()):.3g}，位于 {max(peaks, key=peaks.get)}")
 fig = Figure(figsize=(7, 2.6), layout="constrained")
 ax = fig.add_subplot()
 for kind in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
@@ -778,59 +822,104 @@ fig
 n_over = len(over)
 d_ba, bi_ba = CMP["default"]["busy vs alone"], CMP["batch_invariant"]["busy vs alone"]
 bi_tr = CMP["batch_invariant"]["alone vs trainer"]
+FP32_DEP = any(GEMM_ROWS["torch F.linear (BLAS sgemm)"].values())
+BF16_INV = not any(GEMM_ROWS["torch F.linear, bfloat16"].values())
 rows = [
-    ("Temperature 0 / greedy output depends on the batch (Thinking Machines: 80 distinct "
-     "completions of 1000)",
-     "text level: chapter 5, section 2; log-probs of one sequence busy vs alone here, default "
-     f"engine: {'reproduced' if BATCH_DEP else 'NOT seen'} (max |dlogp| {d_ba[0]:.3g}, "
-     f"{d_ba[2]} of 16 tokens differ)"),
-    ("batch_invariant=True removes it",
-     f"{'holds here' if BI_BATCH_FIXED else 'does NOT hold here'}: busy vs alone bitwise "
-     f"{bi_ba[1]} (max |dlogp| {bi_ba[0]:.3g})"),
-    ("Batch invariance makes the sampler's log-probs the trainer's (on-policy RL)",
-     f"{'holds here' if BI_ON_POLICY else 'does NOT follow here'}: decode alone vs one "
-     f"teacher-forced pass, batch_invariant: bitwise {bi_tr[1]}, max |dlogp| {bi_tr[0]:.3g}, "
-     f"ratio p_sampler/p_trainer in [{ratio_lo:.4f}, {ratio_hi:.4f}]"),
-    ("Batch invariance costs ~1.6x",
-     ("about that" if 1.3 <= COST <= 2.0 else "more" if COST > 2.0 else "less")
-     + f" this run: {COST:.2f}x (CPU, bf16, one busy decode "
-     "sample); RESULTS.md: 1.54x CPU, 11.8x / 10.5x H200 bf16 / fp32 (graphs off, LM head "
-     "per row)"),
-    ("Linears: fp32 GEMM not M-invariant, bf16 M-invariant (chapter 5 / plan)",
-     "fp32 not M-invariant: "
-     + ("holds" if any(GEMM_ROWS["torch F.linear (BLAS sgemm)"].values()) else "does NOT hold")
-     + " here; bf16 M-invariant: "
-     + ("holds" if not any(GEMM_ROWS["torch F.linear, bfloat16"].values()) else "does NOT hold")
-     + f" here (1536 -> 576, M up to 16): F.linear rows differing by M "
-     f"{GEMM_ROWS['torch F.linear (BLAS sgemm)']}, bf16 {GEMM_ROWS['torch F.linear, bfloat16']}; "
-     f"the engine's packed GEMM {GEMM_ROWS['engine linear_ref (oneDNN packed)']} (inference mode)"),
-    ("minivllm_kernels/paged_attention.py is batch-invariant by design (H200 suite)",
-     "RESULTS.md: \"attn_batch_invariant\": true"),
-    ("E2M1 rounding = FloatFormat('fp4_e2m1') (plan)",
-     f"{torch.equal(ours, general)} on {len(x)} values, ties to even"),
-    ("Equal to torch's float4 casts where torch has them",
-     f"E8M0 scales {torch.equal(e8m0, mx_s)}, E4M3 scales "
-     f"{torch.equal(e4m3.view(torch.uint8), nv_b.view(torch.uint8))}; E2M1 cast {TORCH_FP4_CAST[:13]}"),
-    ("NVFP4 near int4 g32, MXFP4 worse (plan estimate)",
-     f"KL MXFP4 {mx16[0]:.3f}, NVFP4 {nv16[0]:.3f} here (x{NV_MX_RATIO:.2f}, intervals "
-     f"{'apart' if NV_MX_APART else 'overlap'}; RESULTS.md: 0.492, 0.218, int4-asym g32 "
-     f"0.263); layer 10 relative weight error MXFP4 {REL['MXFP4']:.3f}, NVFP4 "
-     f"{REL['NVFP4']:.3f}, int4-asym g32 {REL['int4-asym g32']:.3f}"),
-    ("NVFP4 W4A4 (activations in FP4 too, Blackwell) costs accuracy beyond W4A16",
-     f"{'holds here' if W4A4_APART and nv4[0] > nv16[0] else 'not shown here'}: KL "
-     f"{nv4[0]:.3f} vs {nv16[0]:.3f} (x{W4A4_RATIO:.2f}, intervals "
-     f"{'apart' if W4A4_APART else 'overlap'}); layer 10 output error "
-     f"{LAYER_ERR['NVFP4 W4A4']:.4f} vs {LAYER_ERR['NVFP4 W4A16']:.4f}"),
-    ("Bits per weight: MXFP4 4.25, NVFP4 4.5",
-     f"{mx16[2]:.3f}, {nv16[2]:.3f} (whole model); int4-asym g32 as stored "
-     f"{BITS['int4-asym g32']:.3f} (layer 10)"),
-    ("NVFP4 + dtype=float16 gives NaN (vllm PR #33972)",
-     f"emulated Marlin order: {nan_rows['float16, tensor scale after the GEMM'][0]} of 24 rows "
-     f"NaN/inf; pre-scaled {nan_rows['float16, input pre-scaled (the fix)'][0]}; bf16 "
-     f"{nan_rows['bfloat16, tensor scale after the GEMM'][0]}; {n_over} of 120 linears > 65504"),
+    (Bi("Temperature 0 / greedy output depends on the batch (Thinking Machines: 80 distinct "
+        "completions of 1000)",
+        "温度 0 / 贪心输出取决于批次（Thinking Machines：1000 次中有 80 个不同的补全）"),
+     Bi("text level: chapter 5, section 2; log-probs of one sequence busy vs alone here, default "
+        f"engine: {'reproduced' if BATCH_DEP else 'NOT seen'} (max |dlogp| {d_ba[0]:.3g}, "
+        f"{d_ba[2]} of 16 tokens differ)",
+        "文本层面：第 5 章第 2 节；这里一条序列繁忙与单独时的对数概率，默认"
+        f"引擎：{'复现' if BATCH_DEP else '未观察到'}（最大 |dlogp| {d_ba[0]:.3g}，"
+        f"16 个 token 中有 {d_ba[2]} 个不同）")),
+    (Bi("batch_invariant=True removes it", "batch_invariant=True 能消除它"),
+     Bi(f"{'holds here' if BI_BATCH_FIXED else 'does NOT hold here'}: busy vs alone bitwise "
+        f"{bi_ba[1]} (max |dlogp| {bi_ba[0]:.3g})",
+        f"{'在这里成立' if BI_BATCH_FIXED else '在这里不成立'}：繁忙与单独逐位相同 "
+        f"{bi_ba[1]}（最大 |dlogp| {bi_ba[0]:.3g}）")),
+    (Bi("Batch invariance makes the sampler's log-probs the trainer's (on-policy RL)",
+        "批不变性让采样器的对数概率等于训练器的对数概率（on-policy RL）"),
+     Bi(f"{'holds here' if BI_ON_POLICY else 'does NOT follow here'}: decode alone vs one "
+        f"teacher-forced pass, batch_invariant: bitwise {bi_tr[1]}, max |dlogp| {bi_tr[0]:.3g}, "
+        f"ratio p_sampler/p_trainer in [{ratio_lo:.4f}, {ratio_hi:.4f}]",
+        f"{'在这里成立' if BI_ON_POLICY else '在这里并不随之成立'}：单独 decode 对比一次"
+        f"教师强制前向计算，batch_invariant：逐位相同 {bi_tr[1]}，最大 |dlogp| {bi_tr[0]:.3g}，"
+        f"比值 p_sampler/p_trainer 在 [{ratio_lo:.4f}, {ratio_hi:.4f}] 之内")),
+    (Bi("Batch invariance costs ~1.6x", "批不变性的代价是 ~1.6x"),
+     Bi(f"{'about that' if 1.3 <= COST <= 2.0 else 'more' if COST > 2.0 else 'less'}"
+        f" this run: {COST:.2f}x (CPU, bf16, one busy decode "
+        "sample); RESULTS.md: 1.54x CPU, 11.8x / 10.5x H200 bf16 / fp32 (graphs off, LM head "
+        "per row)",
+        f"本次运行{'大致如此' if 1.3 <= COST <= 2.0 else '更高' if COST > 2.0 else '更低'}"
+        f"：{COST:.2f}x（CPU，bf16，一次繁忙 decode "
+        "抽样）；RESULTS.md：CPU 1.54x，H200 bf16 / fp32 为 11.8x / 10.5x（关闭 CUDA 图，LM head "
+        "逐行计算）")),
+    (Bi("Linears: fp32 GEMM not M-invariant, bf16 M-invariant (chapter 5 / plan)",
+        "线性层：fp32 GEMM 不是 M 不变的，bf16 是 M 不变的（第 5 章 / 课程计划）"),
+     Bi(f"fp32 not M-invariant: {'holds' if FP32_DEP else 'does NOT hold'} here; bf16 "
+        f"M-invariant: {'holds' if BF16_INV else 'does NOT hold'} here (1536 -> 576, M up to "
+        f"16): F.linear rows differing by M {GEMM_ROWS['torch F.linear (BLAS sgemm)']}, bf16 "
+        f"{GEMM_ROWS['torch F.linear, bfloat16']}; the engine's packed GEMM "
+        f"{GEMM_ROWS['engine linear_ref (oneDNN packed)']} (inference mode)",
+        f"fp32 不是 M 不变的：在这里{'成立' if FP32_DEP else '不成立'}；bf16 "
+        f"是 M 不变的：在这里{'成立' if BF16_INV else '不成立'}（1536 -> 576，M 最大到 "
+        f"16）：F.linear 随 M 不同的行数 {GEMM_ROWS['torch F.linear (BLAS sgemm)']}，bf16 "
+        f"{GEMM_ROWS['torch F.linear, bfloat16']}；引擎的 packed GEMM "
+        f"{GEMM_ROWS['engine linear_ref (oneDNN packed)']}（inference mode）")),
+    (Bi("minivllm_kernels/paged_attention.py is batch-invariant by design (H200 suite)",
+        "minivllm_kernels/paged_attention.py 在设计上就是批不变的（H200 测试套件）"),
+     'RESULTS.md: "attn_batch_invariant": true'),
+    (Bi("E2M1 rounding = FloatFormat('fp4_e2m1') (plan)",
+        "E2M1 舍入 = FloatFormat('fp4_e2m1')（课程计划）"),
+     Bi(f"{torch.equal(ours, general)} on {len(x)} values, ties to even",
+        f"{torch.equal(ours, general)}，在 {len(x)} 个值上，恰在中间时取偶数")),
+    (Bi("Equal to torch's float4 casts where torch has them",
+        "在 torch 提供 float4 类型转换的地方与之相等"),
+     Bi(f"E8M0 scales {torch.equal(e8m0, mx_s)}, E4M3 scales "
+        f"{torch.equal(e4m3.view(torch.uint8), nv_b.view(torch.uint8))}; E2M1 cast "
+        f"{tr(FP4_CAST_SHORT, 'en')}",
+        f"E8M0 缩放因子 {torch.equal(e8m0, mx_s)}，E4M3 缩放因子 "
+        f"{torch.equal(e4m3.view(torch.uint8), nv_b.view(torch.uint8))}；E2M1 类型转换"
+        f"{tr(FP4_CAST_SHORT, 'zh')}")),
+    (Bi("NVFP4 near int4 g32, MXFP4 worse (plan estimate)",
+        "NVFP4 接近 int4 g32，MXFP4 更差（课程计划的估计，plan estimate）"),
+     Bi(f"KL MXFP4 {mx16[0]:.3f}, NVFP4 {nv16[0]:.3f} here (x{NV_MX_RATIO:.2f}, intervals "
+        f"{'apart' if NV_MX_APART else 'overlap'}; RESULTS.md: 0.492, 0.218, int4-asym g32 "
+        f"0.263); layer 10 relative weight error MXFP4 {REL['MXFP4']:.3f}, NVFP4 "
+        f"{REL['NVFP4']:.3f}, int4-asym g32 {REL['int4-asym g32']:.3f}",
+        f"这里的 KL：MXFP4 {mx16[0]:.3f}，NVFP4 {nv16[0]:.3f}（x{NV_MX_RATIO:.2f}，区间"
+        f"{'分开' if NV_MX_APART else '重叠'}；RESULTS.md：0.492、0.218，int4-asym g32 "
+        f"0.263）；第 10 层的相对权重误差 MXFP4 {REL['MXFP4']:.3f}，NVFP4 "
+        f"{REL['NVFP4']:.3f}，int4-asym g32 {REL['int4-asym g32']:.3f}")),
+    (Bi("NVFP4 W4A4 (activations in FP4 too, Blackwell) costs accuracy beyond W4A16",
+        "NVFP4 W4A4（激活也用 FP4，Blackwell）在 W4A16 之外还会损失精度"),
+     Bi(f"{'holds here' if W4A4_APART and nv4[0] > nv16[0] else 'not shown here'}: KL "
+        f"{nv4[0]:.3f} vs {nv16[0]:.3f} (x{W4A4_RATIO:.2f}, intervals "
+        f"{'apart' if W4A4_APART else 'overlap'}); layer 10 output error "
+        f"{LAYER_ERR['NVFP4 W4A4']:.4f} vs {LAYER_ERR['NVFP4 W4A16']:.4f}",
+        f"{'在这里成立' if W4A4_APART and nv4[0] > nv16[0] else '在这里未显示出来'}：KL "
+        f"{nv4[0]:.3f} 对比 {nv16[0]:.3f}（x{W4A4_RATIO:.2f}，区间"
+        f"{'分开' if W4A4_APART else '重叠'}）；第 10 层输出误差 "
+        f"{LAYER_ERR['NVFP4 W4A4']:.4f} 对比 {LAYER_ERR['NVFP4 W4A16']:.4f}")),
+    (Bi("Bits per weight: MXFP4 4.25, NVFP4 4.5", "每个权重的比特数：MXFP4 4.25，NVFP4 4.5"),
+     Bi(f"{mx16[2]:.3f}, {nv16[2]:.3f} (whole model); int4-asym g32 as stored "
+        f"{BITS['int4-asym g32']:.3f} (layer 10)",
+        f"{mx16[2]:.3f}、{nv16[2]:.3f}（整个模型）；按存储方式计算的 int4-asym g32 为 "
+        f"{BITS['int4-asym g32']:.3f}（第 10 层）")),
+    (Bi("NVFP4 + dtype=float16 gives NaN (vllm PR #33972)",
+        "NVFP4 + dtype=float16 产生 NaN（vllm PR #33972）"),
+     Bi(f"emulated Marlin order: {nan_rows['float16, tensor scale after the GEMM'][0]} of 24 rows "
+        f"NaN/inf; pre-scaled {nan_rows['float16, input pre-scaled (the fix)'][0]}; bf16 "
+        f"{nan_rows['bfloat16, tensor scale after the GEMM'][0]}; {n_over} of 120 linears > 65504",
+        f"模拟的 Marlin 计算顺序：24 行中有 {nan_rows['float16, tensor scale after the GEMM'][0]} 行"
+        f"为 NaN/inf；预缩放后 {nan_rows['float16, input pre-scaled (the fix)'][0]}；bf16 "
+        f"{nan_rows['bfloat16, tensor scale after the GEMM'][0]}；120 个线性层中有 {n_over} 个 > 65504")),
 ]
-for c, m in rows:
-    print(f"{c}\n    -> {m}")
+# the chapter's own format, "claim\n    -> measured" (docs/claims.py reads it), in both languages
+say("\n".join(f"{tr(c, 'en')}\n    -> {tr(m, 'en')}" for c, m in rows),
+    "\n".join(f"{tr(c, 'zh')}\n    -> {tr(m, 'zh')}" for c, m in rows))
 
 # %% [markdown]
 # ## 8. Misconceptions
