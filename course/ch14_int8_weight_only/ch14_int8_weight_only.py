@@ -87,6 +87,7 @@ import torch
 from matplotlib.figure import Figure
 
 from minivllm import LLM, SamplingParams
+from minivllm.i18n import Bi, claims_table, say
 from minivllm.layers.linear import linear_ref
 from minivllm.precision import evalsets, metrics
 from minivllm.quantization import weight_quant as wq
@@ -154,12 +155,17 @@ for name in rank[:10]:
           f"{s['err_tensor']:.4f} | {s['err_channel']:.4f} |")
 med = {k: float(np.median([s[k] for s in stats.values()])) for k in ("ratio", "err_tensor",
                                                                   "err_channel")}
-print(f"median over the {len(stats)} layers: ratio {med['ratio']:.1f}, relative weight error "
-      f"per tensor {med['err_tensor']:.4f}, per channel {med['err_channel']:.4f} "
-      f"({med['err_tensor'] / med['err_channel']:.1f}x)")
+say(f"median over the {len(stats)} layers: ratio {med['ratio']:.1f}, relative weight error "
+    f"per tensor {med['err_tensor']:.4f}, per channel {med['err_channel']:.4f} "
+    f"({med['err_tensor'] / med['err_channel']:.1f}x)",
+    f"{len(stats)} 层的中位数：比值 {med['ratio']:.1f}，相对权重误差"
+    f"逐张量 {med['err_tensor']:.4f}，逐通道 {med['err_channel']:.4f}"
+    f"（{med['err_tensor'] / med['err_channel']:.1f}x）")
 rows_507 = sum(1 for n in W if n.endswith("down_proj") and stats[n]["row"] == 507)
-print(f"down_proj layers whose largest output channel is hidden dimension 507: {rows_507} of "
-      f"{sum(1 for n in W if n.endswith('down_proj'))}")
+say(f"down_proj layers whose largest output channel is hidden dimension 507: {rows_507} of "
+    f"{sum(1 for n in W if n.endswith('down_proj'))}",
+    f"最大输出通道为隐藏维度 507 的 down_proj 层：{sum(1 for n in W if n.endswith('down_proj'))} "
+    f"层中有 {rows_507} 层")
 
 # %%
 kinds = ["self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"]
@@ -177,10 +183,14 @@ fig
 
 # %%
 q10, q90 = np.quantile([s["ratio"] for s in stats.values()], [0.1, 0.9])
-print(f"ratio: 10th-90th percentile over the layers {q10:.1f}-{q90:.1f}, so per tensor the "
-      f"median channel keeps {127 / q90:.0f}-{127 / q10:.0f} of the 127 positive codes "
-      f"({np.log2(2 * 127 / q90 + 1):.1f}-{np.log2(2 * 127 / q10 + 1):.1f} bits' worth); "
-      f"per channel it keeps 127 (8 bits)")
+say(f"ratio: 10th-90th percentile over the layers {q10:.1f}-{q90:.1f}, so per tensor the "
+    f"median channel keeps {127 / q90:.0f}-{127 / q10:.0f} of the 127 positive codes "
+    f"({np.log2(2 * 127 / q90 + 1):.1f}-{np.log2(2 * 127 / q10 + 1):.1f} bits' worth); "
+    f"per channel it keeps 127 (8 bits)",
+    f"比值：各层的第 10-90 百分位数为 {q10:.1f}-{q90:.1f}，所以逐张量时，"
+    f"中位数通道保留 127 个正编码中的 {127 / q90:.0f}-{127 / q10:.0f} 个"
+    f"（相当于 {np.log2(2 * 127 / q90 + 1):.1f}-{np.log2(2 * 127 / q10 + 1):.1f} 位）；"
+    f"逐通道时保留 127 个（8 位）")
 
 # %% [markdown]
 # So per tensor, the typical channel of a typical layer keeps only the bits' worth of
@@ -208,8 +218,8 @@ ratios = {n: step_ratio(W[n]) for n in ("layers.0.self_attn.qkv_proj", "layers.1
                                         "layers.27.mlp.gate_up_proj")}
 for n, r in ratios.items():
     print(f"{n:30} int8 per-channel step / Q4_1 step (median) = {r:.2f}")
-print("the int8 step is " + ("a fraction of" if max(ratios.values()) < 1 else "not below")
-      + " the Q4_1 step in all three")
+say(f"the int8 step is {'a fraction of' if max(ratios.values()) < 1 else 'not below'} the Q4_1 step in all three",
+    f"在这三层中，int8 步长与 Q4_1 步长相比{'都只是它的一部分' if max(ratios.values()) < 1 else '并非都更小'}")
 
 # %% [markdown]
 # The line under the ratios says how the int8 per-channel step compares with a Q4_1 step;
@@ -311,11 +321,13 @@ for gran in ("tensor", "channel"):
     gc.collect()
 table(["float32", "int8 per tensor", "int8 per channel"])
 ratio = RESULTS["int8 per tensor"]["kl"] / RESULTS["int8 per channel"]["kl"]
-print(f"\nper tensor / per channel: {ratio:.0f}x in KL")
+print()
+say(f"per tensor / per channel: {ratio:.0f}x in KL", f"逐张量 / 逐通道：KL 之比为 {ratio:.0f}x")
 for n in ("int8 per tensor", "int8 per channel"):
     r = RESULTS[n]
     lost = round((RESULTS["float32"]["acc"] - r["acc"]) * len(qa))
-    print(f"{n}: {r['changed']} greedy answers differ from float32's, {lost} fewer correct")
+    say(f"{n}: {r['changed']} greedy answers differ from float32's, {lost} fewer correct",
+        f"{n}：{r['changed']} 个贪心答案与 float32 的不同，正确答案少了 {lost} 个")
 
 # %% [markdown]
 # Same bytes (one scale per row adds 4 bytes per 576-3072 int8 weights), very different
@@ -412,8 +424,10 @@ with base.swap_step("linear", record, where="layers.11.mlp.down_proj"):
     base.score(windows[:1], output="logits")
 col_ratio = {n: float(v.abs().amax(dim=0).max() / v.abs().amax(dim=0).median()) for n, v in W.items()}
 top_col = max(col_ratio, key=col_ratio.get)
-print(f"largest column ratio in the model: {col_ratio[top_col]:.1f} ({top_col}); median over "
-      f"layers {np.median(list(col_ratio.values())):.1f}")
+say(f"largest column ratio in the model: {col_ratio[top_col]:.1f} ({top_col}); median over "
+    f"layers {np.median(list(col_ratio.values())):.1f}",
+    f"模型中最大的列比值：{col_ratio[top_col]:.1f}（{top_col}）；各层的中位数 "
+    f"{np.median(list(col_ratio.values())):.1f}")
 x = captured[-1]
 w = W["layers.11.mlp.down_proj"]
 j = int(w.abs().amax(dim=0).argmax())                   # the column that is largest already
@@ -422,9 +436,12 @@ x_p, w_p = x.clone(), w.clone()
 x_p[:, j] /= s
 w_p[:, j] *= s
 y, y_p = linear_ref(x, w, None), linear_ref(x_p, w_p, None)
-print(f"input column {j}, s = {s:g}: outputs bit-equal after the reparametrization: "
-      f"{torch.equal(y, y_p)}; column ratio of this layer {col_ratio['layers.11.mlp.down_proj']:.1f} "
-      f"-> {float(w_p.abs().amax(0).max() / w_p.abs().amax(0).median()):.0f}")
+say(f"input column {j}, s = {s:g}: outputs bit-equal after the reparametrization: "
+    f"{torch.equal(y, y_p)}; column ratio of this layer {col_ratio['layers.11.mlp.down_proj']:.1f} "
+    f"-> {float(w_p.abs().amax(0).max() / w_p.abs().amax(0).median()):.0f}",
+    f"输入列 {j}，s = {s:g}：重参数化后输出逐位相等："
+    f"{torch.equal(y, y_p)}；该层的列比值 {col_ratio['layers.11.mlp.down_proj']:.1f} "
+    f"-> {float(w_p.abs().amax(0).max() / w_p.abs().amax(0).median()):.0f}")
 assert torch.equal(y, y_p), "the reparametrization must be exact"
 
 
@@ -532,8 +549,10 @@ SQ = {a: RESULTS[f"SmoothQuant α={a} folded, int8 per channel"] for a in ALPHAS
 above = {a: SQ[a]["kl_ci"][0] > r0["kl_ci"][1] for a in ALPHAS}   # CI entirely above the original's
 print()
 for a in ALPHAS:
-    print(f"int8 per channel, α = {a}: {SQ[a]['kl'] / r0['kl']:.2f}x the original's KL; its CI is "
-          f"{'entirely above' if above[a] else 'not entirely above'} the original's")
+    say(f"int8 per channel, α = {a}: {SQ[a]['kl'] / r0['kl']:.2f}x the original's KL; its CI is "
+        f"{'entirely above' if above[a] else 'not entirely above'} the original's",
+        f"int8 逐通道，α = {a}：KL 为原模型的 {SQ[a]['kl'] / r0['kl']:.2f}x；其置信区间"
+        f"{'完全高于原模型的置信区间' if above[a] else '并非完全高于原模型的置信区间'}")
 print(f"({time.perf_counter() - t6:.0f} s for this section)")
 
 # %% [markdown]
@@ -633,10 +652,16 @@ print("kept float:", keep)
 fitting = {n: p[2] for n, p in plans.items() if p[2]["fits"]}
 best = min(fitting, key=lambda n: fitting[n]["kl"])
 r_g, r_k = plans["int8 groups of 128"][2], plans[f"int8 per channel, {len(keep)} worst layer(s) float32"][2]
-print(f"\nbest within the budget: {best} (KL {fitting[best]['kl']:.3g}, "
-      f"{fitting[best]['kl'] / r0['kl']:.2f}x the unmodified model's per-channel KL); groups "
-      f"cost {group_bytes - per_channel_bytes:,} bytes, the float layers {keep_extra:,} "
-      f"({time.perf_counter() - t7:.0f} s for this section)")
+print()
+t7 = time.perf_counter() - t7
+say(f"best within the budget: {best} (KL {fitting[best]['kl']:.3g}, "
+    f"{fitting[best]['kl'] / r0['kl']:.2f}x the unmodified model's per-channel KL); groups "
+    f"cost {group_bytes - per_channel_bytes:,} bytes, the float layers {keep_extra:,} "
+    f"({t7:.0f} s for this section)",
+    f"预算内最好的方案：{best}（KL {fitting[best]['kl']:.3g}，"
+    f"为未修改模型逐通道 KL 的 {fitting[best]['kl'] / r0['kl']:.2f}x）；分组"
+    f"花费 {group_bytes - per_channel_bytes:,} 字节，浮点层花费 {keep_extra:,} 字节"
+    f"（本节用时 {t7:.0f} s）")
 tmp.cleanup()
 
 # %% [markdown]
@@ -658,75 +683,144 @@ acc_f = RESULTS["float32"]["acc"]
 # "nearly lossless" read as: float32's QA accuracy inside the scheme's 95 % CI
 lossless = {n: RESULTS[n]["acc_ci"][0] <= acc_f <= RESULTS[n]["acc_ci"][1]
             for n in ("int8 per tensor", "int8 per channel")}
-lossless_word = {(True, True): "true for both", (False, True): "true only per channel",
-                 (True, False): "true only per tensor",
-                 (False, False): "true for neither"}[(lossless["int8 per tensor"], lossless["int8 per channel"])]
+lossless_key = (lossless["int8 per tensor"], lossless["int8 per channel"])
+
+
+def by_key(key, both, channel, tensor, neither):
+    """The word for (per tensor lossless, per channel lossless)."""
+    return {(True, True): both, (False, True): channel, (True, False): tensor,
+            (False, False): neither}[key]
+
+
+def txt(b, lang):
+    """The ``lang`` ("en" or "zh") text of the Bi ``b`` (a field that reads the same in both
+    f-strings of a pair, but for the language's name)."""
+    return getattr(b, lang)
+
+
+def in_lang(parts, sep, lang):
+    """The ``lang`` ("en" or "zh") texts of the Bi ``parts`` joined by ``sep``."""
+    return sep.join(txt(p_, lang) for p_ in parts)
+
+
 planted = sec5[list(sec5)[1]]
 input_worse = planted["channel"] / sec5["original"]["channel"]
 kl_separates = r_t["kl_ci"][0] > r_c["kl_ci"][1]
 acc_separates = r_t["acc_ci"][1] < r_c["acc_ci"][0]
+folds = ", ".join(f"α = {a} {RESULTS[f'alpha {a} float']['bit_equal']}" for a in ALPHAS)
+sq_parts = [Bi(f"α = {a}: {SQ[a]['kl']:.3g} ({SQ[a]['kl'] / r0['kl']:.2f}x, CI "
+               f"{'entirely above' if above[a] else 'overlapping or below'} the original's)",
+               f"α = {a}：{SQ[a]['kl']:.3g}（{SQ[a]['kl'] / r0['kl']:.2f}x，置信区间"
+               f"{'完全高于原模型的' if above[a] else '与原模型的重叠或低于它'}）")
+            for a in ALPHAS]
+fig10 = above[1.0] and not above[0.5]
+kv_word = (Bi("depends on the scheme: per tensor is worse than fp8 KV, per channel better",
+              "取决于方案：逐张量比 fp8 KV 差，逐通道比它好")
+           if r_t["kl"] > 0.0066 > r_c["kl"] else
+           Bi("not decided by the scheme here: both weight schemes fall on the same side of fp8 KV's 0.0066",
+              "此处不由方案决定：两种权重方案都落在 fp8 KV 的 0.0066 的同一侧"))
+q41_word = (Bi(f"still errs (KL {r_c['kl']:.2g})", f"仍有误差（KL {r_c['kl']:.2g}）") if r_c["kl"] > 0
+            else Bi("is exact (KL 0)", "是精确的（KL 0）"))
 claims = [
-    ("int8 weights are 'nearly lossless' (seed 000 §2.4.3-2.4.4: weight quantization is the "
-     "safe knob)",
-     f"per channel: KL {r_c['kl']:.2g} nats, answer KL {r_c['answer_kl']:.2g}, QA "
-     f"{100 * r_c['acc']:.0f}% (float32 {100 * RESULTS['float32']['acc']:.0f}%), "
-     f"{r_c['changed']} of {len(qa)} greedy answers changed; per tensor: KL {r_t['kl']:.2g}, "
-     f"QA {100 * r_t['acc']:.0f}% [{100 * r_t['acc_ci'][0]:.0f}, {100 * r_t['acc_ci'][1]:.0f}]; "
-     f"float32's accuracy inside the scheme's QA CI: {lossless_word}"),
-    ("per-channel scales beat per-tensor by 26x in KL (benchmarks/RESULTS.md, 2,560 positions)",
-     f"{ratio:.0f}x here on {sum(map(len, windows))} positions "
-     f"(CIs [{r_t['kl_ci'][0]:.3g}, {r_t['kl_ci'][1]:.3g}] vs [{r_c['kl_ci'][0]:.3g}, "
-     f"{r_c['kl_ci'][1]:.3g}])"),
-    ("a few outlier output channels set the per-tensor step (RESULTS.md's reading)",
-     f"ignoring the {K} layers with the largest ratio (of {len(W)}) cuts KL from {r_t['kl']:.3g} "
-     f"to {r_m['kl']:.3g}; {K} layers ignored blindly: {r_b['kl']:.3g}; hidden dimension 507 "
-     f"is the largest output channel of {rows_507} of {n_layers} down_proj layers"),
-    ("weight quantization hurts less than KV-cache quantization (seed 000 §2.4.3)",
-     f"int8 weights per channel KL {r_c['kl']:.2g} here, per tensor {r_t['kl']:.2g}; "
-     "benchmarks/RESULTS.md (12 conversations, other text): fp8 e4m3 KV 0.0066, int8 KV per "
-     "token 0.00069: "
-     + ("depends on the scheme: per tensor is worse than fp8 KV, per channel better"
-        if r_t["kl"] > 0.0066 > r_c["kl"] else
-        "not decided by the scheme here: both weight schemes fall on the same side of fp8 KV's 0.0066")
-     + " (different texts: an order of magnitude, not a ranking)"),
-    ("per-channel scales handle outliers (the usual advice)",
-     f"output channels: {'yes' if ratio > 2 else 'no'} (section 3: {ratio:.0f}x less KL than per "
-     f"tensor); an input-channel outlier: {'no' if input_worse > 2 else 'yes'}, one planted "
-     f"column x64 (section 5) takes layer 11 down_proj's per-channel output error from "
-     f"{sec5['original']['channel']:.4f} to {planted['channel']:.4f} ({input_worse:.1f}x; that "
-     f"column kept float: {planted['kept']:.4f}; groups of 128: {planted['group']:.4f})"),
-    ("SmoothQuant's fold is an exact identity (arXiv:2211.10438 §4)",
-     "with power-of-two scales, float logits bit-equal to the original's: "
-     + ", ".join(f"α = {a} {RESULTS[f'alpha {a} float']['bit_equal']}" for a in ALPHAS)),
-    ("too large a migration strength makes the weights hard to quantize (SmoothQuant, Fig. 10)",
-     "int8 per channel (weight-only) KL: original "
-     f"{r0['kl']:.3g}; " + "; ".join(
-         f"α = {a}: {SQ[a]['kl']:.3g} ({SQ[a]['kl'] / r0['kl']:.2f}x, CI "
-         f"{'entirely above' if above[a] else 'overlapping or below'} the original's)"
-         for a in ALPHAS)
-     + f": {'reproduced' if above[1.0] and not above[0.5] else 'not reproduced as stated'} "
-       "for the largest α against the paper's 0.5"),
-    ("repair the folded model: group-wise scales or float layers (LLM.int8()), same bytes",
-     f"budget +3 % ({budget - per_channel_bytes:,} bytes): groups of 128 use "
-     f"{group_bytes - per_channel_bytes:,} (KL {r_g['kl']:.3g}), {len(keep)} float layer(s) "
-     f"{keep_extra:,} (KL {r_k['kl']:.3g}); best within the budget: {best}"),
-    ("the weights came from Q4_1, so requantizing looks lossless (a reviewer's caution)",
-     "at most 16 distinct values per group of 32 (Q4_1; counted in chapter 3), but the int8 "
-     f"grid is not Q4_1's (its step is {min(ratios.values()):.2f}-{max(ratios.values()):.2f}x "
-     "a Q4_1 step, not aligned): int8 per channel "
-     + (f"still errs (KL {r_c['kl']:.2g})" if r_c["kl"] > 0 else "is exact (KL 0)")
-     + f", per tensor KL {r_t['kl']:.2g}; the caution applies to 4-bit grids with groups of 32 "
-       "(chapter 15)"),
-    ("release a quantized model only after a regression check (seed 002 §五)",
-     f"per tensor vs per channel: the KL CIs on {sum(map(len, windows))} positions "
-     f"{'do not overlap' if kl_separates else 'overlap'}; the QA accuracy CIs on {len(qa)} "
-     f"questions {'do not overlap' if acc_separates else 'overlap'}"
-     + (": gate on KL (and answer KL), report accuracy beside it"
-        if kl_separates and not acc_separates else "")),
+    (Bi("int8 weights are 'nearly lossless' (seed 000 §2.4.3-2.4.4: weight quantization is the "
+        "safe knob)",
+        "int8 权重“几乎无损”（种子课程 000 §2.4.3-2.4.4：权重量化是安全的调节手段）"),
+     Bi(f"per channel: KL {r_c['kl']:.2g} nats, answer KL {r_c['answer_kl']:.2g}, QA "
+        f"{100 * r_c['acc']:.0f}% (float32 {100 * RESULTS['float32']['acc']:.0f}%), "
+        f"{r_c['changed']} of {len(qa)} greedy answers changed; per tensor: KL {r_t['kl']:.2g}, "
+        f"QA {100 * r_t['acc']:.0f}% [{100 * r_t['acc_ci'][0]:.0f}, {100 * r_t['acc_ci'][1]:.0f}]; "
+        f"float32's accuracy inside the scheme's QA CI: "
+        f"{by_key(lossless_key, 'true for both', 'true only per channel', 'true only per tensor', 'true for neither')}",
+        f"逐通道：KL {r_c['kl']:.2g} nats，答案 KL {r_c['answer_kl']:.2g}，问答 "
+        f"{100 * r_c['acc']:.0f}%（float32 {100 * RESULTS['float32']['acc']:.0f}%），"
+        f"{len(qa)} 个贪心答案中改变了 {r_c['changed']} 个；逐张量：KL {r_t['kl']:.2g}，"
+        f"问答 {100 * r_t['acc']:.0f}% [{100 * r_t['acc_ci'][0]:.0f}, {100 * r_t['acc_ci'][1]:.0f}]；"
+        f"float32 的准确率落在该方案问答置信区间内："
+        f"{by_key(lossless_key, '两者都成立', '仅逐通道成立', '仅逐张量成立', '两者都不成立')}")),
+    (Bi("per-channel scales beat per-tensor by 26x in KL (benchmarks/RESULTS.md, 2,560 positions)",
+        "逐通道缩放因子的 KL 比逐张量低 26x（benchmarks/RESULTS.md，2,560 个位置）"),
+     Bi(f"{ratio:.0f}x here on {sum(map(len, windows))} positions "
+        f"(CIs [{r_t['kl_ci'][0]:.3g}, {r_t['kl_ci'][1]:.3g}] vs [{r_c['kl_ci'][0]:.3g}, "
+        f"{r_c['kl_ci'][1]:.3g}])",
+        f"此处在 {sum(map(len, windows))} 个位置上为 {ratio:.0f}x"
+        f"（置信区间 [{r_t['kl_ci'][0]:.3g}, {r_t['kl_ci'][1]:.3g}] 对 [{r_c['kl_ci'][0]:.3g}, "
+        f"{r_c['kl_ci'][1]:.3g}]）")),
+    (Bi("a few outlier output channels set the per-tensor step (RESULTS.md's reading)",
+        "少数几个离群值输出通道决定了逐张量的步长（RESULTS.md 的解读）"),
+     Bi(f"ignoring the {K} layers with the largest ratio (of {len(W)}) cuts KL from {r_t['kl']:.3g} "
+        f"to {r_m['kl']:.3g}; {K} layers ignored blindly: {r_b['kl']:.3g}; hidden dimension 507 "
+        f"is the largest output channel of {rows_507} of {n_layers} down_proj layers",
+        f"忽略（{len(W)} 层中）比值最大的 {K} 层，KL 从 {r_t['kl']:.3g} 降到 {r_m['kl']:.3g}；"
+        f"随意忽略 {K} 层：{r_b['kl']:.3g}；在 {n_layers} 个 down_proj 层中，有 {rows_507} 层的"
+        f"最大输出通道是隐藏维度 507")),
+    (Bi("weight quantization hurts less than KV-cache quantization (seed 000 §2.4.3)",
+        "权重量化的伤害小于 KV cache 量化（种子课程 000 §2.4.3）"),
+     Bi(f"int8 weights per channel KL {r_c['kl']:.2g} here, per tensor {r_t['kl']:.2g}; "
+        "benchmarks/RESULTS.md (12 conversations, other text): fp8 e4m3 KV 0.0066, int8 KV per "
+        "token 0.00069: "
+        f"{txt(kv_word, 'en')}"
+        " (different texts: an order of magnitude, not a ranking)",
+        f"此处 int8 权重逐通道 KL {r_c['kl']:.2g}，逐张量 {r_t['kl']:.2g}；"
+        "benchmarks/RESULTS.md（12 段对话，不同的文本）：fp8 e4m3 KV 0.0066，int8 KV 逐 "
+        "token 0.00069："
+        f"{txt(kv_word, 'zh')}"
+        "（文本不同：只能看数量级，不能排名次）")),
+    (Bi("per-channel scales handle outliers (the usual advice)",
+        "逐通道缩放因子能处理离群值（常见的建议）"),
+     Bi(f"output channels: {'yes' if ratio > 2 else 'no'} (section 3: {ratio:.0f}x less KL than per "
+        f"tensor); an input-channel outlier: {'no' if input_worse > 2 else 'yes'}, one planted "
+        f"column x64 (section 5) takes layer 11 down_proj's per-channel output error from "
+        f"{sec5['original']['channel']:.4f} to {planted['channel']:.4f} ({input_worse:.1f}x; that "
+        f"column kept float: {planted['kept']:.4f}; groups of 128: {planted['group']:.4f})",
+        f"输出通道：{'是' if ratio > 2 else '否'}（第 3 节：KL 比逐张量低 {ratio:.0f}x）；"
+        f"输入通道离群值：{'否' if input_worse > 2 else '是'}，植入的一列 x64（第 5 节）使第 11 层"
+        f" down_proj 的逐通道输出误差从 {sec5['original']['channel']:.4f} 变为 {planted['channel']:.4f}"
+        f"（{input_worse:.1f}x；该列保持浮点：{planted['kept']:.4f}；每组 128 列：{planted['group']:.4f}）")),
+    (Bi("SmoothQuant's fold is an exact identity (arXiv:2211.10438 §4)",
+        "SmoothQuant 的折叠是精确的恒等变换（arXiv:2211.10438 §4）"),
+     Bi(f"with power-of-two scales, float logits bit-equal to the original's: {folds}",
+        f"缩放因子取二的幂时，浮点 logits 与原模型逐位相等：{folds}")),
+    (Bi("too large a migration strength makes the weights hard to quantize (SmoothQuant, Fig. 10)",
+        "迁移强度过大会让权重难以量化（SmoothQuant，Fig. 10）"),
+     Bi(f"int8 per channel (weight-only) KL: original {r0['kl']:.3g}; {in_lang(sq_parts, '; ', 'en')}"
+        f": {'reproduced' if fig10 else 'not reproduced as stated'} "
+        "for the largest α against the paper's 0.5",
+        f"int8 逐通道（仅权重）KL：原模型 {r0['kl']:.3g}；{in_lang(sq_parts, '；', 'zh')}"
+        f"：以最大的 α 对比论文的 0.5，{'已复现' if fig10 else '未按原说法复现'}")),
+    (Bi("repair the folded model: group-wise scales or float layers (LLM.int8()), same bytes",
+        "修复折叠后的模型：分组缩放因子或浮点层（LLM.int8()），相同字节数"),
+     Bi(f"budget +3 % ({budget - per_channel_bytes:,} bytes): groups of 128 use "
+        f"{group_bytes - per_channel_bytes:,} (KL {r_g['kl']:.3g}), {len(keep)} float layer(s) "
+        f"{keep_extra:,} (KL {r_k['kl']:.3g}); best within the budget: {best}",
+        f"预算 +3 %（{budget - per_channel_bytes:,} 字节）：每组 128 列用去 "
+        f"{group_bytes - per_channel_bytes:,}（KL {r_g['kl']:.3g}），{len(keep)} 个浮点层用去 "
+        f"{keep_extra:,}（KL {r_k['kl']:.3g}）；预算内最好的方案：{best}")),
+    (Bi("the weights came from Q4_1, so requantizing looks lossless (a reviewer's caution)",
+        "权重来自 Q4_1，所以重新量化看起来是无损的（一位审阅者的提醒）"),
+     Bi("at most 16 distinct values per group of 32 (Q4_1; counted in chapter 3), but the int8 "
+        f"grid is not Q4_1's (its step is {min(ratios.values()):.2f}-{max(ratios.values()):.2f}x "
+        "a Q4_1 step, not aligned): int8 per channel "
+        f"{txt(q41_word, 'en')}"
+        f", per tensor KL {r_t['kl']:.2g}; the caution applies to 4-bit grids with groups of 32 "
+        "(chapter 15)",
+        "每组 32 个至多 16 个不同的值（Q4_1；在第 3 章中统计），但 int8 "
+        f"网格不是 Q4_1 的网格（其步长是 Q4_1 步长的 {min(ratios.values()):.2f}-{max(ratios.values()):.2f}x，"
+        "没有对齐）：int8 逐通道"
+        f"{txt(q41_word, 'zh')}"
+        f"，逐张量 KL {r_t['kl']:.2g}；这一提醒适用于每组 32 个的 4 位网格"
+        "（第 15 章）")),
+    (Bi("release a quantized model only after a regression check (seed 002 §五)",
+        "只有通过回归检查后才发布量化模型（种子课程 002 §五）"),
+     Bi(f"per tensor vs per channel: the KL CIs on {sum(map(len, windows))} positions "
+        f"{'do not overlap' if kl_separates else 'overlap'}; the QA accuracy CIs on {len(qa)} "
+        f"questions {'do not overlap' if acc_separates else 'overlap'}"
+        f"{': gate on KL (and answer KL), report accuracy beside it' if kl_separates and not acc_separates else ''}",
+        f"逐张量对比逐通道：{sum(map(len, windows))} 个位置上的 KL 置信区间"
+        f"{'互不重叠' if kl_separates else '相互重叠'}；{len(qa)} 个问题上的问答准确率置信区间"
+        f"{'互不重叠' if acc_separates else '相互重叠'}"
+        f"{'：以 KL（和答案 KL）为把关标准，并在旁边报告准确率' if kl_separates and not acc_separates else ''}")),
 ]
-print("| claim | measured |\n|---|---|")
-for c, m in claims:
-    print(f"| {c} | {m} |")
+claims_table(claims, header=(Bi("claim", "论断"), Bi("measured", "实测")))
 
 # %% [markdown]
 # ## Common misconceptions
