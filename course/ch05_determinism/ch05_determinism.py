@@ -558,7 +558,7 @@ rows = [
     (Bi("It costs ~1.6x in tokens/s (vLLM summary)", "它在 tokens/s 上的代价约为 1.6x（vLLM 的总结）"),
      Bi("here " + ", ".join(f"{slower(d, i).en} ({n})" for n, (d, i) in cost.items())
         + ", one sample each on CPU",
-        "此处 " + "，".join(f"{slower(d, i).zh}（{COST_ZH[n]}）" for n, (d, i) in cost.items())
+        "此处：" + "，".join(f"{slower(d, i).zh}（{COST_ZH[n]}）" for n, (d, i) in cost.items())
         + "，均为 CPU 上的单次采样")),
 ]
 claims_table(rows)
