@@ -64,11 +64,20 @@ import torch
 from matplotlib.figure import Figure
 
 from minivllm import LLM, SamplingParams
+from minivllm.i18n import Bi, claims_table, say
 from minivllm.layers.linear import linear_ref
 from minivllm.precision import evalsets, metrics
 from minivllm.quantization import weight_quant as wq
 from minivllm.quantization.checkpoint import cached_quantized
 from minivllm.quantization.quantize import target_layers
+
+
+
+def txt(b, lang):
+    """The ``lang`` ("en" or "zh") text of the Bi ``b``: a field that reads the same in both
+    f-strings of a say/Bi pair but for the language's name."""
+    return getattr(b, lang)
+
 
 torch.manual_seed(0)
 T0 = time.perf_counter()
@@ -141,10 +150,15 @@ print("| grid | relative weight error (median over the sample) | max |\n|---|---
 for k, v in rel.items():
     print(f"| {k} | {np.median(v):.2e} | {max(v):.2e} |")
 med = {k: float(np.median(v)) for k, v in rel.items()}
-print(f"\nmedians: g32's error is {med['int4 asym g32'] / med['int4 asym g128']:.0%} of g128's, "
-      f"g64's {med['int4 asym g64'] / med['int4 asym g128']:.0%}; symmetric g128 errs "
-      f"{med['int4 sym g128'] / med['int4 asym g128']:.2f}x asymmetric g128; largest error: "
-      f"{max(med, key=med.get)}")
+print()
+say(f"medians: g32's error is {med['int4 asym g32'] / med['int4 asym g128']:.0%} of g128's, "
+    f"g64's {med['int4 asym g64'] / med['int4 asym g128']:.0%}; symmetric g128 errs "
+    f"{med['int4 sym g128'] / med['int4 asym g128']:.2f}x asymmetric g128; largest error: "
+    f"{max(med, key=med.get)}",
+    f"中位数：g32 的误差是 g128 的 {med['int4 asym g32'] / med['int4 asym g128']:.0%}，"
+    f"g64 的是 {med['int4 asym g64'] / med['int4 asym g128']:.0%}；对称 g128 的误差是"
+    f"非对称 g128 的 {med['int4 sym g128'] / med['int4 asym g128']:.2f}x；误差最大的："
+    f"{max(med, key=med.get)}")
 
 # %% [markdown]
 # On Q4_1's own grid the re-quantized weights come back as they were, to the error in the first row
@@ -189,10 +203,15 @@ x_cal, x_held = captured
 w = W[LAYER]
 s, info = wq.awq_search_scale([w], x_cal, 128, False, n_grid=20)
 x_mean = x_cal.abs().mean(0)
-print(f"{LAYER}: {w.shape[1]} input channels; mean|x| ranges {x_mean.min():.3g}..{x_mean.max():.3g} "
-      f"({float(x_mean.max() / x_mean.min()):,.0f}x), top 1% of channels carry {float(x_mean.topk(w.shape[1] // 100).values.sum() / x_mean.sum()):.1%}"
-      f" of the total; best alpha {info['best_ratio']:.2f}, calibration loss "
-      f"{info['rtn_loss']:.3g} (RTN, alpha 0) -> {info['best_loss']:.3g}")
+top1pct = float(x_mean.topk(w.shape[1] // 100).values.sum() / x_mean.sum())
+say(f"{LAYER}: {w.shape[1]} input channels; mean|x| ranges {x_mean.min():.3g}..{x_mean.max():.3g} "
+    f"({float(x_mean.max() / x_mean.min()):,.0f}x), top 1% of channels carry {top1pct:.1%}"
+    f" of the total; best alpha {info['best_ratio']:.2f}, calibration loss "
+    f"{info['rtn_loss']:.3g} (RTN, alpha 0) -> {info['best_loss']:.3g}",
+    f"{LAYER}：{w.shape[1]} 个输入通道；mean|x| 的范围为 {x_mean.min():.3g}..{x_mean.max():.3g}"
+    f"（{float(x_mean.max() / x_mean.min()):,.0f}x），最大的前 1% 通道占总和的 {top1pct:.1%}"
+    f"；最佳 alpha {info['best_ratio']:.2f}，校准损失 "
+    f"{info['rtn_loss']:.3g}（RTN，alpha 0）-> {info['best_loss']:.3g}")
 
 
 def out_err(xx, deq, scale=None):
@@ -213,9 +232,12 @@ for label, deq, sc in (("RTN asym g128", rtn, None), ("AWQ scale only", awq_nocl
     print(f"| {label} | {ERR[label][0]:.4f} | {ERR[label][1]:.4f} |")
 cut = [ERR["RTN asym g128"][i] / ERR["AWQ scale only"][i] for i in (0, 1)]
 clip_change = ERR["AWQ scale + clip"][1] / ERR["AWQ scale only"][1] - 1
-print(f"the scale alone divides the output error by {cut[0]:.1f} on the calibration window and "
-      f"by {cut[1]:.1f} on the held-out one; the clip search then changes the held-out error "
-      f"by {clip_change:+.1%} ({'worse' if clip_change > 0 else 'better'})")
+say(f"the scale alone divides the output error by {cut[0]:.1f} on the calibration window and "
+    f"by {cut[1]:.1f} on the held-out one; the clip search then changes the held-out error "
+    f"by {clip_change:+.1%} ({'worse' if clip_change > 0 else 'better'})",
+    f"单靠缩放因子，就使输出误差在校准窗口上除以 {cut[0]:.1f}、"
+    f"在留出窗口上除以 {cut[1]:.1f}；截断搜索随后使留出窗口上的误差变化 "
+    f"{clip_change:+.1%}（{'更差' if clip_change > 0 else '更好'}）")
 
 # %%
 def awq_loss(alpha):
@@ -232,10 +254,15 @@ alphas = np.arange(len(info["losses"]) + 1) / len(info["losses"])
 losses = np.array(info["losses"] + [awq_loss(1.0)])
 best = int(losses.argmin())
 flat = alphas[losses <= 1.1 * losses[best]]
-print(f"loss: alpha 0 (RTN) {losses[0]:.3g}, minimum {losses[best]:.3g} at alpha {alphas[best]:.2f}"
-      f", alpha 1 {losses[-1]:.3g} ({losses[-1] / losses[best]:.2f}x the minimum); within 10 % of "
-      f"the minimum for alpha {flat.min():.2f}..{flat.max():.2f}; the minimum is "
-      + ("interior" if 0 < best < len(alphas) - 1 else f"at the end alpha = {alphas[best]:.0f}"))
+interior = 0 < best < len(alphas) - 1
+where_min = (Bi("interior", "位于区间内部") if interior else
+             Bi(f"at the end alpha = {alphas[best]:.0f}", f"位于端点 alpha = {alphas[best]:.0f}"))
+say(f"loss: alpha 0 (RTN) {losses[0]:.3g}, minimum {losses[best]:.3g} at alpha {alphas[best]:.2f}"
+    f", alpha 1 {losses[-1]:.3g} ({losses[-1] / losses[best]:.2f}x the minimum); within 10 % of "
+    f"the minimum for alpha {flat.min():.2f}..{flat.max():.2f}; the minimum is {txt(where_min, 'en')}",
+    f"损失：alpha 0（RTN）{losses[0]:.3g}，最小值 {losses[best]:.3g} 在 alpha {alphas[best]:.2f}"
+    f"，alpha 1 {losses[-1]:.3g}（最小值的 {losses[-1] / losses[best]:.2f}x）；alpha 在 "
+    f"{flat.min():.2f}..{flat.max():.2f} 时损失在最小值的 10 % 以内；最小值{txt(where_min, 'zh')}")
 
 fig = Figure(figsize=(10, 3.5), layout="constrained")
 ax1, ax2 = fig.subplots(1, 2)
@@ -356,9 +383,13 @@ for n in NAMES:
           f"{r['changed']} of {len(qa)} | {r['bytes'] / 1e6:.0f} |")
 r_rtn, r_awq = RESULTS["int4 RTN asym g128"], RESULTS["AWQ asym g128, scale only"]
 kept = {n: RESULTS[n]["acc"] / RESULTS["float32"]["acc"] for n in NAMES[1:]}
-print(f"\nAWQ / RTN: KL x{r_awq['kl'] / r_rtn['kl']:.2f}, answer KL x{r_awq['answer_kl'] / r_rtn['answer_kl']:.2f}"
-      f"; share of float32's correct answers kept: RTN {kept['int4 RTN asym g128']:.0%}, "
-      f"AWQ {kept['AWQ asym g128, scale only']:.0%}")
+print()
+say(f"AWQ / RTN: KL x{r_awq['kl'] / r_rtn['kl']:.2f}, answer KL x{r_awq['answer_kl'] / r_rtn['answer_kl']:.2f}"
+    f"; share of float32's correct answers kept: RTN {kept['int4 RTN asym g128']:.0%}, "
+    f"AWQ {kept['AWQ asym g128, scale only']:.0%}",
+    f"AWQ / RTN：KL x{r_awq['kl'] / r_rtn['kl']:.2f}，答案 KL x{r_awq['answer_kl'] / r_rtn['answer_kl']:.2f}"
+    f"；保住的 float32 正确答案比例：RTN {kept['int4 RTN asym g128']:.0%}，"
+    f"AWQ {kept['AWQ asym g128, scale only']:.0%}")
 
 # %%
 fig = Figure(figsize=(8, 3.5), layout="constrained")
@@ -370,12 +401,17 @@ ax.set_xlabel("log10 KL(float32 || int4) per prose position (nats)")
 ax.set_ylabel("positions")
 ax.legend(fontsize=8)
 q_rtn, q_awq = (np.quantile(np.concatenate(RESULTS[n]["kl_rows"]), [0.1, 0.5, 0.9]) for n in NAMES[1:])
-print("per-position KL, 10th / 50th / 90th percentile: RTN "
-      + " / ".join(f"{v:.3g}" for v in q_rtn) + ", AWQ " + " / ".join(f"{v:.3g}" for v in q_awq)
-      + f"; AWQ lower at {int((q_awq < q_rtn).sum())} of the 3; KL CIs overlap: "
-      f"{r_awq['kl_ci'][1] >= r_rtn['kl_ci'][0] and r_rtn['kl_ci'][1] >= r_awq['kl_ci'][0]}")
-print(f"QA accuracy CI width on {len(qa)} questions: " + ", ".join(
-    f"{n} {100 * (RESULTS[n]['acc_ci'][1] - RESULTS[n]['acc_ci'][0]):.0f} points" for n in NAMES[1:]))
+pct_rtn, pct_awq = (" / ".join(f"{v:.3g}" for v in q_) for q_ in (q_rtn, q_awq))
+overlap = r_awq["kl_ci"][1] >= r_rtn["kl_ci"][0] and r_rtn["kl_ci"][1] >= r_awq["kl_ci"][0]
+say(f"per-position KL, 10th / 50th / 90th percentile: RTN {pct_rtn}, AWQ {pct_awq}"
+    f"; AWQ lower at {int((q_awq < q_rtn).sum())} of the 3; KL CIs overlap: {overlap}",
+    f"逐位置 KL 的第 10 / 50 / 90 百分位数：RTN {pct_rtn}，AWQ {pct_awq}"
+    f"；3 个中 AWQ 更低的有 {int((q_awq < q_rtn).sum())} 个；KL 置信区间重叠：{overlap}")
+widths = {n: 100 * (RESULTS[n]["acc_ci"][1] - RESULTS[n]["acc_ci"][0]) for n in NAMES[1:]}
+say(f"QA accuracy CI width on {len(qa)} questions: "
+    f"{', '.join(f'{n} {v:.0f} points' for n, v in widths.items())}",
+    f"{len(qa)} 个问题上的问答准确率置信区间宽度："
+    f"{'，'.join(f'{n} {v:.0f} 个百分点' for n, v in widths.items())}")
 fig
 
 # %% [markdown]
@@ -490,12 +526,19 @@ SHORT_FAILS = runs[True, "short"]["finish"] == "error"
 LONG_OK = runs[True, "long"]["finish"] != "error"
 UNPLANTED_OK = all(runs[False, n]["finish"] != "error" for n in chats)
 ONE_SIDED = runs[False, "short"]["prefill"][2] <= 1.05 * runs[False, "short"]["prefill"][3]
-print(f"as trained, both prompts {'finish' if UNPLANTED_OK else 'do NOT all finish'}; the "
-      f"float16 accumulator's largest partial sum is "
-      f"{runs[False, 'short']['prefill'][2] / runs[False, 'short']['prefill'][3]:.2f}x the "
-      f"largest output ({'one-sided: nothing to overflow before the result does' if ONE_SIDED else 'partial sums exceed the result'}); "
-      f"planted: short prompt {'fails (non-finite logits, finish_reason=error)' if SHORT_FAILS else 'does not fail'}, "
-      f"long prompt {'finishes' if LONG_OK else 'fails too'} ({time.perf_counter() - T5:.1f} s)")
+t5 = time.perf_counter() - T5
+say(f"as trained, both prompts {'finish' if UNPLANTED_OK else 'do NOT all finish'}; the "
+    f"float16 accumulator's largest partial sum is "
+    f"{runs[False, 'short']['prefill'][2] / runs[False, 'short']['prefill'][3]:.2f}x the "
+    f"largest output ({'one-sided: nothing to overflow before the result does' if ONE_SIDED else 'partial sums exceed the result'}); "
+    f"planted: short prompt {'fails (non-finite logits, finish_reason=error)' if SHORT_FAILS else 'does not fail'}, "
+    f"long prompt {'finishes' if LONG_OK else 'fails too'} ({t5:.1f} s)",
+    f"按训练所得的原样，两个提示词{'都正常结束' if UNPLANTED_OK else '并非都正常结束'}；"
+    f"float16 累加器的最大部分和是最大输出的 "
+    f"{runs[False, 'short']['prefill'][2] / runs[False, 'short']['prefill'][3]:.2f}x"
+    f"（{'单向累加：在结果溢出之前没有东西会溢出' if ONE_SIDED else '部分和超过了结果'}）；"
+    f"植入拆分后：短提示词{'出错（logits 非有限值，finish_reason=error）' if SHORT_FAILS else '没有出错'}，"
+    f"长提示词{'正常结束' if LONG_OK else '也出错'}（{t5:.1f} s）")
 
 # %% [markdown]
 # Read the table from the top. **As trained**, this model does not show the incident: its
@@ -530,50 +573,86 @@ KL_BETTER = r_awq["kl_ci"][1] < r_rtn["kl_ci"][0]  # AWQ's whole CI below RTN's
 QA_BETTER = r_awq["acc_ci"][0] > r_rtn["acc_ci"][1]  # AWQ's whole QA CI above RTN's
 MED = {k: float(np.median(v)) for k, v in rel.items()}
 Q41_ONLY_OWN = MED["Q4_1 grid (float min), g32"] == 0 and MED["int4 asym g32"] > 0
+q41_word = (Bi("only on Q4_1's own grid", "只在 Q4_1 自己的网格上成立") if Q41_ONLY_OWN
+            else Bi("not as stated", "不像所说的那样"))
 claims = [
-    ("AWQ keeps over 95 % of the original performance at 4 bits (seed 000 §2.4.4)",
-     f"{'yes' if kept['AWQ asym g128, scale only'] > 0.95 else 'no'} on this sample: AWQ g128 "
-     f"keeps {kept['AWQ asym g128, scale only']:.0%} of float32's correct "
-     f"QA answers here [CI {lo_awq:.0%}, {min(hi_awq, 1):.0%}] ({len(qa)} questions), top-1 "
-     f"agreement on prose {100 * r_awq['top1']:.0f}%; full set (RESULTS.md, 176 questions): "
-     "47.7 % (g128) and 73.3 % (g64) in RESULTS.md, 59.7 % (g128, today's code, "
-     "qa_inversion.py): no on the full set (the paper measured 7B-70B models; larger models "
-     "are not measured here)"),
-    ("AWQ beats round-to-nearest at the same bits",
-     f"on KL {'yes (CIs apart)' if KL_BETTER else 'not clearly here'}: {r_awq['kl']:.3g} "
-     f"[{r_awq['kl_ci'][0]:.3g}, {r_awq['kl_ci'][1]:.3g}] against "
-     f"{r_rtn['kl']:.3g} [{r_rtn['kl_ci'][0]:.3g}, {r_rtn['kl_ci'][1]:.3g}], answer KL "
-     f"{r_awq['answer_kl']:.3g} against {r_rtn['answer_kl']:.3g}; on greedy QA "
-     f"{'yes (CIs apart)' if QA_BETTER else 'not resolved (CIs overlap)'} "
-     f"(here {100 * r_awq['acc']:.0f}% against {100 * r_rtn['acc']:.0f}%; full set, engine "
-     "default AWQ: 59.7 % against 68.2 %, 36 items lost and 21 gained, sign test p = 0.063: "
-     "section 7)"),
-    ("these weights came from Q4_1, so 4-bit re-quantization is lossless (a reviewer's caution)",
-     ("only on Q4_1's own grid" if Q41_ONLY_OWN else "not as stated")
-     + f" (relative weight error {np.median(rel['Q4_1 grid (float min), g32']):.1e}); "
-     f"the integer-zero-point layout errs already at g32 ({np.median(rel['int4 asym g32']):.3f}) "
-     f"and at g128 ({np.median(rel['int4 asym g128']):.3f})"),
-    ("AWQ's gain comes from a few salient input channels",
-     f"layer 11's down_proj: the scale search alone cuts the held-out output error from "
-     f"{out_err(x_held, rtn):.4f} to {out_err(x_held, awq_noclip, s):.4f}, clipping to "
-     f"{out_err(x_held, awq_full, s):.4f} (alpha {info['best_ratio']:.2f})"),
-    ("smaller groups are better",
-     f"{'yes' if MED['int4 asym g32'] < MED['int4 asym g64'] < MED['int4 asym g128'] else 'not monotone here'}"
-     f" in weight error: g128 {np.median(rel['int4 asym g128']):.3f} -> g64 "
-     f"{np.median(rel['int4 asym g64']):.3f} -> g32 {np.median(rel['int4 asym g32']):.3f} for "
-     f"{4 + 40 / 128:.2f} -> {4 + 40 / 64:.2f} -> {4 + 40 / 32:.2f} bits per weight"),
-    ("vllm #10656: a GPTQ int4 kernel fails on prompts of 50 tokens or fewer only",
-     f"the two paths emulated on layer 11's down_proj: as trained, "
-     f"{'no failure on either side of 50 tokens' if UNPLANTED_OK else 'a failure'} (largest "
-     f"float16 partial sum {runs[False, 'short']['prefill'][2] / runs[False, 'short']['prefill'][3]:.2f}x "
-     f"the output); with a planted cancelling split the {runs[True, 'short']['n']}-token prompt "
-     f"{'fails' if SHORT_FAILS else 'does not fail'} and the {runs[True, 'long']['n']}-token one "
-     f"{'finishes' if LONG_OK else 'fails too'}: the mechanism (float16 partial sums) "
-     f"{'reproduced, planted' if SHORT_FAILS and LONG_OK else 'not reproduced'}"),
+    (Bi("AWQ keeps over 95 % of the original performance at 4 bits (seed 000 §2.4.4)",
+        "AWQ 在 4 位下保持 95 % 以上的原始性能（种子课程 000 §2.4.4）"),
+     Bi(f"{'yes' if kept['AWQ asym g128, scale only'] > 0.95 else 'no'} on this sample: AWQ g128 "
+        f"keeps {kept['AWQ asym g128, scale only']:.0%} of float32's correct "
+        f"QA answers here [CI {lo_awq:.0%}, {min(hi_awq, 1):.0%}] ({len(qa)} questions), top-1 "
+        f"agreement on prose {100 * r_awq['top1']:.0f}%; full set (RESULTS.md, 176 questions): "
+        "47.7 % (g128) and 73.3 % (g64) in RESULTS.md, 59.7 % (g128, today's code, "
+        "qa_inversion.py): no on the full set (the paper measured 7B-70B models; larger models "
+        "are not measured here)",
+        f"在这个样本上{'是' if kept['AWQ asym g128, scale only'] > 0.95 else '否'}：AWQ g128 "
+        f"在这里保住了 float32 正确问答答案的 {kept['AWQ asym g128, scale only']:.0%} "
+        f"[置信区间 {lo_awq:.0%}, {min(hi_awq, 1):.0%}]（{len(qa)} 个问题），散文上的 top-1 "
+        f"一致率 {100 * r_awq['top1']:.0f}%；完整集合（RESULTS.md，176 个问题）："
+        "RESULTS.md 中为 47.7 %（g128）和 73.3 %（g64），59.7 %（g128，今天的代码，"
+        "qa_inversion.py）：在完整集合上为否（论文测量的是 7B-70B 的模型；这里没有测量更大的"
+        "模型）")),
+    (Bi("AWQ beats round-to-nearest at the same bits", "相同位数下 AWQ 优于就近取整（RTN）"),
+     Bi(f"on KL {'yes (CIs apart)' if KL_BETTER else 'not clearly here'}: {r_awq['kl']:.3g} "
+        f"[{r_awq['kl_ci'][0]:.3g}, {r_awq['kl_ci'][1]:.3g}] against "
+        f"{r_rtn['kl']:.3g} [{r_rtn['kl_ci'][0]:.3g}, {r_rtn['kl_ci'][1]:.3g}], answer KL "
+        f"{r_awq['answer_kl']:.3g} against {r_rtn['answer_kl']:.3g}; on greedy QA "
+        f"{'yes (CIs apart)' if QA_BETTER else 'not resolved (CIs overlap)'} "
+        f"(here {100 * r_awq['acc']:.0f}% against {100 * r_rtn['acc']:.0f}%; full set, engine "
+        "default AWQ: 59.7 % against 68.2 %, 36 items lost and 21 gained, sign test p = 0.063: "
+        "section 7)",
+        f"在 KL 上{'是（置信区间分离）' if KL_BETTER else '此处不明显'}：{r_awq['kl']:.3g} "
+        f"[{r_awq['kl_ci'][0]:.3g}, {r_awq['kl_ci'][1]:.3g}] 对 "
+        f"{r_rtn['kl']:.3g} [{r_rtn['kl_ci'][0]:.3g}, {r_rtn['kl_ci'][1]:.3g}]，答案 KL "
+        f"{r_awq['answer_kl']:.3g} 对 {r_rtn['answer_kl']:.3g}；在贪心问答上"
+        f"{'是（置信区间分离）' if QA_BETTER else '无法判定（置信区间重叠）'}"
+        f"（此处 {100 * r_awq['acc']:.0f}% 对 {100 * r_rtn['acc']:.0f}%；完整集合，本引擎"
+        "默认的 AWQ：59.7 % 对 68.2 %，丢失 36 道、新答对 21 道，符号检验 p = 0.063："
+        "第 7 节）")),
+    (Bi("these weights came from Q4_1, so 4-bit re-quantization is lossless (a reviewer's caution)",
+        "这些权重来自 Q4_1，所以 4 位重新量化是无损的（一位审阅者的提醒）"),
+     Bi(f"{txt(q41_word, 'en')}"
+        f" (relative weight error {np.median(rel['Q4_1 grid (float min), g32']):.1e}); "
+        f"the integer-zero-point layout errs already at g32 ({np.median(rel['int4 asym g32']):.3f}) "
+        f"and at g128 ({np.median(rel['int4 asym g128']):.3f})",
+        f"{txt(q41_word, 'zh')}"
+        f"（相对权重误差 {np.median(rel['Q4_1 grid (float min), g32']):.1e}）；"
+        f"整数零点的布局在 g32 时就已有误差（{np.median(rel['int4 asym g32']):.3f}），"
+        f"在 g128 时也有（{np.median(rel['int4 asym g128']):.3f}）")),
+    (Bi("AWQ's gain comes from a few salient input channels", "AWQ 的收益来自少数几个显著的输入通道"),
+     Bi(f"layer 11's down_proj: the scale search alone cuts the held-out output error from "
+        f"{out_err(x_held, rtn):.4f} to {out_err(x_held, awq_noclip, s):.4f}, clipping to "
+        f"{out_err(x_held, awq_full, s):.4f} (alpha {info['best_ratio']:.2f})",
+        f"第 11 层的 down_proj：单靠缩放因子搜索就把留出窗口上的输出误差从 "
+        f"{out_err(x_held, rtn):.4f} 降到 {out_err(x_held, awq_noclip, s):.4f}，加上截断后为 "
+        f"{out_err(x_held, awq_full, s):.4f}（alpha {info['best_ratio']:.2f}）")),
+    (Bi("smaller groups are better", "组越小越好"),
+     Bi(f"{'yes' if MED['int4 asym g32'] < MED['int4 asym g64'] < MED['int4 asym g128'] else 'not monotone here'}"
+        f" in weight error: g128 {np.median(rel['int4 asym g128']):.3f} -> g64 "
+        f"{np.median(rel['int4 asym g64']):.3f} -> g32 {np.median(rel['int4 asym g32']):.3f} for "
+        f"{4 + 40 / 128:.2f} -> {4 + 40 / 64:.2f} -> {4 + 40 / 32:.2f} bits per weight",
+        f"就权重误差而言{'是' if MED['int4 asym g32'] < MED['int4 asym g64'] < MED['int4 asym g128'] else '此处并不单调'}"
+        f"：g128 {np.median(rel['int4 asym g128']):.3f} -> g64 "
+        f"{np.median(rel['int4 asym g64']):.3f} -> g32 {np.median(rel['int4 asym g32']):.3f}，对应每个权重 "
+        f"{4 + 40 / 128:.2f} -> {4 + 40 / 64:.2f} -> {4 + 40 / 32:.2f} 位")),
+    (Bi("vllm #10656: a GPTQ int4 kernel fails on prompts of 50 tokens or fewer only",
+        "vllm #10656：一个 GPTQ int4 kernel 只在 50 个 token 及以下的提示词上出错"),
+     Bi(f"the two paths emulated on layer 11's down_proj: as trained, "
+        f"{'no failure on either side of 50 tokens' if UNPLANTED_OK else 'a failure'} (largest "
+        f"float16 partial sum {runs[False, 'short']['prefill'][2] / runs[False, 'short']['prefill'][3]:.2f}x "
+        f"the output); with a planted cancelling split the {runs[True, 'short']['n']}-token prompt "
+        f"{'fails' if SHORT_FAILS else 'does not fail'} and the {runs[True, 'long']['n']}-token one "
+        f"{'finishes' if LONG_OK else 'fails too'}: the mechanism (float16 partial sums) "
+        f"{'reproduced, planted' if SHORT_FAILS and LONG_OK else 'not reproduced'}",
+        f"在第 11 层的 down_proj 上模拟两条路径：按训练所得的原样，"
+        f"{'50 个 token 两侧都没有出错' if UNPLANTED_OK else '出现了故障'}（float16 最大部分和"
+        f"为输出的 {runs[False, 'short']['prefill'][2] / runs[False, 'short']['prefill'][3]:.2f}x）；"
+        f"植入一个相互抵消的拆分后，{runs[True, 'short']['n']} 个 token 的提示词"
+        f"{'出错' if SHORT_FAILS else '没有出错'}，{runs[True, 'long']['n']} 个 token 的提示词"
+        f"{'正常结束' if LONG_OK else '也出错'}：该机制（float16 部分和）"
+        f"{'已复现（植入）' if SHORT_FAILS and LONG_OK else '未复现'}")),
 ]
-print("| claim | measured |\n|---|---|")
-for c, m in claims:
-    print(f"| {c} | {m} |")
+claims_table(claims, header=(Bi("claim", "论断"), Bi("measured", "实测")))
 
 # %% [markdown]
 # ## 7. Why greedy QA accuracy moves against KL
@@ -604,22 +683,30 @@ for i, it in enumerate(qa):
     rows_.append(cells)
 both = {(a, b): sum(c[NAMES[1]][0] == a and c[NAMES[2]][0] == b for c in rows_)
         for a in (True, False) for b in (True, False)}
-print(f"paired: both right {both[True, True]}, RTN only {both[True, False]}, AWQ only "
-      f"{both[False, True]}, both wrong {both[False, False]}")
+say(f"paired: both right {both[True, True]}, RTN only {both[True, False]}, AWQ only "
+    f"{both[False, True]}, both wrong {both[False, False]}",
+    f"配对：两者都对 {both[True, True]}，仅 RTN 对 {both[True, False]}，仅 AWQ 对 "
+    f"{both[False, True]}，两者都错 {both[False, False]}")
 changed_k = {n: [c[n][1] for c in rows_ if c[n][1] is not None] for n in NAMES[1:]}
 all_m = np.concatenate([m[:3] for m in margins])
 for n in NAMES[1:]:
     ms = [c[n][2] for c in rows_ if c[n][2] is not None]
-    print(f"{n}: {len(ms)} answers change; first change at token {np.median(changed_k[n]):.0f} "
-          f"(median; {sum(k == 0 for k in changed_k[n])} at the very first token); float32's "
-          f"margin there: median {np.median(ms):.2f} nats (its margin over the first 3 answer "
-          f"tokens of all questions: median {np.median(all_m):.2f})")
+    say(f"{n}: {len(ms)} answers change; first change at token {np.median(changed_k[n]):.0f} "
+        f"(median; {sum(k == 0 for k in changed_k[n])} at the very first token); float32's "
+        f"margin there: median {np.median(ms):.2f} nats (its margin over the first 3 answer "
+        f"tokens of all questions: median {np.median(all_m):.2f})",
+        f"{n}：{len(ms)} 个答案改变；第一处改变在第 {np.median(changed_k[n]):.0f} 个 token"
+        f"（中位数；{sum(k == 0 for k in changed_k[n])} 个在第一个 token 就改变）；float32 在该处的"
+        f"余量：中位数 {np.median(ms):.2f} nats（它在所有问题前 3 个答案 token 上的余量："
+        f"中位数 {np.median(all_m):.2f}）")
 # Teacher-forced on float32's answers: KL and top-1 flips where float32 was unsure
 # (margin < 1 nat) and where it was sure, and at the first answer token alone.
 m_all = np.concatenate(margins)
 unsure = m_all < 1.0
-print(f"\nfloat32's answer positions: {len(m_all)}, of which {unsure.sum()} with a margin under "
-      "1 nat\n| weights | answer KL, margin < 1 | margin >= 1 | first answer token | top-1 "
+print()
+say(f"float32's answer positions: {len(m_all)}, of which {unsure.sum()} with a margin under 1 nat",
+    f"float32 的答案位置：{len(m_all)} 个，其中 {unsure.sum()} 个的余量低于 1 nat")
+print("| weights | answer KL, margin < 1 | margin >= 1 | first answer token | top-1 "
       "flips, margin < 1 | margin >= 1 |\n|---|---|---|---|---|---|")
 TF = {}
 for n in NAMES[1:]:
@@ -636,9 +723,12 @@ for n in NAMES[1:]:
     print(f"| {n} | {t['kl_unsure']:.3f} | {t['kl_sure']:.3f} | {t['kl_first']:.3f} | "
           f"{t['flips_unsure']} of {unsure.sum()} | {t['flips_sure']} of {(~unsure).sum()} |")
 ta, tr = TF[NAMES[2]], TF[NAMES[1]]
-print(f"AWQ's answer KL below RTN's: at margin < 1 {ta['kl_unsure'] < tr['kl_unsure']}, at "
-      f"margin >= 1 {ta['kl_sure'] < tr['kl_sure']}; top-1 flips at margin < 1: AWQ "
-      f"{ta['flips_unsure']}, RTN {tr['flips_unsure']}")
+say(f"AWQ's answer KL below RTN's: at margin < 1 {ta['kl_unsure'] < tr['kl_unsure']}, at "
+    f"margin >= 1 {ta['kl_sure'] < tr['kl_sure']}; top-1 flips at margin < 1: AWQ "
+    f"{ta['flips_unsure']}, RTN {tr['flips_unsure']}",
+    f"AWQ 的答案 KL 低于 RTN 的：余量 < 1 处 {ta['kl_unsure'] < tr['kl_unsure']}，"
+    f"余量 >= 1 处 {ta['kl_sure'] < tr['kl_sure']}；余量 < 1 处的 top-1 翻转：AWQ "
+    f"{ta['flips_unsure']}，RTN {tr['flips_unsure']}")
 
 
 def answer_start(i):
@@ -656,13 +746,19 @@ for n in NAMES[1:]:
     starts = {i: answer_start(i) for i in lost}
     opening = sum(starts[i] is not None and rows_[i][n][1] < starts[i] for i in lost)
     fact = sum(starts[i] is not None and rows_[i][n][1] >= starts[i] for i in lost)
-    kind = ("none lost" if not lost else "mostly a different opening" if opening > fact else
-            "mostly at the answer word" if fact > opening else "as many of each")
-    print(f"{n}: of the {len(lost)} items float32 answers correctly and it does not, {opening} "
-          f"leave float32's answer before the answer word (a different opening), {fact} at the "
-          f"answer word or after it (float32's opening, then another word where its answer "
-          f"stood), {len(lost) - opening - fact} where the answer is not verbatim in float32's "
-          f"text: in this sample, {kind}")
+    kind = (Bi("none lost", "没有丢失") if not lost else
+            Bi("mostly a different opening", "大多是开头不同") if opening > fact else
+            Bi("mostly at the answer word", "大多在答案词处") if fact > opening else
+            Bi("as many of each", "两种一样多"))
+    say(f"{n}: of the {len(lost)} items float32 answers correctly and it does not, {opening} "
+        f"leave float32's answer before the answer word (a different opening), {fact} at the "
+        f"answer word or after it (float32's opening, then another word where its answer "
+        f"stood), {len(lost) - opening - fact} where the answer is not verbatim in float32's "
+        f"text: in this sample, {txt(kind, 'en')}",
+        f"{n}：在 float32 答对而它答错的 {len(lost)} 道题中，{opening} 道在答案词之前就偏离了 "
+        f"float32 的答案（开头不同），{fact} 道在答案词处或之后偏离（开头与 float32 相同，"
+        f"随后在其答案所在之处换成了另一个词），{len(lost) - opening - fact} 道的答案并未"
+        f"原样出现在 float32 的文本中：在这个样本中，{txt(kind, 'zh')}")
 print("\nquestions where the two schemes disagree on correctness:")
 for i, c in enumerate(rows_):
     if c[NAMES[1]][0] != c[NAMES[2]][0]:
