@@ -86,16 +86,17 @@ def say(en: Text, zh: str | None = None) -> None:
     if isinstance(en, Bi):
         if zh is not None:
             raise ValueError("say(Bi(...)) takes no second text")
-        en, zh = en.en, en.zh
-    if zh is None:
+        text = en
+    elif zh is None:
         raise ValueError("say(en, zh): the Chinese text is missing")
-    check_numbers(en, zh)
+    else:
+        text = Bi(en, zh)  # checks the numbers
     if _in_kernel():
         from IPython.display import display
 
-        display({"text/plain": en}, raw=True, metadata={ZH_KEY: zh})
+        display({"text/plain": text.en}, raw=True, metadata={ZH_KEY: text.zh})
     else:
-        print(en)
+        print(text.en)
 
 
 def _cell(t: Text, lang: str) -> str:
