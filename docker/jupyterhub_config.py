@@ -54,6 +54,13 @@ c.DockerSpawner.cmd = ["jupyterhub-singleuser"]  # not the image's `make lab`
 c.DockerSpawner.remove = True  # a fresh container from the image at each start
 notebook_dir = "/home/jovyan/work"
 c.DockerSpawner.notebook_dir = notebook_dir
+# ...and the server's working directory, not the image's WORKDIR (/opt/minivllm):
+# nbgrader's Assignment List resolves assignment_dir "." and reads nbgrader_config.py in
+# the working directory, where the repository's one-machine configuration would send
+# every learner to /opt/minivllm/build/exchange ("Unwritable directory"). With this, the
+# round trip worked on a DockerSpawner hub (alice 10/10, bob 8/10: the classroom issue's
+# trial; not re-run here, no Docker engine on this machine).
+c.DockerSpawner.extra_create_kwargs = {"working_dir": notebook_dir}
 c.DockerSpawner.volumes = {
     "minivllm-user-{username}": notebook_dir,
     "minivllm-exchange": "/srv/nbgrader/exchange",
