@@ -424,7 +424,7 @@ istats = {(c, b): per_class[c][b] for c in CLASSES for b in (8, 4)}
 
 say("Scale 1 (values stored as they are). Per cell: % subnormal / % flushed to zero / "
     "% saturated\n",
-    "缩放因子为 1（数值按原样存储）。每格：% 次正规数 / % 冲刷为零 / % 饱和\n")
+    "缩放因子为 1（数值按原样存储）。每格：% 次正规数 / % 清零 / % 饱和\n")
 print("| tensor class | " + " | ".join(FMT8) + " |")
 print("|---" * (len(FMT8) + 1) + "|")
 for c in CLASSES:
@@ -788,7 +788,7 @@ claims = [
         f"{'，精确' if peak_bf16 == peak else '，不精确'}"
         f"：{peak:.6g} 被存储为 {peak_bf16:.6g}（§4）")),
     (Bi("each group of 32 weights holds at most 16 values (Q4_1)",
-        "每组 32 个权重至多有 16 个值（Q4_1）"),
+        "每组 32 个权重至多有 16 个不同的值（Q4_1）"),
      Bi("this chapter's plan", "本章的计划"),
      Bi(f"{'yes' if max(d_lin, int(d_emb.max())) <= 16 else 'for the decoder linears only' if d_lin <= 16 else 'no'}"
         f": decoder linears: at most {d_lin}; the embedding / LM head: up to "
