@@ -219,7 +219,7 @@ ratios = {n: step_ratio(W[n]) for n in ("layers.0.self_attn.qkv_proj", "layers.1
 for n, r in ratios.items():
     print(f"{n:30} int8 per-channel step / Q4_1 step (median) = {r:.2f}")
 say(f"the int8 step is {'a fraction of' if max(ratios.values()) < 1 else 'not below'} the Q4_1 step in all three",
-    f"在这三层中，int8 步长与 Q4_1 步长相比{'都只是它的一部分' if max(ratios.values()) < 1 else '并非都更小'}")
+    f"在这三层中，与 Q4_1 步长相比，int8 步长{'都更小，只是前者的一部分' if max(ratios.values()) < 1 else '并非都更小'}")
 
 # %% [markdown]
 # The line under the ratios says how the int8 per-channel step compares with a Q4_1 step;
