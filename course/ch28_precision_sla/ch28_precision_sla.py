@@ -634,12 +634,12 @@ rows = [
         f"{H200['bf16 KV'][64][1] / H200['fp8 KV'][64][1]:.2f}x，实测 {sp:.2f}x"
         f"（{'更慢' if sp < 1 else '更快'}；本引擎的 Triton 核函数）")),
     (Bi("the Pareto choice on SmolLM2 is int8 W + fp16 KV, KL ~3e-3 (course plan estimate)",
-        "SmolLM2 上的 Pareto 选择是 int8 W + fp16 KV，KL ~3e-3（课程计划的估计，course plan estimate）"),
+        "SmolLM2 上的 Pareto 选择是 int8 W + fp16 KV，KL ~3e-3（课程计划的估计）"),
      Bi(f"under KL <= {KL_BUDGET:g} on every task and a {SLA_MS} ms step: {choice}; int8 W + "
         f"fp16 KV KL on prose {kl_txt('prose', 'int8 W + fp16 KV')}, worst task "
         f"{WORST['int8 W + fp16 KV']:.1e}",
-        f"在每个任务上 KL <= {KL_BUDGET:g}、一步 {SLA_MS} ms 的条件下：{choice}；int8 W + "
-        f"fp16 KV 在 prose 上的 KL {kl_txt('prose', 'int8 W + fp16 KV')}，最差任务 "
+        f"在每个任务上 KL <= {KL_BUDGET:g}、一步不超过 {SLA_MS} ms 的条件下：{choice}；int8 W + "
+        f"fp16 KV 在 prose 上的 KL {kl_txt('prose', 'int8 W + fp16 KV')}，最差任务上为 "
         f"{WORST['int8 W + fp16 KV']:.1e}")),
 ]
 claims_table(rows, header=(Bi("claim", "论断"), Bi("what we measured here", "本次实测")))
