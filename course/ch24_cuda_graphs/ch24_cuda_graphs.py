@@ -680,7 +680,7 @@ mkl_diff = (mkl_alone - mkl_batch).abs().max().item()
 mkl_top1 = (mkl_alone.argmax(-1) == mkl_batch.argmax(-1)).float().mean().item()
 say(f"MKL float32:    alone vs in a padded batch of 3 (size 4): max |dlogit| {mkl_diff:.3g}, "
     f"top-1 agreement {100 * mkl_top1:.0f}% of {mkl_batch.shape[0] * N_POS} positions",
-    f"MKL float32：    单独计算与在 3 个序列的填充批次（大小 4）中计算：最大 |dlogit| {mkl_diff:.3g}，"
+    f"MKL float32：单独计算与在 3 个序列的填充批次（大小 4）中计算：最大 |dlogit| {mkl_diff:.3g}，"
     f"{mkl_batch.shape[0] * N_POS} 个位置上的 top-1 一致率 {100 * mkl_top1:.0f}%")
 say(f"first graphs replayed after PACK_CPU_WEIGHTS=False: unchanged "
     f"{torch.equal(stale_switch, batch3)} (they replay the packed ops they recorded)",
