@@ -197,7 +197,7 @@ ratio_lo, ratio_hi = (float(torch.exp(f(LP["batch_invariant"]["alone"]
                                         - LP["batch_invariant"]["trainer"])))
                       for f in (torch.min, torch.max))
 say(Bi("batch dependence of the log-probs with the default engine: reproduced here",
-       "默认引擎下对数概率的批次依赖性：在这里复现") if BATCH_DEP else
+       "默认引擎下对数概率的批次依赖性：在这里得到复现") if BATCH_DEP else
     Bi("batch dependence of the log-probs with the default engine: NOT seen in this run "
        "(chapter 5 has the text-level test)",
        "默认引擎下对数概率的批次依赖性：本次运行中未观察到（第 5 章有文本层面的测试）"))
@@ -633,7 +633,7 @@ say(f"NVFP4 W4A4 vs W4A16: KL x{W4A4_RATIO:.2f} "
     f"{mx16[0]:.3f}); layer 10: output error {LAYER_ERR['NVFP4 W4A16']:.4f} -> "
     f"{LAYER_ERR['NVFP4 W4A4']:.4f} (activations alone, float weights: {ACT_ONLY_ERR:.4f})",
     f"NVFP4 W4A4 对比 W4A16：KL x{W4A4_RATIO:.2f}"
-    f"（{'区间分开' if W4A4_APART else '区间重叠'}）；W4A4 的 KL "
+    f"（{'区间不重叠' if W4A4_APART else '区间重叠'}）；W4A4 的 KL "
     f"{'低于' if nv4[0] < mx16[0] else '高于'} MXFP4 仅权重量化的 KL（{nv4[0]:.3f} 对比 "
     f"{mx16[0]:.3f}）；第 10 层：输出误差 {LAYER_ERR['NVFP4 W4A16']:.4f} -> "
     f"{LAYER_ERR['NVFP4 W4A4']:.4f}（只量化激活、权重为浮点：{ACT_ONLY_ERR:.4f}）")
@@ -641,7 +641,7 @@ say(f"MXFP4 vs NVFP4 weight-only: KL x{NV_MX_RATIO:.2f} "
     f"({'intervals apart' if NV_MX_APART else 'intervals overlap'}) for "
     f"{KL['NVFP4 W4A16'][2] - KL['MXFP4 W4A16'][2]:.2f} fewer bits per weight",
     f"MXFP4 对比 NVFP4（仅权重）：KL 为 x{NV_MX_RATIO:.2f}"
-    f"（{'区间分开' if NV_MX_APART else '区间重叠'}），换来每个权重少用 "
+    f"（{'区间不重叠' if NV_MX_APART else '区间重叠'}），换来每个权重少用 "
     f"{KL['NVFP4 W4A16'][2] - KL['MXFP4 W4A16'][2]:.2f} 比特")
 say(f"layer 10 down_proj: largest |input| on the scored text {float(X10.abs().max()):.1f}, "
     f"calibrated {AMAX['layers.10.mlp.down_proj']:.1f} (above it, the block scale "
@@ -876,7 +876,7 @@ rows = [
      Bi(f"{torch.equal(ours, general)} on {len(x)} values, ties to even",
         f"{torch.equal(ours, general)}，在 {len(x)} 个值上，恰在中间时取偶数")),
     (Bi("Equal to torch's float4 casts where torch has them",
-        "在 torch 提供 float4 类型转换的地方与之相等"),
+        "与 torch 的 float4 类型转换一致（在 torch 提供该转换之处）"),
      Bi(f"E8M0 scales {torch.equal(e8m0, mx_s)}, E4M3 scales "
         f"{torch.equal(e4m3.view(torch.uint8), nv_b.view(torch.uint8))}; E2M1 cast "
         f"{tr(FP4_CAST_SHORT, 'en')}",
@@ -884,13 +884,13 @@ rows = [
         f"{torch.equal(e4m3.view(torch.uint8), nv_b.view(torch.uint8))}；E2M1 类型转换"
         f"{tr(FP4_CAST_SHORT, 'zh')}")),
     (Bi("NVFP4 near int4 g32, MXFP4 worse (plan estimate)",
-        "NVFP4 接近 int4 g32，MXFP4 更差（课程计划的估计，plan estimate）"),
+        "NVFP4 接近 int4 g32，MXFP4 更差（课程计划的估计）"),
      Bi(f"KL MXFP4 {mx16[0]:.3f}, NVFP4 {nv16[0]:.3f} here (x{NV_MX_RATIO:.2f}, intervals "
         f"{'apart' if NV_MX_APART else 'overlap'}; RESULTS.md: 0.492, 0.218, int4-asym g32 "
         f"0.263); layer 10 relative weight error MXFP4 {REL['MXFP4']:.3f}, NVFP4 "
         f"{REL['NVFP4']:.3f}, int4-asym g32 {REL['int4-asym g32']:.3f}",
         f"这里的 KL：MXFP4 {mx16[0]:.3f}，NVFP4 {nv16[0]:.3f}（x{NV_MX_RATIO:.2f}，区间"
-        f"{'分开' if NV_MX_APART else '重叠'}；RESULTS.md：0.492、0.218，int4-asym g32 "
+        f"{'不重叠' if NV_MX_APART else '重叠'}；RESULTS.md：0.492、0.218，int4-asym g32 "
         f"0.263）；第 10 层的相对权重误差 MXFP4 {REL['MXFP4']:.3f}，NVFP4 "
         f"{REL['NVFP4']:.3f}，int4-asym g32 {REL['int4-asym g32']:.3f}")),
     (Bi("NVFP4 W4A4 (activations in FP4 too, Blackwell) costs accuracy beyond W4A16",
@@ -901,7 +901,7 @@ rows = [
         f"{LAYER_ERR['NVFP4 W4A4']:.4f} vs {LAYER_ERR['NVFP4 W4A16']:.4f}",
         f"{'在这里成立' if W4A4_APART and nv4[0] > nv16[0] else '在这里未显示出来'}：KL "
         f"{nv4[0]:.3f} 对比 {nv16[0]:.3f}（x{W4A4_RATIO:.2f}，区间"
-        f"{'分开' if W4A4_APART else '重叠'}）；第 10 层输出误差 "
+        f"{'不重叠' if W4A4_APART else '重叠'}）；第 10 层输出误差 "
         f"{LAYER_ERR['NVFP4 W4A4']:.4f} 对比 {LAYER_ERR['NVFP4 W4A16']:.4f}")),
     (Bi("Bits per weight: MXFP4 4.25, NVFP4 4.5", "每个权重的比特数：MXFP4 4.25，NVFP4 4.5"),
      Bi(f"{mx16[2]:.3f}, {nv16[2]:.3f} (whole model); int4-asym g32 as stored "
