@@ -562,13 +562,13 @@ say(f"the seed's 'small weights': {tally['below'] / tally['weights']:.1%} of the
     f"carrying {tally['mass_below'] / rows_n:.2%} of the mass (mean per row)",
     f"种子课程所说的“小权重”：{tally['weights']:,} 个 softmax 权重中有 "
     f"{tally['below'] / tally['weights']:.1%} 低于 2^-9（e4m3 的最小次正规数），"
-    f"占质量的 {tally['mass_below'] / rows_n:.2%}（每行平均）")
+    f"占概率质量的 {tally['mass_below'] / rows_n:.2%}（每行平均）")
 say(f"flushed to 0 by the e4m3 cast of P: FA3 (P in [0, 256]) {tally['count8']:,} weights, "
     f"{tally['flushed8'] / rows_n:.1e} of the mass per row; P in [0, 1] "
     f"{tally['count0']:,} weights, {tally['flushed0'] / rows_n:.2%} of the mass per row",
-    f"P 转换为 e4m3 时被冲刷为 0 的：FA3（P 在 [0, 256] 中）{tally['count8']:,} 个权重，"
-    f"每行质量的 {tally['flushed8'] / rows_n:.1e}；P 在 [0, 1] 中 "
-    f"{tally['count0']:,} 个权重，每行质量的 {tally['flushed0'] / rows_n:.2%}")
+    f"P 转换为 e4m3 时被清为 0 的：FA3（P 在 [0, 256] 中）{tally['count8']:,} 个权重，"
+    f"占每行概率质量的 {tally['flushed8'] / rows_n:.1e}；P 在 [0, 1] 中 "
+    f"{tally['count0']:,} 个权重，占每行概率质量的 {tally['flushed0'] / rows_n:.2%}")
 
 # %% [markdown]
 # Now end to end: the e4m3 engine, back at scale 1.0 (section 3 left it calibrated), with
@@ -677,7 +677,7 @@ claims = [
         f"：KL e5m2 {e5['kl']:.3g} 对 e4m3 {e4['kl']:.3g} nats（{ratio:.1f}x），"
         f"Top-1 一致率 {e5['top1']:.1%} 对 {e4['top1']:.1%}")),
     (Bi("seed 000 §2.3.3: fp8 keeps about 3 significant decimal digits",
-        "seed 000 §2.3.3：fp8 大约保留 3 位有效十进制数字"),
+        "种子课程 000 §2.3.3：fp8 大约保留 3 位有效十进制数字"),
      Bi("wrong: e4m3 keeps 4 significant bits, 1.2 decimal digits (worst relative error 2^-4 "  # fact, not a measurement
         "= 6.25 %), e5m2 3 bits, 0.9 digits; measured median relative error on this model's K "
         "and V in section 1",
@@ -685,7 +685,7 @@ claims = [
         "= 6.25 %），e5m2 为 3 位，0.9 位十进制数字；本模型 K 和 V 上实测的相对误差中位数"
         "见第 1 节")),
     (Bi("seed 000 §2.3.3: fp8 KV loses long-range retrieval beyond 16K",
-        "seed 000 §2.3.3：fp8 KV 在 16K 以上失去长距离检索能力"),
+        "种子课程 000 §2.3.3：fp8 KV 在 16K 以上失去长距离检索能力"),
      Bi(f"not testable to 16K on this 8K-context model; e5m2 at 2,043 tokens {sum(found)}/"
         f"{len(found)} here; RESULTS: e4m3 5/5 at 4,096, e5m2 1-2/5 at 4,096: the loss starts "
         "earlier than 16K for e5m2, and not by 4K for e4m3",
@@ -694,7 +694,7 @@ claims = [
         "损失早于 16K 就开始了；对 e4m3，到 4K 为止还没有出现")),
     (Bi("seed 000 §2.3.3: the loss comes from attention scores growing in range and fp8 "
         "being unable to represent small weights",
-        "seed 000 §2.3.3：损失来自注意力分数范围变大，以及 fp8 无法表示小的权重"),
+        "种子课程 000 §2.3.3：损失来自注意力分数范围变大，以及 fp8 无法表示小的权重"),
      Bi(f"{getattr(mech, 'en')}: "
         f"scores are float32 on every path; weights pass through e4m3 only on an fp8-compute "
         f"path (FA3 on Hopper), never in the dequantize path this engine uses. FA3-style, "
@@ -706,9 +706,9 @@ claims = [
         f"{getattr(mech, 'zh')}："
         f"分数在每条路径上都是 float32；权重只在 fp8 计算路径（Hopper 上的 FA3）上经过 e4m3，"
         f"在本引擎使用的反量化路径中从不经过。按 FA3 的方式，"
-        f"<= 行最大值 2^-18 的权重被冲刷掉：每行质量的 {tally['flushed8'] / rows_n:.1e}"
+        f"<= 行最大值 2^-18 的权重被清零：占每行概率质量的 {tally['flushed8'] / rows_n:.1e}"
         f"（P 在 [0, 1] 中时为 {tally['flushed0'] / rows_n:.2%}；{tally['below'] / tally['weights']:.0%} 的"
-        f"权重低于 2^-9，占质量的 {tally['mass_below'] / rows_n:.2%}）；KL 反量化 "
+        f"权重低于 2^-9，占概率质量的 {tally['mass_below'] / rows_n:.2%}）；KL 反量化 "
         f"{deq['kl']:.3g} -> FA3 方式 {fa3['kl']:.3g}（{fa3['kl'] / deq['kl']:.2f}x，CI 位于上方："
         f"{fa3_worse}）-> P 在 [0, 1] 中 {p01['kl']:.3g}（与 FA3 分开：{flush_adds}）")),
     (Bi("vllm #23813 / vLLM blog 2026-04-22: FA3's fp8 path lost long-context accuracy "
@@ -718,7 +718,7 @@ claims = [
      Bi("not reproduced: 96-token windows fit one 160-key tile and a CPU has no fp8 tensor "
         "core; fp8_attention_ref's narrow / two-level accumulator model is unit-tested only "
         "(tests/test_fp8_attention.py)",
-        "没有复现：96 个 token 的窗口放得进一个 160 个 key 的块，而 CPU 没有 fp8 tensor "
+        "没有复现：96 个 token 的窗口放得进一个 160 个 key 的 tile，而 CPU 没有 fp8 tensor "
         "core；fp8_attention_ref 的窄累加器 / 两级累加器模型只有单元测试"
         "（tests/test_fp8_attention.py）")),
     (Bi("TensorRT-LLM PR #16916: the scale's value hardly matters (1.0: 96.89, 4.0: 96.74)",
@@ -761,7 +761,7 @@ claims = [
         "benchmarks/RESULTS.md：e4m3 缩放因子 1.0 的 KL 为 6.57e-3，校准后为 6.54e-3（10,202 个位置）"),
      Bi(f"here, {sum(map(len, windows))} positions of prose: {e4['kl']:.3g} [{e4['lo']:.3g}, {e4['hi']:.3g}] and "
         f"{r['calibrated']['kl']:.3g} [{r['calibrated']['lo']:.3g}, {r['calibrated']['hi']:.3g}]",
-        f"这里，{sum(map(len, windows))} 个散文位置：{e4['kl']:.3g} [{e4['lo']:.3g}, {e4['hi']:.3g}] 和 "
+        f"这里，{sum(map(len, windows))} 个普通文本（prose）位置：{e4['kl']:.3g} [{e4['lo']:.3g}, {e4['hi']:.3g}] 和 "
         f"{r['calibrated']['kl']:.3g} [{r['calibrated']['lo']:.3g}, {r['calibrated']['hi']:.3g}]")),
 ]
 claims_table(claims, header=(Bi("claim", "论断"), Bi("measured", "实测")))
