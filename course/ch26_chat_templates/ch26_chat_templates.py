@@ -199,9 +199,11 @@ long_chats = [convs_long[i % len(convs_long)] + evalsets.qa_prompt(q.question)
               for i, q in enumerate(items)]
 long_ids = [render_chat_ref(tok, c, True, None) for c in long_chats]
 print("prompt lengths:", [len(p) for p in long_ids])
+refused = False  # does the engine refuse the too-long prompt (instead of cutting it)?
 try:
     llm.generate(long_ids[:1], GREEDY)
 except ValueError as e:
+    refused = True
     print("ValueError:", e)
 
 # %% [markdown]
@@ -328,6 +330,10 @@ say(f"without the generation prompt, the model writes the header itself: {no_gen
 d_nll = 100 * (bos_table[2][0] / bos_table[1][0] - 1)
 _nll_0, _nll_1 = bos_table[0][0], bos_table[1][0]
 _sys = 'You are a helpful AI assistant named SmolLM' in text
+_enc, _enc_plain = tok.encode('Hello'), tok.encode('Hello', add_special_tokens=False)
+no_bos = _enc == _enc_plain and tok.bos_token_id not in _enc
+keeps_last = all(o.prompt_token_ids == p[-room:] for o, p in zip(strategies[LEFT], long_ids))
+minus1_ok = minus1.prompt_token_ids == long_ids[0][-(MAX_LEN - 1):]
 
 
 def join(*parts):
@@ -338,15 +344,19 @@ def join(*parts):
 
 claims_table([
     (Bi("SmolLM2's tokenizer adds no BOS (course plan)", "SmolLM2 的分词器不添加 BOS（课程计划）"),
-     Bi(f"yes: encode('Hello') = "
-        f"{tok.encode('Hello')} with or without special tokens; its bos_token is "
-        f"<\\|im_start\\|> (id {tok.bos_token_id}), written by the template",
-        f"是：无论带不带特殊 token，encode('Hello') = "
-        f"{tok.encode('Hello')}；它的 bos_token 是 "
-        f"<\\|im_start\\|>（id {tok.bos_token_id}），由模板写入")),
+     join(Bi(f"{'yes' if no_bos else 'no'}: encode('Hello') = ",
+             f"{'是' if no_bos else '否'}：encode('Hello') = "),
+          Bi(f"{_enc} with or without special tokens",
+             f"{_enc}（无论带不带特殊 token）") if _enc == _enc_plain else
+          Bi(f"{_enc} with special tokens, {_enc_plain} without",
+             f"{_enc}（带特殊 token），不带时为 {_enc_plain}"),
+          Bi(f"; its bos_token is "
+             f"<\\|im_start\\|> (id {tok.bos_token_id}), written by the template",
+             f"；它的 bos_token 是 "
+             f"<\\|im_start\\|>（id {tok.bos_token_id}），由模板写入"))),
     (Bi("its template injects a default system prompt", "它的模板会注入一条默认的系统提示词"),
-     Bi(f"yes: {_sys} for a conversation without one",
-        f"是：对没有系统提示词的对话为 {_sys}")),
+     Bi(f"{'yes' if _sys else 'no'}: {_sys} for a conversation without one",
+        f"{'是' if _sys else '否'}：对没有系统提示词的对话为 {_sys}")),
     (Bi("a double BOS costs accuracy (vllm PR #16976; GSM8K 0.90 -> 0.76 on "
         "Llama-3.3-70B, tpu-inference PR #1380)",
         "重复的 BOS 会损失准确率（vllm PR #16976；Llama-3.3-70B 上 GSM8K 0.90 -> 0.76，"
@@ -377,20 +387,27 @@ claims_table([
           Bi("(lower)", "（更低）") if _nll_0 < _nll_1 * 0.99 else
           Bi("(about the same)", "（大致相同）"))),
     (Bi("max-model-len is not auto-truncation (seed 002)", "max-model-len 不是自动截断（种子课程 002）"),
-     Bi(f"yes: a {len(long_ids[0])}-token "
-        f"prompt raises ValueError at max_model_len={MAX_LEN} (400 in the server)",
-        f"是：一个 {len(long_ids[0])} token 的"
-        f"提示词在 max_model_len={MAX_LEN} 时抛出 ValueError（服务端返回 400）")),
+     Bi(f"{'yes' if refused else 'no'}: a {len(long_ids[0])}-token "
+        f"prompt {'raises ValueError' if refused else 'is accepted without an error'} at "
+        f"max_model_len={MAX_LEN}{' (400 in the server)' if refused else ''}",
+        f"{'是' if refused else '否'}：一个 {len(long_ids[0])} token 的"
+        f"提示词在 max_model_len={MAX_LEN} 时"
+        f"{'抛出 ValueError' if refused else '被接受，没有报错'}{'（服务端返回 400）' if refused else ''}")),
     (Bi("truncate_prompt_tokens keeps the last k tokens (vLLM)",
         "truncate_prompt_tokens 保留最后 k 个 token（vLLM）"),
-     Bi(f"yes: k={room} kept the "
-        f"last {len(left_first)} tokens, accuracy {trunc_acc[LEFT]}/{N_TRUNC}, system prompt "
-        f"gone; -1 kept {len(minus1.prompt_token_ids)} = max_model_len - 1 and left room for "
-        f"{len(minus1.outputs[0].token_ids)} generated token",
-        f"是：k={room} 保留了"
-        f"最后 {len(left_first)} 个 token，准确率 {trunc_acc[LEFT]}/{N_TRUNC}，系统提示词"
-        f"没了；-1 保留了 {len(minus1.prompt_token_ids)} = max_model_len - 1 个，只给 "
-        f"{len(minus1.outputs[0].token_ids)} 个生成的 token 留出了空间")),
+     join(Bi(f"{'yes' if keeps_last else 'no'}: k={room} kept "
+             f"{'the last' if keeps_last else 'not the last k but'} {len(left_first)} tokens",
+             f"{'是' if keeps_last else '否'}：k={room} 保留了"
+             f"{'最后' if keeps_last else '并非最后的'} {len(left_first)} 个 token"),
+          Bi(f", accuracy {trunc_acc[LEFT]}/{N_TRUNC}, system prompt ",
+             f"，准确率 {trunc_acc[LEFT]}/{N_TRUNC}，系统提示词"),
+          Bi("kept", "保留了") if kept_left else Bi("gone", "没了"),
+          Bi(f"; -1 kept {len(minus1.prompt_token_ids)} = max_model_len - 1 and left room for "
+             f"{len(minus1.outputs[0].token_ids)} generated token",
+             f"；-1 保留了 {len(minus1.prompt_token_ids)} = max_model_len - 1 个，只给 "
+             f"{len(minus1.outputs[0].token_ids)} 个生成的 token 留出了空间") if minus1_ok else
+          Bi(f"; -1 kept {len(minus1.prompt_token_ids)} tokens, not the last max_model_len - 1",
+             f"；-1 保留了 {len(minus1.prompt_token_ids)} 个 token，不是最后 max_model_len - 1 个"))),
     (Bi("truncating the wrong side loses the question", "截错一侧会丢掉问题"),
      Bi(f"right truncation: "
         f"{trunc_acc['right (first tokens)']}/{N_TRUNC}",
