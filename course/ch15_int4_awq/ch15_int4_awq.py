@@ -587,7 +587,7 @@ claims = [
         "are not measured here)",
         f"在这个样本上{'是' if kept['AWQ asym g128, scale only'] > 0.95 else '否'}：AWQ g128 "
         f"在这里保住了 float32 正确问答答案的 {kept['AWQ asym g128, scale only']:.0%} "
-        f"[置信区间 {lo_awq:.0%}, {min(hi_awq, 1):.0%}]（{len(qa)} 个问题），散文上的 top-1 "
+        f"[置信区间 {lo_awq:.0%}, {min(hi_awq, 1):.0%}]（{len(qa)} 个问题），普通文本上的 top-1 "
         f"一致率 {100 * r_awq['top1']:.0f}%；完整集合（RESULTS.md，176 个问题）："
         "RESULTS.md 中为 47.7 %（g128）和 73.3 %（g64），59.7 %（g128，今天的代码，"
         "qa_inversion.py）：在完整集合上为否（论文测量的是 7B-70B 的模型；这里没有测量更大的"
