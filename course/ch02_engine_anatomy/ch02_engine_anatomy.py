@@ -275,8 +275,8 @@ say(f"lowering the utilization to 0.85 gave "
     f"{'fewer' if p95 < p90 else 'as many' if p95 == p90 else 'more'} ({p95})",
     f"把利用率调低到 0.85，抢占"
     f"{'更多' if p85 > p90 else '一样多' if p85 == p90 else '更少'}"
-    f"（{p85} 对 {p90}）；调高到 0.95，抢占"
-    f"{'更少' if p95 < p90 else '一样多' if p95 == p90 else '更多'}（{p95}）")
+    f"（{p85} 次，原为 {p90} 次）；调高到 0.95，抢占"
+    f"{'更少' if p95 < p90 else '一样多' if p95 == p90 else '更多'}（{p95} 次）")
 
 # %% [markdown]
 # What to watch, and under which names. The seed's monitoring advice names metrics that
@@ -354,7 +354,7 @@ claims_table([
      Bi("only if the engine keeps every request's state: vLLM had recompute bugs that changed "
         "outputs (vllm #16832, PR #5349); lab 2 plants one",
         "只有当引擎保留每个请求的状态时才成立：vLLM 曾有改变输出的重计算 bug"
-        "（vllm #16832，PR #5349）；实验 2 埋入了一个")),
+        "（vllm #16832，PR #5349）；实验 2 植入了一个")),
 ]
 + [(claim,
      Bi(f"{'yes' if r['preemptions'] == 0 else 'no'}: "
@@ -378,8 +378,8 @@ claims_table([
         f"{fixes[1]['preemptions']} preemptions vs {tight['preemptions']}, "
         f"{100 * fixes[1]['prefix_hit_rate']:.0f} % of prompt tokens served from the cache "
         f"(it saves the shared prefix only)",
-        f"{'是' if fixes[1]['preemptions'] == 0 else '部分' if fixes[1]['preemptions'] < tight['preemptions'] else '否'}："
-        f"{fixes[1]['preemptions']} 次抢占，对比 {tight['preemptions']} 次；"
+        f"{'是' if fixes[1]['preemptions'] == 0 else '部分解决' if fixes[1]['preemptions'] < tight['preemptions'] else '否'}："
+        f"{fixes[1]['preemptions']} 次抢占（紧张配置：{tight['preemptions']} 次）；"
         f"{100 * fixes[1]['prefix_hit_rate']:.0f} % 的提示词 token 由缓存提供"
         f"（它只省去共享前缀的计算）")),
     (Bi("watch `vllm:cache_usage` and a per-request hit rate from `--log-stats`",
