@@ -465,10 +465,10 @@ claims_table([
         "(c) 写入方与读取方的块大小不一致是灾难性的"),
      Bi(f"{'not on a fresh pool: bit-identical logits there' if c_fresh_same else 'already on a fresh pool: logits differ there'}"
         f" (table {tables_fresh[0]}); on the fragmented pool: {agreement_text(C_AGREE, 'en')}",
-        f"{'在全新的池上不是：那里的 logits 逐比特相同' if c_fresh_same else '在全新的池上就已是：那里的 logits 不同'}"
+        f"{'在全新的池上不是灾难性的：那里的 logits 逐比特相同' if c_fresh_same else '在全新的池上就已出错：那里的 logits 不同'}"
         f"（块表 {tables_fresh[0]}）；在碎片化的池上：{agreement_text(C_AGREE, 'zh')}")),
     (Bi("the correct mapping is bitwise equal to the reference on a fragmented pool",
-        "正确的映射在碎片化的池上与参考实现逐位相等"),
+        "正确的映射在碎片化的池上与参考实现逐比特相等"),
      Bi(f"{'yes' if all(fix_same) else 'no'}: prefill {fix_same[0]}, decode {fix_same[1]}, "
         f"greedy {fix_same[2]}",
         f"{'是' if all(fix_same) else '否'}：prefill {fix_same[0]}，decode {fix_same[1]}，"
