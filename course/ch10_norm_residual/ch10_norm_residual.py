@@ -197,7 +197,7 @@ kl16, klbf = kl(ref, rows16), kl(ref, rowsbf)
 say(f"mean KL vs float32: float16 {kl16:.2e} nats, bfloat16 {klbf:.2e} nats "
     f"(float16 {klbf / kl16:.0f}x closer); non-finite rows: {bad_rows(rows16)}, {bad_rows(rowsbf)}",
     f"相对 float32 的平均 KL：float16 {kl16:.2e} nats，bfloat16 {klbf:.2e} nats "
-    f"（float16 接近 {klbf / kl16:.0f}x）；非有限的行：{bad_rows(rows16)}、{bad_rows(rowsbf)}")
+    f"（KL 相差 {klbf / kl16:.0f} 倍，float16 更接近）；非有限的行：{bad_rows(rows16)}、{bad_rows(rowsbf)}")
 
 # %% [markdown]
 # Float16 has 10 mantissa bits to bfloat16's 7, so while nothing leaves its range it is
@@ -442,7 +442,7 @@ claims_table([
         + stream_part.zh + "；"
         + f"{'已复现' if nan16 else '未复现'}"
         f"（使用精确的重参数化）：c = {C:g} 时 float16 的 {n_rows} 行中有 {nan16} 行为 NaN，"
-        f"第一个非有限的是 {table['float16'][1]}")),
+        f"最早出现非有限值的是 {table['float16'][1]}")),
     (Bi("bf16 is the safe choice where fp16 overflows", "在 fp16 溢出的地方，bf16 是安全的选择"),
      Bi(f"{'yes' if nanbf == 0 else 'no'}"
         f": at c = {C:g} bfloat16 has {nanbf} non-finite rows and is bit-identical to the "
