@@ -272,7 +272,7 @@ say(f"{n}: {n_empty} of {xc.shape[1]} directions are empty (eigenvalue below dam
     f"{0.01 * mean_diag:.3g}); held-out prose puts {held_empty:.2%} of its input energy there, "
     f"the calibration chat {cal_empty:.3%}.",
     f"{n}：{xc.shape[1]} 个方向中有 {n_empty} 个是空的（特征值低于阻尼 0.01 所加的 "
-    f"{0.01 * mean_diag:.3g}）；留出的散文有 {held_empty:.2%} 的输入能量落在那里，"
+    f"{0.01 * mean_diag:.3g}）；留出的普通文本有 {held_empty:.2%} 的输入能量落在那里，"
     f"校准用的对话只有 {cal_empty:.3%}。")
 print("| weights | share of ‖ΔW‖² in empty directions | held-out output error from that part | "
       "total held-out error |\n|---|---|---|---|")
@@ -386,7 +386,7 @@ RESULTS = {"float32": {"kl": 0.0, "kl_ci": (0.0, 0.0), "top1": 1.0, "answer_kl":
 say(f"{len(windows)} prose windows x {len(windows[0])} tokens; {len(qa)} QA prompts with "
     f"float32's greedy answers ({sum(map(len, answer_rows))} answer positions; float32 answers "
     f"{sum(base_ok):.0f} of them correctly)",
-    f"{len(windows)} 个散文窗口 x {len(windows[0])} 个 token；{len(qa)} 个 QA 提示词，附 "
+    f"{len(windows)} 个普通文本窗口 x {len(windows[0])} 个 token；{len(qa)} 个 QA 提示词，附 "
     f"float32 的贪心答案（{sum(map(len, answer_rows))} 个答案位置；float32 答对其中 "
     f"{sum(base_ok):.0f} 题）")
 # Greedy QA accuracy on all 176 questions, from benchmarks/RESULTS.md (weight quantization
@@ -502,7 +502,7 @@ lo_fix, hi_fix = (v / RESULTS["float32"]["acc"] for v in r_fix["acc_ci"])
 claims = [
     (Bi("AWQ / modern methods keep over 95 % of the original performance at 4 bits "
         "(seed 000 §2.4.4)",
-        "AWQ / 现代方法在 4 位下能保留 95 % 以上的原始性能（seed 000 §2.4.4）"),
+        "AWQ / 现代方法在 4 位下能保留 95 % 以上的原始性能（种子课程 000 §2.4.4）"),
      Bi(f"not on this 135M model: damped GPTQ g128 keeps {kept['GPTQ, act-order + damp 1.0']:.0%} "
         f"of float32's correct QA answers [CI {lo_fix:.0%}, {hi_fix:.0%}] (176 questions, "
         f"RESULTS.md), with AutoGPTQ's defaults {kept['GPTQ, AutoGPTQ defaults']:.0%}; top-1 "
@@ -510,7 +510,7 @@ claims = [
         "(chapter 15)",
         f"在这个 135M 模型上不成立：加阻尼的 GPTQ g128 保留了 float32 答对的 QA 题中的 "
         f"{kept['GPTQ, act-order + damp 1.0']:.0%} [CI {lo_fix:.0%}, {hi_fix:.0%}]（176 道题，"
-        f"RESULTS.md），采用 AutoGPTQ 默认设置时为 {kept['GPTQ, AutoGPTQ defaults']:.0%}；散文上的 top-1 "
+        f"RESULTS.md），采用 AutoGPTQ 默认设置时为 {kept['GPTQ, AutoGPTQ defaults']:.0%}；普通文本上的 top-1 "
         f"一致率 {100 * r_fix['top1']:.0f}%（本次实测）；AWQ 为 47.7-73.3 %"
         "（第 15 章）")),
     (Bi("GPTQ minimises each layer's error, so it beats round-to-nearest",
@@ -522,7 +522,7 @@ claims = [
         f"{r_rtn['kl']:.3g}; full set (RESULTS.md): perplexity ratio 1.75 against 1.57, QA "
         "25.6 % against 46.0 %",
         f"在校准数据上是的（{w28}：{ERR[w28, AUTO][0]:.3f}，RTN 为 "
-        f"{ERR[w28, 'RTN'][0]:.3f}）；在留出的散文上，AutoGPTQ 默认设置更差"
+        f"{ERR[w28, 'RTN'][0]:.3f}）；在留出的普通文本上，AutoGPTQ 默认设置更差"
         f"（{ERR[w28, AUTO][1]:.3f} 对 {ERR[w28, 'RTN'][1]:.3f}；{o5}：{ERR[o5, AUTO][1]:.3f} "
         f"对 {ERR[o5, 'RTN'][1]:.3f}）；端到端 KL {r_weak['kl']:.3g}，RTN 为 "
         f"{r_rtn['kl']:.3g}；完整题集（RESULTS.md）：困惑度比 1.75 对 1.57，QA "
@@ -545,7 +545,7 @@ claims = [
         "with 4,096 chat tokens still loses to RTN on QA and perplexity (RESULTS.md)",
         f"关键不在数量，而在覆盖面：弱阻尼下，把对话 token 加倍使 {w28} 的留出误差从 "
         f"{FIX['384 chat tokens', 0.01]:.3f} 变为 {FIX['768 chat tokens', 0.01]:.3f}，"
-        f"把其中一半换成散文则变为 "
+        f"把其中一半换成普通文本则变为 "
         f"{FIX['192 chat + 192 prose tokens', 0.01]:.3f}（RTN {rtn_held:.3f}）；用 4,096 个对话 "
         "token 的完整模型在 QA 和困惑度上仍输给 RTN（RESULTS.md）")),
     (Bi("a quantizer cannot overfit: it has no trainable parameters",
