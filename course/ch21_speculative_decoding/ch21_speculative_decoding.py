@@ -279,7 +279,7 @@ for kind, (d_, dt_, acc_, toks) in by_kind.items():
     say(f"{kind:6s}: acceptance {acc_ / max(dt_, 1):.3f}; {toks} tokens from "
         f"{toks - acc_} target forwards (plain: {toks}), {toks / (toks - acc_):.2f}x fewer",
         f"{kind:6s}：接受率 {acc_ / max(dt_, 1):.3f}；{toks} 个 token 来自 "
-        f"{toks - acc_} 次目标模型前向计算（普通解码：{toks}），少 {toks / (toks - acc_):.2f}x")
+        f"{toks - acc_} 次目标模型前向计算（普通解码：{toks} 次，为其 {toks / (toks - acc_):.2f} 倍）")
 
 # %% [markdown]
 # Measured elsewhere, not by this notebook (`benchmarks/spec_decode.py`, batch 1, float32,
@@ -405,7 +405,7 @@ print(f"planted RoPE table: largest |cos or sin error| {rope_err:.2g} at positio
 moved = [n for n, r in canary_rows.items() if r["moved"]]
 quiet = [n for n, r in canary_rows.items() if n != REF and not r["moved"]]
 say(f"moved beyond prompt noise: {', '.join(moved) or 'none'}; within it: {', '.join(quiet) or 'none'}",
-    f"移动超出提示词噪声的：{'、'.join(moved) or '无'}；在噪声之内的：{'、'.join(quiet) or '无'}")
+    f"变化超出提示词噪声的：{'、'.join(moved) or '无'}；在噪声之内的：{'、'.join(quiet) or '无'}")
 print(f"section 7 took {time.perf_counter() - T7:.1f} s")
 
 # %% [markdown]
@@ -456,7 +456,7 @@ claims = [
         "个相同（24 个 token，n-gram k=3）")),
     (Bi("#7962: lossless up to hardware numerics (k+1 in one forward)",
         "#7962：仅限于硬件数值差异之内的无损（一次前向计算处理 k+1 个位置）"),
-     cat(Bi("chunk vs step logits ", "块与逐步的 logits："), Bi(chunk_en, chunk_zh),
+     cat(Bi("chunk vs step logits ", "分块与逐步的 logits："), Bi(chunk_en, chunk_zh),
          Bi(": lossless only up to these numerics", "：只在这些数值差异之内无损"))),
     (Bi("bf16: divergences expected, as in #7627 (course plan estimate)",
         "bf16：预期会出现分歧，如 #7627（课程计划的估计）"),
@@ -477,12 +477,12 @@ claims = [
      f"{acc / dt:.3f} / {1 + acc / d:.2f}"),
 ] + [
     (Bi(f"acceptance moves when the target's numerics change: {name} (drafter float32)",
-        f"目标模型的数值改变时接受率会移动：{name}（草稿器 float32）"),
+        f"目标模型的数值改变时，接受率随之变化：{name}（草稿器 float32）"),
      Bi(f"{'moved' if r['moved'] else 'not beyond prompt noise'}: acceptance {r['rate']:.3f} vs "
         f"{canary_rows[REF]['rate']:.3f}, difference 95% CI [{r['lo']:+.3f}, {r['hi']:+.3f}]; "
         f"mean length {r['length']:.2f} vs {canary_rows[REF]['length']:.2f} "
         f"({len(CANARY_PROMPTS)} prompts, {r['drafts']} draft tokens)",
-        f"{'移动了' if r['moved'] else '未超出提示词噪声'}：接受率 {r['rate']:.3f} 对 "
+        f"{'变化了' if r['moved'] else '未超出提示词噪声'}：接受率 {r['rate']:.3f} 对 "
         f"{canary_rows[REF]['rate']:.3f}，差值的 95% 置信区间 [{r['lo']:+.3f}, {r['hi']:+.3f}]；"
         f"平均长度 {r['length']:.2f} 对 {canary_rows[REF]['length']:.2f}"
         f"（{len(CANARY_PROMPTS)} 个提示词，{r['drafts']} 个草稿 token）"))
