@@ -331,11 +331,11 @@ claim_rows = [
         f"恢复位置上的 KL <= {kl_res32.max():.1e} nats")),
 ]
 for key in B16:
-    _verdict = (Bi("can", "会") if ST[key]["kp"] > 0 else
-                Bi("did not in this run", "在本次运行中没有"))
+    _verdict = (Bi("can", "会改变") if ST[key]["kp"] > 0 else
+                Bi("did not in this run", "本次运行中没有改变"))
     claim_rows.append(
         (Bi(f"... in 16 bits it {tr(_verdict, 'en')} ({key})",
-            f"……在 16 位下{tr(_verdict, 'zh')}（{key}）"),
+            f"……在 16 位下{tr(_verdict, 'zh')}回答（{key}）"),
          Bi(f"{tr(_rate(key), 'en')} ({rates['date']})",
             f"{tr(_rate(key), 'zh')}（{rates['date']}）")))
 _ratio = [ST[k]["res"].mean() / ST[k]["oth"].mean() for k in B16
