@@ -124,7 +124,7 @@ say(f"run to run, alone: greedy reproducible {RUN_TO_RUN['greedy']}, seeded repr
     f"{RUN_TO_RUN['seed 1234']}; the seeded text beside another request "
     f"{'is the same this time' if SEED_BATCH_DIV is None else f'differs from token {SEED_BATCH_DIV} on'}",
     f"单独运行、每次之间：贪心可复现 {RUN_TO_RUN['greedy']}，带随机种子的采样可复现 "
-    f"{RUN_TO_RUN['seed 1234']}；与另一个请求并列时，带随机种子的文本"
+    f"{RUN_TO_RUN['seed 1234']}；与另一个请求同批运行时，带随机种子的文本"
     f"{'这次相同' if SEED_BATCH_DIV is None else f'从第 {SEED_BATCH_DIV} 个 token 起不同'}")
 
 # %% [markdown]
@@ -320,7 +320,7 @@ say(f"- attention: the pad length changes the bits for {F32_PADS} of 64 pad leng
 say(f"- section 3, decode mode: float32's logits moved by up to {dl32:.2g}, bfloat16's by "
     f"{dl16:.2g}{f' ({dl16 / dl32:,.0f}x more)' if dl32 else ''}",
     f"- 第 3 节，decode 模式：float32 的 logits 最多变化 {dl32:.2g}，bfloat16 的变化 "
-    f"{dl16:.2g}{f'（多 {dl16 / dl32:,.0f}x）' if dl32 else ''}")
+    f"{dl16:.2g}{f'（是前者的 {dl16 / dl32:,.0f} 倍）' if dl32 else ''}")
 say(Bi(f"- float32 GEMM: rows change from M = {M32} ({F32_GEMM[M32]} of {M32} rows), "
        f"{F32_GEMM[max(F32_GEMM)]} of {max(F32_GEMM)} at M = {max(F32_GEMM)}",
        f"- float32 GEMM：从 M = {M32} 起有行改变（{M32} 行中的 {F32_GEMM[M32]} 行），"
@@ -341,8 +341,8 @@ else:
         f"- bfloat16 GEMM：{f'直到 M = {max(below)} 都没有行改变；' if below else ''}"
         f"从 M = {M16} 起有行改变（{M16} 行中的 {B16_GEMM[M16]} 行，M = {max(B16_GEMM)} 时 "
         f"{max(B16_GEMM)} 行中的 {B16_GEMM[max(B16_GEMM)]} 行）。{M16} 行或更多行的步骤"
-        "（与 decode 并列的一个 prefill 分块很容易达到）在 bfloat16 中有两个原因；"
-        f"只有少于 {M16} 个序列的纯 decode 步骤则只有填充这一个原因")
+        "（与 decode 同批的一个 prefill 分块很容易达到）在 bfloat16 中有两个批次依赖的来源；"
+        f"只有少于 {M16} 个序列的纯 decode 步骤则只有填充这一个来源")
 for name in ("bfloat16", "float32"):
     kept = prefill_rows_kept["torch." + name]
     say(f"- prefill mode, {name}: scores alone and batched are "
@@ -389,8 +389,8 @@ say(f"batch_invariant, bfloat16: {N_DIV_I16} of {len(SHORTS)} prompts change the
     f"text when batched (first divergences {div_i16})",
     f"batch_invariant，bfloat16：{len(SHORTS)} 个提示词中有 {N_DIV_I16} 个在成批运行时贪心文本"
     f"发生改变（首次分歧位置 {div_i16}）")
-COMPANIONS_ZH = {"beside the 30-token prompt": "与 30 token 的提示词并列",
-                 "beside 3 prompts (5, 30, 12 tokens)": "与 3 个提示词并列（5、30、12 个 token）"}
+COMPANIONS_ZH = {"beside the 30-token prompt": "与 30 token 的提示词同批",
+                 "beside 3 prompts (5, 30, 12 tokens)": "与 3 个提示词同批（5、30、12 个 token）"}
 
 
 def checks_text(eq, lang):
@@ -451,9 +451,9 @@ def cost_name(name, lang):
 
 def slower(d, i):
     """The mode's cost as a ratio of default to batch-invariant tokens/s, in words (Bi)."""
-    return (Bi(f"{d / i:.2f}x slower", f"慢 {d / i:.2f} 倍") if d >= i else
+    return (Bi(f"{d / i:.2f}x slower", f"每 token 耗时为默认的 {d / i:.2f} 倍") if d >= i else
             Bi(f"{i / d:.2f}x FASTER (no cost in this sample)",
-               f"反而快 {i / d:.2f} 倍（本次采样中没有代价）"))
+               f"吞吐反而是默认的 {i / d:.2f} 倍（本次测量中没有代价）"))
 
 
 for name, (d, i) in cost.items():
@@ -508,7 +508,7 @@ rows = [
     (Bi("A per-request seed makes sampling reproducible", "逐请求随机种子让采样可复现"),
      Bi(f"alone, run to run: {holds(RUN_TO_RUN['seed 1234'], 'en')}; beside another prompt "
         f"{'the seeded text was the same this time' if SEED_BATCH_DIV is None else f'NO: the seeded text first differs at token {SEED_BATCH_DIV}'}",
-        f"单独运行、每次之间：{holds(RUN_TO_RUN['seed 1234'], 'zh')}；与另一个提示词并列时"
+        f"单独运行、每次之间：{holds(RUN_TO_RUN['seed 1234'], 'zh')}；与另一个提示词同批运行时"
         f"{'带随机种子的文本这次相同' if SEED_BATCH_DIV is None else f'不成立：带随机种子的文本从第 {SEED_BATCH_DIV} 个 token 起不同'}")),
     (Bi("bf16: 2 of 3 chat prompts diverge when batched (plan, at tokens 31 and 32)",
         "bf16：3 个对话提示词中有 2 个在成批时出现分歧（plan，分别在第 31 和第 32 个 token）"),
@@ -559,7 +559,7 @@ rows = [
      Bi("here " + ", ".join(f"{slower(d, i).en} ({n})" for n, (d, i) in cost.items())
         + ", one sample each on CPU",
         "此处：" + "，".join(f"{slower(d, i).zh}（{COST_ZH[n]}）" for n, (d, i) in cost.items())
-        + "，均为 CPU 上的单次采样")),
+        + "，均为 CPU 上的单次测量")),
 ]
 claims_table(rows)
 
