@@ -425,7 +425,7 @@ grown = {n: r for n, r in ratio.items() if r > 1}
 worst = sorted(grown.items(), key=lambda kv: -kv[1])[:4]
 say(f"layers whose prose amax exceeds the chat calibration's: {len(grown)} of {len(ratio)}; "
     f"the largest ratios: {', '.join(f'{n} {r:.2f}x' for n, r in worst)}",
-    f"散文 amax 超过对话校准值的层：{len(ratio)} 个中有 {len(grown)} 个；"
+    f"普通文本输入的 amax 超过对话校准值的层：{len(ratio)} 个中有 {len(grown)} 个；"
     f"最大的比值：{', '.join(f'{n} {r:.2f}x' for n, r in worst)}")
 sat_eval = {n: int((X[n].abs() > amax_chat[n]).sum()) for n in FP8_LAYERS}
 say(f"evaluation windows: {sum(sat_eval.values())} input values saturate under the chat "
@@ -452,7 +452,7 @@ for label in (CAL_CHAT, CAL_CORPUS, DYN):
 _a, _b = RES[CAL_CHAT]["ci"], RES[CAL_CORPUS]["ci"]
 cal_ov = _a[0] <= _b[1] and _b[0] <= _a[1]
 say(f"chats-calibrated against prose-calibrated: the CIs {'overlap' if cal_ov else 'do not overlap'}",
-    f"对话校准对比散文校准：CI {'重叠' if cal_ov else '不重叠'}")
+    f"对话校准对比普通文本校准：CI {'重叠' if cal_ov else '不重叠'}")
 
 # %% [markdown]
 # Prose pushes about a third of the layers past the chat calibration's maxima (the lines
@@ -675,7 +675,7 @@ r = RES
 dyn_best = all(r[DYN]["kl"] < r[k]["kl"] for k in (STATIC, CAL_CORPUS, CAL_CHAT, DROP_ALL, DROP_3))
 claims = [
     (Bi("seed 000 §2.4.3: fp8 weights hurt less than an fp8 KV cache (91.5 % vs 89 % from 92 %)",
-        "seed 000 §2.4.3：fp8 权重的损害小于 fp8 KV cache（从 92 % 降到 91.5 % 对 89 %）"),
+        "种子课程 000 §2.4.3：fp8 权重的损害小于 fp8 KV cache（从 92 % 分别降到 91.5 % 和 89 %）"),
      Bi(f"{'reversed here' if sep and w_over_kv > 1 else 'as claimed here' if sep else 'not resolved here (CIs overlap)'}"
         f": KL W8A8 {r[DYN]['kl']:.3g} [{r[DYN]['ci'][0]:.3g}, {r[DYN]['ci'][1]:.3g}] "
         f"vs fp8 KV {r[KV]['kl']:.3g} [{r[KV]['ci'][0]:.3g}, {r[KV]['ci'][1]:.3g}] ({w_over_kv:.1f}x), "
@@ -721,14 +721,14 @@ claims = [
         f"{r[STATIC]['kl']:.3g}，"
         f"逐通道 0.0254（RESULTS；这里没有运行）")),
     (Bi("static scales calibrated on chats saturate on prose (vllm PR #4570's failure)",
-        "在对话上校准的静态缩放因子在散文上饱和（vllm PR #4570 的故障）"),
+        "在对话上校准的静态缩放因子在普通文本上饱和（vllm PR #4570 的故障）"),
      Bi(f"{len(grown)} of {len(ratio)} layers see larger prose inputs (up to {worst[0][1]:.1f}x); "
         f"{sum(sat_eval.values())} evaluation values saturate; KL chats-calibrated "
         f"{r[CAL_CHAT]['kl']:.3g}, prose-calibrated {r[CAL_CORPUS]['kl']:.3g} "
         f"(CIs {'overlap' if cal_ov else 'do not overlap'})",
-        f"{len(ratio)} 个层中有 {len(grown)} 个看到更大的散文输入（最多 {worst[0][1]:.1f}x）；"
+        f"{len(ratio)} 个层中有 {len(grown)} 个看到更大的普通文本输入（最多 {worst[0][1]:.1f}x）；"
         f"{sum(sat_eval.values())} 个评测值饱和；KL 对话校准 "
-        f"{r[CAL_CHAT]['kl']:.3g}，散文校准 {r[CAL_CORPUS]['kl']:.3g}"
+        f"{r[CAL_CHAT]['kl']:.3g}，普通文本校准 {r[CAL_CORPUS]['kl']:.3g}"
         f"（CI {'重叠' if cal_ov else '不重叠'}）")),
     (Bi("the fix is dynamic per-token scales (vllm PR #33972's dynamic input scaling)",
         "修复方法是逐 token 的动态缩放因子（vllm PR #33972 的动态输入缩放）"),
