@@ -244,7 +244,7 @@ say(f"fp16 + reparam, eager order: non-finite logit rows "
     f"positive q.k x {C:g} > 65504): layer {first_pos}",
     f"fp16 + 重参数化，eager 顺序：非有限的 logit 行 {len(ids)} 行中有 "
     f"{int((~torch.isfinite(bad16)).any(-1).sum())} 行；第一个出现 "
-    f"NaN/inf 的模块：{counts.first()}；由探查预言（最大正 q.k x {C:g} > 65504 的"
+    f"NaN/inf 的模块：{counts.first()}；由逐层测量预测（最大正 q.k x {C:g} > 65504 的"
     f"第一层）：第 {first_pos} 层")
 
 # %%
@@ -294,7 +294,7 @@ say(f"float16: non-finite logit rows {int((~torch.isfinite(nomax16)).any(-1).sum
     f"{len(ids)}; first NaN/inf in {counts_nm.first()}; predicted: first layer with a "
     f"scaled score > 11.09 = layer {first_exp}",
     f"float16：非有限的 logit 行 {len(ids)} 行中有 {int((~torch.isfinite(nomax16)).any(-1).sum())} "
-    f"行；第一个 NaN/inf 出现在 {counts_nm.first()}；预言：乘过缩放因子的分数 > 11.09 的"
+    f"行；第一个 NaN/inf 出现在 {counts_nm.first()}；预测：乘过缩放因子的分数 > 11.09 的"
     f"第一层 = 第 {first_exp} 层")
 
 # %% [markdown]
@@ -484,7 +484,7 @@ nomax_part = (Bi(f"yes, {nomax16_bad} of {len(ids)} rows non-finite, NaN first i
                  f"{counts_nm.first()} (predicted layer {first_exp}, scaled score "
                  f"{survey48[first_exp, 2]:.1f} > 11.09)",
                  f"是，{len(ids)} 行中有 {nomax16_bad} 行非有限，NaN 最早出现在 "
-                 f"{counts_nm.first()}（预言为第 {first_exp} 层，乘过缩放因子的分数 "
+                 f"{counts_nm.first()}（预测为第 {first_exp} 层，乘过缩放因子的分数 "
                  f"{survey48[first_exp, 2]:.1f} > 11.09）")
               if nomax16_bad else Bi("no non-finite row", "没有非有限的行"))
 f32_part = Bi(f"in float32 this model "
@@ -524,7 +524,7 @@ claims_table([
         f"{'并非从 c ~ 135 起' if nan_c > 135 else '是'}"
         f"：负向溢出是 -inf 分数，即零权重；NaN 需要正向溢出："
         f"在 {len(ids)} 个 token 的段落上 c > 65504 / {survey48[:, 0].max():.0f} = {nan_c:.0f}。"
-        f"c = {C:g} 时：NaN 最早出现在 {counts.first()}，预言为第 {first_pos} 层")),
+        f"c = {C:g} 时：NaN 最早出现在 {counts.first()}，预测为第 {first_pos} 层")),
     (Bi("the reparametrization is exact", "重参数化是精确的"),
      Bi(f"{'yes' if rep_exact else 'no'}: float32 logits bit-identical: "
         f"{'True' if rep_exact else 'False'}; fp16, engine order: "
