@@ -404,30 +404,41 @@ fig
 bp, bv = results["bf16 positions"][0], results["bf16 values"][0]
 ea = table_err["bf16 angles"]
 th = results["theta 10,000 (all layers)"][0]
+from_257 = first_wrong["bf16 positions"] == 257
+grows = bool(bp[0] <= 1e-6 and (np.diff(bp) > 0).all())  # ≈0: at most the fix's 1e-6
+th_near0 = bool(th[0] <= 1e-6)
+th_grows = bool(th_near0 and (np.diff(th) > 0).all())
+cos_bug = bool(bv.max() * 10 > bp.max())  # within an order of magnitude of bf16 positions
 claims_table([
     (Bi("a table built from bf16 positions is wrong from position 257 on (course plan)",
         "由 bf16 位置构建的旋转表从位置 257 起出错（课程计划）"),
-     Bi(f"yes: first wrong table row {first_wrong['bf16 positions']}; on the model KL exactly "
-        f"{bp[0]:.0f} in positions 0-63, {bp[1]:.1e} at 256-319, {bp[2]:.1e} at 512-575",
-        f"是：旋转表第一个出错的行为 {first_wrong['bf16 positions']}；在模型上，位置 0-63 的 KL "
-        f"恰好为 {bp[0]:.0f}，256-319 为 {bp[1]:.1e}，512-575 为 {bp[2]:.1e}")),
+     Bi(f"{'yes' if from_257 else 'no'}: first wrong table row {first_wrong['bf16 positions']}; "
+        f"on the model KL {'exactly ' if bp[0] == 0 else ''}"
+        f"{bp[0]:{'.0f' if bp[0] == 0 else '.1e'}} in positions 0-63, {bp[1]:.1e} at 256-319, "
+        f"{bp[2]:.1e} at 512-575",
+        f"{'是' if from_257 else '否'}：旋转表第一个出错的行为 {first_wrong['bf16 positions']}；"
+        f"在模型上，位置 0-63 的 KL {'恰好' if bp[0] == 0 else ''}为 "
+        f"{bp[0]:{'.0f' if bp[0] == 0 else '.1e'}}，256-319 为 {bp[1]:.1e}，512-575 为 {bp[2]:.1e}")),
     (Bi("≈0 near position 0, growing with position (course plan)",
         "在位置 0 附近 ≈0，随位置增长（课程计划）"),
-     Bi(f"for bf16 positions, yes "
+     Bi(f"for bf16 positions, {'yes' if grows else 'no'} "
         f"(KL {bp[0]:.0e} -> {bp[2]:.1e}; bf16 angles: table error {ea[:8].max():.1e} in "
         f"positions 0-7, {ea[256:576].max():.1f} at 256-575); for a wrong "
-        f"theta, no: {th[0]:.1e} already at 0-63 (max over windows {th.max():.1e})",
-        f"对 bf16 位置而言，是"
+        f"theta, {'yes' if th_grows else 'no'}: {th[0]:.1e} {'already ' if not th_near0 else ''}"
+        f"at 0-63 (max over windows {th.max():.1e})",
+        f"对 bf16 位置而言，{'是' if grows else '否'}"
         f"（KL {bp[0]:.0e} -> {bp[2]:.1e}；bf16 角度：旋转表误差在位置 0-7 为 {ea[:8].max():.1e}，"
         f"在 256-575 为 {ea[256:576].max():.1f}）；对错误的 "
-        f"theta 而言，否：在 0-63 就已是 {th[0]:.1e}（各窗口最大值 {th.max():.1e}）")),
+        f"theta 而言，{'是' if th_grows else '否'}：在 0-63 {'就已' if not th_near0 else ''}是 "
+        f"{th[0]:.1e}（各窗口最大值 {th.max():.1e}）")),
     (Bi("gpt-neox #1003: fp16 rounds the angle 1044.27 (position 1857) to 1045, cos off "
         "by up to 0.78",
         "gpt-neox #1003：fp16 把角度 1044.27（位置 1857）舍入为 1045，cos 最多偏差 0.78"),
-     Bi(f"yes when the product is computed in fp16: {prod16:.0f} "
+     Bi(f"{'yes' if round(prod16) == 1045 else 'no'} when the product is computed in fp16: "
+        f"{prod16:.0f} "
         f"(fp16(1044.27) itself is {a16:.0f}); |cos(1044.27) - cos({prod16:.0f})| = {gap:.2f} "
         f"for that pair, up to {worst:.2f} from the angle's rounding alone at that size",
-        f"当乘积在 fp16 中计算时，是：{prod16:.0f}"
+        f"当乘积在 fp16 中计算时，{'是' if round(prod16) == 1045 else '否'}：{prod16:.0f}"
         f"（fp16(1044.27) 本身是 {a16:.0f}）；该分量对的 |cos(1044.27) - cos({prod16:.0f})| = "
         f"{gap:.2f}，在这个量级上仅角度的舍入一项就最多达 {worst:.2f}")),
     (Bi("candle #3520: bf16 turns 15962 into 15936 or 15968; cos(15962) = -0.547, "
@@ -462,12 +473,14 @@ claims_table([
         f"模型层面在 80k 处的退化这里没有测量（2 个 CPU 核）")),
     (Bi("storing cos/sin in bf16 is the bug (a common reading of #29285)",
         "把 cos/sin 存为 bf16 就是那个缺陷（对 #29285 的常见解读）"),
-     Bi(f"no: bf16 "
+     Bi(f"{'yes' if cos_bug else 'no'}: bf16 "
         f"values after float32 angles give KL {bv.max():.1e} at most, "
-        f"{bp.max() / bv.max():.0e}x less than bf16 positions",
-        f"否：在 float32 角度之后存为 bf16 "
+        f"{bp.max() / bv.max():.0e}x less than bf16 positions"
+        f"{' (within the 10x that would make it a comparable bug)' if cos_bug else ''}",
+        f"{'是' if cos_bug else '否'}：在 float32 角度之后存为 bf16 "
         f"的值给出的 KL 至多 {bv.max():.1e}，"
-        f"比 bf16 位置小 {bp.max() / bv.max():.0e}x")),
+        f"比 bf16 位置小 {bp.max() / bv.max():.0e}x"
+        f"{'（在 10 倍以内，可算作同等的缺陷）' if cos_bug else ''}")),
     (Bi("fix: fp32 table, correct theta, correct scaling: KL at long positions back to "
         "<= 1e-6 (course plan, 1500-2000)",
         "修复：fp32 旋转表、正确的 theta、正确的缩放：长位置上的 KL 回到 "
