@@ -309,7 +309,7 @@ D2 = {n: drift(n) for n in ["float32", "auto (bfloat16)", "float16"]}
 KL_RATIO = D2["auto (bfloat16)"]["kl"] / D2["float16"]["kl"]
 say(f"KL bfloat16 / KL float16: {KL_RATIO:.0f}x: "
     f"{'float16 is the closer to float32' if KL_RATIO > 1 else 'bfloat16 is the closer to float32'}",
-    f"KL bfloat16 / KL float16：{KL_RATIO:.0f}x："
+    f"KL bfloat16 / KL float16：{KL_RATIO:.0f}x，"
     f"{'float16 更接近 float32' if KL_RATIO > 1 else 'bfloat16 更接近 float32'}")
 say(f"float16's maximum is {torch.finfo(F16).max / peak:.1f}x the residual peak",
     f"float16 的最大值是残差峰值的 {torch.finfo(F16).max / peak:.1f}x")
@@ -609,7 +609,7 @@ claims = [
                f"对这个 CPU 上的这个模型：{short(auto_dtype)}，KL {dbf['kl']:.2g}，问答 "
                f"{100 * dbf['acc']:.0f}%（float32 {100 * d32['acc']:.0f}%）；"),
             Bi(f"but float16 is {dbf['kl'] / d16['kl']:.0f}x closer to float32",
-               f"但 float16 离 float32 近 {dbf['kl'] / d16['kl']:.0f}x") if d16["kl"] < dbf["kl"]
+               f"但 float16 更接近 float32（KL 相差 {dbf['kl'] / d16['kl']:.0f} 倍）") if d16["kl"] < dbf["kl"]
             else Bi(f"and float16 is not closer to float32 here ({d16['kl'] / dbf['kl']:.1f}x "
                     f"bfloat16's KL)",
                     f"而且这里 float16 并不更接近 float32（KL 是 bfloat16 的 "
@@ -618,7 +618,7 @@ claims = [
                f"gives {'NaN' if auto_t4_err else 'finite logits'} for the x4 model "
                f"({auto_t4_err} of {d16x['n']} requests 'error')",
                f"（KL {d16['kl']:.2g}），而在 Ampere 之前的 GPU 上“auto”是 {short(auto_t4)}，它对 "
-               f"x4 模型给出{'NaN' if auto_t4_err else '有限的 logits'}"
+               f"x4 模型给出{' NaN' if auto_t4_err else '有限的 logits'}"
                f"（{d16x['n']} 个请求中有 {auto_t4_err} 个以 'error' 结束）"))),
     (Bi("bf16 is the safe default (seed 002)", "bf16 是安全的默认值（种子课程 002）"),
      joined(Bi("safe in range", "在范围上是安全的") if bf16_safe_x4
@@ -646,13 +646,13 @@ claims = [
                f"；x4 的峰值为 {float(RUNS['float32, residual x4']['peaks'].max()):,.0f}，"),
             Bi(f"NaN from {d16x['first']}", f"从 {d16x['first']} 起为 NaN") if d16x["errors"]
             else Bi("still finite", "仍然有限"))),
-    (Bi("fp32 is rarely worth it", "fp32 很少值得"),
+    (Bi("fp32 is rarely worth it", "fp32 很少值得用"),
      joined(Bi(f"on this CPU, this run: bfloat16 scored in "
                f"{BEST['auto (bfloat16)'] / BEST['float32']:.2f}x "
                f"and float16 in {BEST['float16'] / BEST['float32']:.2f}x float32's time, so ",
                f"在这个 CPU 上、本次运行中：bfloat16 的打分用时是 float32 的 "
                f"{BEST['auto (bfloat16)'] / BEST['float32']:.2f}x，"
-               f"float16 是 {BEST['float16'] / BEST['float32']:.2f}x，所以"),
+               f"float16 是 {BEST['float16'] / BEST['float32']:.2f}x，所以 "),
             Bi(f"16 bits bought no speed here ({max(SPEEDUP.values()):.2f}x at best)",
                f"16 位在这里没有带来速度（最多 {max(SPEEDUP.values()):.2f}x）")
             if max(SPEEDUP.values()) < 1.25 else
