@@ -507,7 +507,7 @@ claims = [
          Bi(f" on the unmodified model: {fmt_kl(p[I8, 'dynamic'])} here; with one outlier pair "
             f"{o[I8, 'dynamic']['kl']:.3g}, {o[I8, 'dynamic']['kl'] / p[I8, 'dynamic']['kl']:.0f}x ",
             f"（未修改模型）：此处为 {fmt_kl(p[I8, 'dynamic'])}；植入一对离群值后为 "
-            f"{o[I8, 'dynamic']['kl']:.3g}，{o[I8, 'dynamic']['kl'] / p[I8, 'dynamic']['kl']:.0f}x "),
+            f"{o[I8, 'dynamic']['kl']:.3g}，{o[I8, 'dynamic']['kl'] / p[I8, 'dynamic']['kl']:.0f}x"),
          Bi("worse: per-token scales do not separate channels",
             "（变差：逐 token 缩放因子无法分开通道）") if moved[I8, "dynamic"]
          else Bi("its unmodified KL, CIs overlapping", "（相对其未修改时的 KL），置信区间重叠"))),
