@@ -101,7 +101,7 @@ noise_check = R.golden_check(golden, noise_rows)
 print(f"snapshot: {len(seqs)} windows x {len(seqs[0])} tokens, dtype {golden['dtype']}")
 say(f"float32 rounding noise (reordered MLP sum): largest |token log-prob change| "
     f"{noise_check.max_abs_error:.2e} nats",
-    f"float32 舍入噪声（打乱顺序的 MLP 求和）：token 对数概率的最大变化 "
+    f"float32 舍入噪声（重排顺序的 MLP 求和）：token 对数概率的最大变化 "
     f"{noise_check.max_abs_error:.2e} nats")
 print("tolerances (regress.DEFAULT_TOLERANCES):", R.DEFAULT_TOLERANCES)
 same = R.check_golden(base, golden)
@@ -461,8 +461,8 @@ rows = [
         f"tokens; fp8 KV {pf(fp8v.passed, 'en')}, the penalty default {pf(pen.passed, 'en')}, the "
         f"batch/layout change {pf(benv.passed, 'en')}",
         f"`minivllm regress`：{len(seqs)} 个窗口 x {len(seqs[0])} 个 token + 4 个提示词 x 8 "
-        f"个 token；fp8 KV {pf(fp8v.passed, 'zh')}，惩罚默认值 {pf(pen.passed, 'zh')}，"
-        f"批次/布局改变 {pf(benv.passed, 'zh')}")),
+        f"个 token；fp8 KV：{pf(fp8v.passed, 'zh')}，惩罚默认值：{pf(pen.passed, 'zh')}，"
+        f"批次/布局改变：{pf(benv.passed, 'zh')}")),
     (Bi("golden snapshots with per-dtype tolerances (CS336-style)",
         "按 dtype 设定容差的黄金快照（CS336 的做法）"),
      Bi(f"float32 noise {noise_check.max_abs_error:.1e} nats vs tolerance {same.tolerance:g} "
@@ -509,7 +509,7 @@ rows = [
         f"实时：{len(watch['benign'])} 个请求中 {benign_alarms} 次告警；重放："
         f"{100 * fa_def:.1f}% 的运行（过紧配置：{100 * fa_tight:.0f}%）")),
     (Bi("monitor docstring: 1-sd shift flagged after a median 24 requests (simulated)",
-        "监控器的文档字符串：1 个 sd 的偏移在中位数 24 个请求之后被标出（模拟）"),
+        "监控器的文档字符串：1 sd 的偏移在 24 个请求（中位数）之后被标出（模拟）"),
      Bi(f"the penalty default is a shift of {shift_pen:.1f} sd in mean log-prob; fp8 KV "
         f"{shift_fp8:.2f} sd",
         f"惩罚默认值使平均对数概率偏移 {shift_pen:.1f} sd；fp8 KV 偏移 "
