@@ -517,7 +517,7 @@ print()
 say(f"H200, {run['date']}: exact ties rounded to even in "
     f"{100 * run['bit_equal']['ties to even, exact ties only']:.0f}% of cases; 1024.5 @ I = "
     f"{ones['[1x1] (as in #53635)']} for one row, {ones['[16x16]']} for 16 rows",
-    f"H200，{run['date']}：恰好平局的情形中有 "
+    f"H200，{run['date']}：恰在两个网格值正中的输入有 "
     f"{100 * run['bit_equal']['ties to even, exact ties only']:.0f}% 按偶数优先舍入；1024.5 @ I = "
     f"{ones['[1x1] (as in #53635)']}（单行），{ones['[16x16]']}（16 行）")
 say(f"tensor-core accumulation alone: {acc['tensor cores (tf32 on)']:.3g} "
@@ -667,12 +667,12 @@ claims = [
         f"{'about' if about15 else 'not about'} 15 %"
         "; a bfloat16 or float16 model has no float32 GEMM and loses nothing",
         f"这个变量属于 NVIDIA（cuBLAS/cuDNN 会读取它，无论框架要求什么）；代价取决于 float32 GEMM "
-        f"在总时间中的占比：在 H200 上（{run['date']}），一次 8192 的 GEMM 在 TF32 下快 "
+        f"在总时间中的占比：在 H200 上（{run['date']}），一次规模为 8192 的 GEMM 在 TF32 下快 "
         f"{speed['tf32'] / speed['float32']:.1f}x（{speed['tf32']:g} 对 "
         f"{speed['float32']:g} TFLOP/s），因此 float32 模型最多损失其 GEMM 速度的 "
         f"{100 * (1 - speed['float32'] / speed['tf32']):.0f} %，"
         f"{'约为' if about15 else '并非约'} 15 %"
-        "；bfloat16 或 float16 模型没有 float32 GEMM，不受任何损失")),
+        "；bfloat16 或 float16 模型没有 float32 GEMM，没有任何损失")),
     (Bi("[1024.5] @ I = 1025 with TF32 (#53635, RTX 3090)",
         "开启 TF32 时 [1024.5] @ I = 1025（#53635，RTX 3090）"),
      Bi(f"ties to even gives {by_rule(1024.5, 'ties to even'):g} (CPU emulation); H200 "
@@ -687,7 +687,7 @@ claims = [
         f"({d_tf['kl_prose'] / floor:,.0f}x the float32 noise floor on the prose), "
         f"top-1 agreement {100 * d_tf['top1']:.2f}%",
         f"此处 |Δlogit| 均方根 {rms:.2g}（1e-3 的 {rms / 1e-3:.1f}x），最大 {d_tf['max_dlogit']:.2g}；"
-        f"KL {d_tf['kl']:.2g} nats（散文上为 float32 噪声基底的 {d_tf['kl_prose'] / floor:,.0f}x），"
+        f"KL {d_tf['kl']:.2g} nats（普通文本上为 float32 噪声基底的 {d_tf['kl_prose'] / floor:,.0f}x），"
         f"top-1 一致率 {100 * d_tf['top1']:.2f}%")),
     (Bi("3xTF32 restores float32 accuracy on TF32 units", "3xTF32 在 TF32 运算单元上恢复 float32 精度"),
      Bi(f"on this CPU {'yes' if ok_cpu else 'no'} (KL within 2x the noise floor): KL {d_3x['kl']:.2g} "
@@ -696,7 +696,7 @@ claims = [
         f"{gpu['tf32'] / gpu['3xtf32']:.0f}x below TF32's, {gpu['3xtf32'] / gpu['float32']:.0f}x "
         "float32's (tensor-core accumulation)",
         f"在本机 CPU 上：{'是' if ok_cpu else '否'}（判据：KL 在噪声基底的 2x 以内）：KL {d_3x['kl']:.2g}"
-        f"（散文上为噪声基底的 {d_3x['kl_prose'] / floor:.1f}x）；在 H200 上经由 cuBLAS："
+        f"（普通文本上为噪声基底的 {d_3x['kl_prose'] / floor:.1f}x）；在 H200 上经由 cuBLAS："
         f"{'是' if ok_gpu else '否'}（判据：在 float32 矩阵乘法误差的 2x 以内）：矩阵乘法误差 {gpu['3xtf32']:.2g}，"
         f"比 TF32 低 {gpu['tf32'] / gpu['3xtf32']:.0f}x，为 float32 的 {gpu['3xtf32'] / gpu['float32']:.0f}x"
         "（tensor core 累加）")),
