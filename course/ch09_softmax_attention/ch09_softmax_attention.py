@@ -561,7 +561,7 @@ claims_table([
         f"{err_bf16[0]:.0e} at {lengths[0]} keys, {err_bf16[-1]:.0e} at {lengths[-1]} "
         f"{'(grows' if err_bf16[-1] > err_bf16[0] else '(does not grow'}"
         f", synthetic); per-tile partials summed in fp32: {max(err_flush):.0e} at most",
-        f"分块：在 tile 大小 {list(tile_err)} 上相对 float64 的最大误差 "
+        f"按 tile 计算：在 tile 大小 {list(tile_err)} 上相对 float64 的最大误差 "
         f"{max(tile_err.values()):.1e}（一个 tile 装下全部 {L} 个 key，即普通 float32 softmax："
         f"{tile_err[L]:.1e}）；bf16 运行和：{lengths[0]} 个 key 时误差 {err_bf16[0]:.0e}，"
         f"{lengths[-1]} 个 key 时 {err_bf16[-1]:.0e}"
