@@ -484,7 +484,7 @@ fig
 # g128 accuracy did not reproduce with later code, 47.7 % then and 59.7 % with
 # `benchmarks/qa_inversion.py`; the GPTQ rows were not re-run).
 #
-# **Greedy QA against KL.** Chapter 15, section 6, took the inversion
+# **Greedy QA against KL.** Chapter 15, section 7, took the inversion
 # apart (`python benchmarks/qa_inversion.py`): answers flip at float32's own near-ties,
 # mostly in the opening words, on a set built from questions float32 answers, so a
 # greedy score reads a few coin tosses that KL does not order. For GPTQ at g128 the full
