@@ -561,7 +561,7 @@ claims = [
             f"{hit_ok} 个，问题行的平均 KL {kl_bad.mean():.3g} nats（最大 {kl_bad.max():.3g}），"
             f"贪心一致率 {_greedy_bad:.0f}%"))),
     (Bi("an unchained hash breaks every shared prompt", "非链式哈希会破坏每一个共享的提示词"),
-     Bi("no, by construction (not measured "
+     Bi("no, by construction (not measured "  # fact, not a measurement: the lookup's rule
         "here): the lookup stops at the first miss, so it needs blocks that recur at other "
         "offsets; a prompt that only shares a prefix gets the chained key's hits",
         "否，由构造决定（此处未"
