@@ -354,9 +354,11 @@ claims_table([
         f"此处未测试：这段对话有 {n_conv} 个 token；其逐轮 KL 变化至多 {g_max:.1f}x，"
         f"没有可以外推出阈值的趋势")),
     (Bi("(implied) low-precision KV is harmless", "（隐含的）低精度 KV 无害"),
-     Bi(f"not for fp8 without scales: {'above' if fp8_above else 'not above'} the noise floor "
+     Bi(f"{'not for fp8 without scales' if fp8_above else 'for fp8 without scales, yes here'}: "
+        f"{'above' if fp8_above else 'not above'} the noise floor "
         f"(KL {summary['fp8_e4m3'][0].mean_kl:.1e}); greedy answers in section 3",
-        f"对没有缩放因子的 fp8 不成立：{'高于' if fp8_above else '不高于'}噪声基底"
+        f"{'对没有缩放因子的 fp8 不成立' if fp8_above else '对没有缩放因子的 fp8，此处成立'}："
+        f"{'高于' if fp8_above else '不高于'}噪声基底"
         f"（KL {summary['fp8_e4m3'][0].mean_kl:.1e}）；贪心回答见第 3 节")),
 ], header=(Bi("the seed says", "种子课程的说法"), Bi("what we measured here", "本次实测")))
 
