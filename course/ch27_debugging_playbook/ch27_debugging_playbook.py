@@ -316,12 +316,19 @@ rows = [
         f"fp8 KV {res.bad_value:.1e}；神秘引擎 {kl_bad:.1e}")),
     (Bi("vllm #5898: batch size > 1 changes greedy output",
         "vllm #5898：批大小 > 1 会改变贪心输出"),
-     Bi(f"not in float32 on this CPU: max_num_seqs 1, block_size 32, no prefix cache gave KL "
-        f"{relayout:.1e} (bit-identical logits); the reduction-order effect needs 16-bit "
-        f"formats or batch-dependent kernels (chapter 5)",
-        f"在这块 CPU 上的 float32 中不会：max_num_seqs 1、block_size 32、不用前缀缓存给出的 KL 为 "
-        f"{relayout:.1e}（logits 逐位相同）；归约顺序的效应需要 16 位"
-        f"格式或依赖于批次的 kernel（第 5 章）")),
+     Bi(f"{'not' if relayout == 0 else 'the logits move'} in float32 on this CPU: "
+        f"max_num_seqs 1, block_size 32, no prefix cache gave KL "
+        f"{relayout:.1e} "
+        f"""{'(bit-identical logits); the reduction-order effect needs 16-bit formats or '
+             'batch-dependent kernels (chapter 5)' if relayout == 0 else
+             '(not bit-identical; greedy output not compared here): these float32 kernels '
+             'depend on the schedule or the layout (chapter 5)'}""",
+        f"在这块 CPU 上的 float32 中{'不会' if relayout == 0 else ' logits 会移动'}："
+        f"max_num_seqs 1、block_size 32、不用前缀缓存给出的 KL 为 "
+        f"{relayout:.1e}"
+        f"""{'（logits 逐位相同）；归约顺序的效应需要 16 位格式或依赖于批次的 kernel（第 5 章）'
+             if relayout == 0 else
+             '（不是逐位相同；这里没有比较贪心输出）：这些 float32 kernel 依赖于调度或布局（第 5 章）'}""")),
     (Bi("course plan: each bisection step builds an engine (~2 s), <= 8 engines",
         "课程计划：每个二分步骤构建一个引擎（~2 s），<= 8 个引擎"),
      Bi(f"{real_builds} engines for the real config ({real_time:.0f} s), {mys_builds} for the "
