@@ -439,7 +439,7 @@ claims_table([
         f"（prefill 两次逐比特相同：{_det}）；"
         f"两条路径相差 {'float32 舍入' if _at_floor else '超出舍入的量'}，"
         f"KL {kl_pd.mean():.1e} nats，max |Δlogit| "
-        f"{dlogit.max().item():.1e}，{'处于' if _at_floor else '高于 10x'}噪声基底"
+        f"{dlogit.max().item():.1e}，{'处于噪声基底' if _at_floor else '高于噪声基底的 10x'}"
         f"（{kl_noise.mean():.1e}）")),
     (Bi("'the later the output, the more chaotic' -> KV accumulated error",
         "“输出越靠后越混乱” -> KV 累积误差"),
@@ -454,7 +454,7 @@ claims_table([
         f"{last_q / first_q:.2f}（与位置的相关系数 {rho:+.2f}）；"
         f"{'即使是植入的 decode bug 也不增长' if not _fault_grows else '植入的 decode bug 也在增长'}"
         f"（后一半 / 前一半 {fault_ratio:.2f}）。"
-        f"自由文本中后期的混乱，是几乎打平的候选被翻转之后的贪心分歧")),
+        f"自由文本中后期的混乱，是两个几乎并列的候选互换名次之后的贪心分歧")),
     (Bi("prefill is about compute precision, decode about storage precision",
         "prefill 关注计算精度，decode 关注存储精度"),
      Bi(f"depends on the backend: with K/V read from the cache in prefill (minivllm, vLLM v1) "

@@ -176,8 +176,8 @@ say(f"gpt-neox #1003: fp16(1044.27) = {a16:.0f}; position 1857 and inv_freq {inv
     f"gpt-neox #1003：fp16(1044.27) = {a16:.0f}；位置 1857 与 inv_freq {inv_1857:.5f} "
     f"在 fp16 中相乘得到 {prod16:.0f}（inv_freq 被舍入为 "
     f"{torch.tensor(inv_1857).half().item():.5f}）；|cos(1044.27) - cos({prod16:.0f})| = "
-    f"{gap:.2f}；fp16 在 1044 附近的间距是 {spacing16:.0f}，所以仅舍入一项就能让角度移动最多 "
-    f"{spacing16 / 2:.1f} 弧度，让 cos 改变最多 {worst:.2f}")
+    f"{gap:.2f}；fp16 在 1044 附近的间距是 {spacing16:.0f}，所以仅舍入一项就能让角度偏差最多 "
+    f"{spacing16 / 2:.1f} 弧度、cos 偏差最多 {worst:.2f}")
 say(f"candle #3520: bf16(15962) = {p.bfloat16().item():.0f} (bf16 spacing at 15962: "
     f"{torch.finfo(torch.bfloat16).eps * 8192:.0f}, so 15968 is not a bf16 number; fp16 "
     f"gives {p.half().item():.0f}); in radians cos(15962) = {math.cos(15962):.3f}, "
@@ -466,7 +466,7 @@ claims_table([
         f"{cos_sim[60000][0]:.3f}（他们确切的定义和模型没有给出；趋势"
         f"一致）")),
     (Bi("llama-models #241: factor 8 instead of 32 looks fine short, degrades near 80k",
-        "llama-models #241：用缩放系数 8 代替 32，短时看起来没问题，在 80k 附近退化"),
+        "llama-models #241：用缩放系数 8 代替 32，在短序列上看起来没问题，在 80k 附近退化"),
      Bi(f"table similarity {cos_sim[1000][1]:.3f} at 1000, {cos_sim[80000][1]:.3f} at 80k; "
         f"the model-level 80k degradation is not measured here (2 CPU cores)",
         f"旋转表相似度在 1000 处为 {cos_sim[1000][1]:.3f}，80k 处为 {cos_sim[80000][1]:.3f}；"

@@ -533,7 +533,7 @@ claims = [
          Bi(f"not bit for bit: largest KL {mix_kl:.3g} nats "
             f"(a zeroed block table costs whole nats, chapter 7)",
             f"并非逐位相同：最大 KL {mix_kl:.3g} nats"
-            f"（全零的块表会造成整数个 nats 的损失，第 7 章）"),
+            f"（全零的块表会造成若干个 nats 的损失，第 7 章）"),
          Bi(f": {mix['float32', 'hit'][2]} hit tokens in {mix['float32', 'hit'][3]} step(s); ",
             f"：在 {mix['float32', 'hit'][3]} 个步骤中命中 {mix['float32', 'hit'][2]} 个 token；"),
          ", ".join(f"{dt} {kind} {mix[dt, kind][0]}" for dt in ("float32", "bfloat16")
@@ -541,7 +541,7 @@ claims = [
          Bi("; one linear layer alone, 16 rows vs the same rows in an 80-row GEMM: ",
             "；单个线性层，16 行对比 80 行 GEMM 中相同的行："),
          ", ".join(f"{dt} {a}" for dt, (a, _) in gemm_rows.items()))),
-    (Bi("minivllm is immune to in-flight hits by construction", "minivllm 在构造上不受进行中命中的影响"),
+    (Bi("minivllm is immune to in-flight hits by construction", "minivllm 从设计上就不受进行中命中的影响"),
      cat(YES if _inflight else NO,
          Bi(": two identical "
             f"prompts in one step cached {[o.num_cached_tokens for o in outs_together]} tokens; "
@@ -564,7 +564,7 @@ claims = [
      Bi("no, by construction (not measured "  # fact, not a measurement: the lookup's rule
         "here): the lookup stops at the first miss, so it needs blocks that recur at other "
         "offsets; a prompt that only shares a prefix gets the chained key's hits",
-        "否，由构造决定（此处未"
+        "否，这由设计决定（此处未"
         "测量）：查找在第一次未命中处停止，因此它需要在其他偏移处重复出现的块；只共享前缀的"
         "提示词得到的命中与链式键相同")),
     (Bi("cache_salt isolates tenants", "cache_salt 能隔离租户"),

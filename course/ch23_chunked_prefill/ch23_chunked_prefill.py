@@ -358,7 +358,7 @@ verdict = (Bi("bit-identical on this CPU, so not larger (not isolated here; a pl
               "reason: torch's CPU bfloat16 kernels accumulate in float32 and round once to "
               "bfloat16, which can absorb a float32-level reordering)",
               "在这块 CPU 上逐位相同，所以并不更大（这里没有单独验证；一个可能的原因："
-              "torch 的 CPU bfloat16 kernel 在 float32 中累加，最后只舍入一次到 "
+              "torch 的 CPU bfloat16 核函数在 float32 中累加，最后只舍入一次到 "
               "bfloat16，这可以吸收 float32 级别的重排）")
            if sweep["bf16", 32][1] == 0 else
            Bi(f"{'larger' if kl16 > kl32[64] else 'not larger'} than float32",
@@ -375,7 +375,7 @@ row2 = join(
 table3([
     (Bi("chunked and unchunked prefill differ for a long prompt; a different kernel, so "
         "small differences are expected",
-        "对长提示词，分块与不分块的 prefill 结果不同；换了一个 kernel，所以微小差异在预期之内"),
+        "对长提示词，分块与不分块的 prefill 结果不同；换了一个核函数，所以微小差异在预期之内"),
      Bi("vllm #5952 (maintainer)", "vllm #5952（维护者）"), row1),
     (Bi("fp32 at noise level, bf16 larger", "fp32 处于噪声水平，bf16 更大"),
      Bi("course plan estimate", "课程计划的估计"), row2),
@@ -390,7 +390,7 @@ table3([
         f"{found[507, 'bug (a) seqlen_k full']}")),
     (Bi("chunks that ignore earlier chunks lose the needle, only past some length "
         "(imp: from 1100 tokens, 512-token chunks)",
-        "忽略之前分块的分块会丢失\"针\"，但只在超过某个长度之后"
+        "忽略之前分块的分块会丢失“针”，但只在超过某个长度之后"
         "（imp：从 1100 个 token 起，512 token 分块）"),
      "kekzl/imp #114/#117",
      Bi(f"planted, 64-token "

@@ -323,7 +323,7 @@ rows = [
              'batch-dependent kernels (chapter 5)' if relayout == 0 else
              '(not bit-identical; greedy output not compared here): these float32 kernels '
              'depend on the schedule or the layout (chapter 5)'}""",
-        f"在这块 CPU 上的 float32 中{'不会' if relayout == 0 else ' logits 会移动'}："
+        f"在这块 CPU 上的 float32 中{'不会' if relayout == 0 else ' logits 会改变'}："
         f"max_num_seqs 1、block_size 32、不用前缀缓存给出的 KL 为 "
         f"{relayout:.1e}"
         f"""{'（logits 逐位相同）；归约顺序的效应需要 16 位格式或依赖于批次的 kernel（第 5 章）'
