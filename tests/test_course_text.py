@@ -116,8 +116,12 @@ def test_chapter_has_an_on_real_vllm_box(path):
 # arithmetic or cites another chapter's measurement keeps its literal with the comment
 # "# fact, not a measurement" on that source line.
 LITERAL_VERDICT = re.compile(
-    r"""^\s+\+?\s*f?["'](yes|no|confirmed|reproduced|refuted|true|false|wrong|right|holds|"""
+    r"""^\s*(?:\(\s*)?(?:(?:Bi|say)\(\s*)?\+?\s*f?["'](yes|no|confirmed|reproduced|refuted|true|false|wrong|right|holds|"""
     r"""same order(?: here)?|reversed(?: here)?|both|not on this (?:model|CPU))\b\s*[:,(]""", re.I)
+# ... or a printed Markdown table row whose measured cell opens with one: '| claim | yes: ...'
+LITERAL_ROW = re.compile(
+    r"""^\s*(?:print\(|say\(|Bi\()?\s*f?["']\|[^|"']*\|\s*(yes|no|confirmed|reproduced|refuted|"""
+    r"""true|false|wrong|right|holds)\b\s*[:,(]""", re.I)
 FACT_MARK = "# fact, not a measurement"
 CHAPTERS = sorted((ROOT / "course").glob("ch*/ch*.py"))
 
@@ -129,7 +133,7 @@ def literal_verdicts(text: str) -> list[str]:
     lines = text.split("\n")
     out = []
     for i, line in enumerate(lines):
-        if not LITERAL_VERDICT.match(line) or FACT_MARK in line:
+        if not (LITERAL_VERDICT.match(line) or LITERAL_ROW.match(line)) or FACT_MARK in line:
             continue
         before = lines[i - 1].rstrip() if i else ""
         after = lines[i + 1] if i + 1 < len(lines) else ""
@@ -143,9 +147,12 @@ def test_literal_verdict_detector():
     assert literal_verdicts('     f"confirmed: {n}/{N} identical"),')
     assert literal_verdicts('      "yes: prefill equal")')
     assert literal_verdicts('     f"same order here: KL {a:.3g}",')
+    assert literal_verdicts('     Bi(f"yes: {n} equal", f"是：{n} 相等")),')  # the bilingual form
     assert not literal_verdicts('     ("confirmed" if ok else "not confirmed") + f": {n}"')
     assert not literal_verdicts('     "no: converts exactly"  # fact, not a measurement')
     assert not literal_verdicts('# yes: a Markdown line')
+    assert literal_verdicts('print(f"| its template adds BOS | yes: encode gives {ids} |")')
+    assert literal_verdicts('     Bi(f"yes: {n} equal", f"是：{n} 相等")),')  # bilingual
     assert not literal_verdicts('     f"{\'yes\' if ok else \'no\'}: {n}"')
     assert not literal_verdicts('     + ("same" if ok else\n        f"NO: differs at {k}"))')
 
