@@ -20,6 +20,8 @@
 #               `python scripts/course_profiles.py stale|claims` lists the copies to run
 #               again and the claims rows whose verdicts differ between the profiles
 #   make lint-docker  hadolint on the images in docker/
+#   make classroom-test  the class's round trips with two learners' scores (make lab's setup;
+#               the Kubernetes values' schema and roles), timed
 #   make site   the course website into build/site (mkdocs build --strict)
 # Each creates .venv and installs on first use.
 
@@ -40,10 +42,10 @@ LAB_PORT ?= 8888
 # Chinese edition: docs/i18n.py; the same assignments, cells, points and tests).
 COURSE_LANG ?= en
 
-.PHONY: install demo test test-fast lab grade grade-all mutants course-isa lint-docker site clean help quantized
+.PHONY: install demo test test-fast lab grade grade-all mutants course-isa lint-docker site clean help quantized classroom-test
 
 help:
-	@echo "make demo | make test | make lab | make grade | make grade-all | make mutants | make course-isa | make install | make test-fast | make lint-docker | make site | make clean"
+	@echo "make demo | make test | make lab | make grade | make grade-all | make mutants | make course-isa | make classroom-test | make install | make test-fast | make lint-docker | make site | make clean"
 	@echo "  grade: every lab against CI's fixtures; grade-all: every fixture of every lab (before a lab is done)"
 
 # scripts/install.sh is the one install procedure (CI and the Docker images run it too);
@@ -123,6 +125,15 @@ course-isa: install quantized
 # hadolint (from the dev extra) on every image; must pass clean.
 lint-docker: install
 	$(VENV)/bin/hadolint docker/*.Dockerfile
+
+# The class's round trips, timed, with the scores of two learners (a wrong, late submission
+# and a correct one): today the one-machine setup of `make lab` (tests/test_classroom.py:
+# fetch, submit, collect, autograde, feedback per learner, late penalty, export, restart)
+# and the hub's Kubernetes values (tests/test_z2jh_values.py, schema and roles only). The
+# lab image and a running JupyterHub need a Docker engine: not covered here yet.
+classroom-test: install
+	$(PY) -m minivllm.models.embedded
+	$(PY) -m pytest -q -s -n 0 --durations=0 tests/test_classroom.py tests/test_z2jh_values.py
 
 # The course website: chapters executed on first build (about a minute each; cached in
 # build/notebooks until a chapter or the engine changes), then mkdocs with no warnings.
