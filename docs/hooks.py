@@ -177,13 +177,16 @@ def localized_path(src: Path, lang: str) -> Path:
     return PAGES_DIR / lang / f"{Path(src).stem}.ipynb"
 
 
-def write_localized(src: Path, executed: Path, lang: str) -> Path:
+def write_localized(src: Path, executed: Path) -> dict[str, Path]:
+    """The executed notebook of ``src`` as each language's page shows it: lang -> path."""
     import nbformat
 
-    nb = i18n.localize(nbformat.read(str(executed), as_version=4), src, lang)
-    out = localized_path(src, lang)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    nbformat.write(nb, out)
+    nb = nbformat.read(str(executed), as_version=4)
+    out = {}
+    for lang in i18n.LANGS:
+        out[lang] = localized_path(src, lang)
+        out[lang].parent.mkdir(parents=True, exist_ok=True)
+        nbformat.write(i18n.localize(nb, src, lang), out[lang])
     return out
 
 
@@ -257,11 +260,10 @@ def on_files(files, config):
             executed = notebooks.executed_notebook(src, log=log.info)
         except Exception as e:  # a chapter that does not run must not publish
             raise PluginError(f"chapter {n}: {e}") from e
-        for lang in ("en", "zh"):
-            page = write_localized(src, executed, lang)
+        for lang, page in write_localized(src, executed).items():
             files.append(File.generated(config, chapter_uri(src, lang), abs_src_path=str(page)))
     for n, src in sorted(labs_on_disk().items()):
-        for lang in ("en", "zh"):
+        for lang in i18n.LANGS:
             files.append(File.generated(config, lab_uri(n, lang), content=lab_page(n, src, lang)))
     for uri, path in mathjax_files():
         files.append(File.generated(config, uri, abs_src_path=str(path)))
@@ -273,7 +275,7 @@ def on_pre_page(page, config, files):
     """mkdocs-jupyter's wrapper around a generated file loses its ``abs_src_path`` (it
     recomputes it from ``src_dir``, which a generated file does not have): restore it."""
     for src in chapters_on_disk().values():
-        for lang in ("en", "zh"):
+        for lang in i18n.LANGS:
             if page.file.src_uri == chapter_uri(src, lang):
                 page.file.__dict__["abs_src_path"] = str(localized_path(src, lang))
     return page

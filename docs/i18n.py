@@ -39,13 +39,12 @@ import copy
 import hashlib
 import re
 import sys
-import unicodedata
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LANGS = ("zh",)
+LANGS = ("en", "zh")  # the languages a chapter page or a lab is made in
 ZH_KEY = "minivllm/zh"  # minivllm.i18n.ZH_KEY (not imported: this file runs without torch)
 MARK = re.compile(r"^<!-- cell (\d+) en=([0-9a-f]{12}) -->[ \t]*\n", re.M)
 HEADER = ("<!-- The Chinese translation of {src}: one block per Markdown cell. \"cell N\" is "
@@ -241,7 +240,7 @@ def glossary() -> list[tuple[list[str], list[str]]]:
 
 
 def _has(text: str, term: str) -> bool:
-    if re.search(r"[\u3400-\u9fff]", term):
+    if CJK.search(term):
         return term in text
     return re.search(r"(?<![\w-])" + re.escape(term) + r"(?![\w-])", text, re.I) is not None
 
@@ -360,13 +359,6 @@ def localize(nb, src: Path, lang: str, *, strict: bool = False):
 def localize_source(src: Path, lang: str, *, strict: bool = True):
     """The notebook of ``src`` (not executed: a lab) with its Markdown in ``lang``."""
     return localize(read_notebook(src), src, lang, strict=strict)
-
-
-# ------------------------------------------------------------------ width of CJK text
-
-def width(text: str) -> int:
-    """Columns a monospace terminal gives ``text`` (CJK wide characters take 2)."""
-    return sum(2 if unicodedata.east_asian_width(ch) in "WF" else 1 for ch in text)
 
 
 # ------------------------------------------------------------------ command line

@@ -118,9 +118,6 @@ def _solution_code(cell_source: str) -> str:
 BUILT_DIGESTS: dict[str, str] = {}
 
 
-LANGS = ("en", "zh")
-
-
 def _i18n():
     """docs/i18n.py (the translations of the labs' Markdown), loaded on its own."""
     import importlib.util
@@ -143,8 +140,8 @@ def convert_lab(lab: str, out: Path, lang: str = "en") -> None:
     stale (a lab is not released half translated)."""
     import jupytext
 
-    if lang not in LANGS:
-        raise ValueError(f"lab language {lang!r}: expected one of {LANGS}")
+    if lang not in _i18n().LANGS:
+        raise ValueError(f"lab language {lang!r}: expected one of {_i18n().LANGS}")
     for py in sorted((ROOT / "labs" / "source" / lab).glob("*.py")):
         nb = jupytext.read(py) if lang == "en" else _i18n().localize_source(py, lang)
         jupytext.write(nb, out / (py.stem + ".ipynb"), fmt="ipynb")
@@ -486,7 +483,8 @@ def main(argv=None) -> int:
                          "converts, generates and releases only the labs whose source "
                          "changed, writes the nbgrader_config.py of the course root and of "
                          "the learner's folder (grading/classroom.py)")
-    ap.add_argument("--lang", default=os.environ.get("COURSE_LANG") or "en", choices=LANGS,
+    ap.add_argument("--lang", default=os.environ.get("COURSE_LANG") or "en",
+                    choices=_i18n().LANGS,
                     help="the language of the labs' instructions (default: $COURSE_LANG, else "
                          "en): zh releases the Chinese edition, with the same assignment "
                          "names, cells, points and tests (docs/i18n.py); refused while a "

@@ -246,11 +246,10 @@ def test_prepare_only_releases_labs_to_a_local_exchange(tmp_path):
 
 # ------------------------------------------------------------------ the labs in Chinese
 
-def _translated_labs() -> list[str]:
+def _translated(lab: str) -> bool:
     i18n = grade._i18n()
-    return [lab for lab in LABS
-            if all(i18n.translation_path(p).is_file() and i18n.status(p).ok
-                   for p in (ROOT / "labs" / "source" / lab).glob("*.py"))]
+    return all(i18n.translation_path(p).is_file() and i18n.status(p).ok
+               for p in (ROOT / "labs" / "source" / lab).glob("*.py"))
 
 
 @pytest.mark.parametrize("lab", LABS)
@@ -263,7 +262,7 @@ def test_a_lab_converts_to_chinese_with_the_same_cells(lab, tmp_path):
     import nbformat
 
     i18n = grade._i18n()
-    if lab not in _translated_labs():
+    if not _translated(lab):
         with pytest.raises(i18n.TranslationError):
             grade.convert_lab(lab, tmp_path, "zh")
         pytest.skip(f"{lab}: not translated yet (refused, as it must be)")
@@ -303,7 +302,7 @@ def test_a_lab_released_in_chinese_gets_the_same_exact_scores(tmp_path, embedded
     import nbformat
 
     lab = ZH_GRADED_LAB
-    assert lab in _translated_labs(), f"{lab}'s translation is missing or stale"
+    assert _translated(lab), f"{lab}'s translation is missing or stale"
     fx = fixtures.load(lab)
     specific = next(n for n, f in fx.FIXTURES.items() if f.kind == "specific")
     proc, lab_result, _ = _grade(tmp_path, lab, "--lang", "zh", "--no-feedback",

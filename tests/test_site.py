@@ -124,8 +124,9 @@ def test_syllabus_status_matches_disk(site):
     assert "Number formats" in rows[2][1]["text"]  # the syllabus titles
 
 
+@functools.cache
 def _docs_module(name: str):
-    """docs/<name>.py, loaded on its own (no mkdocs import)."""
+    """docs/<name>.py, loaded on its own (no mkdocs import), once."""
     spec = importlib.util.spec_from_file_location(f"_site_{name}", ROOT / "docs" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # its dataclasses look their module up

@@ -27,6 +27,7 @@ i18n = importlib.util.module_from_spec(_spec)
 sys.modules["docs_i18n"] = i18n
 _spec.loader.exec_module(i18n)
 
+import minivllm.i18n  # noqa: E402
 from minivllm.i18n import Bi, check_numbers, claims_table, numbers, say  # noqa: E402
 
 SOURCES = i18n.sources()
@@ -43,6 +44,13 @@ def test_numbers_are_tokens_not_digits():
         "12, 3.0x, e4m3 bf16 4.8e-5 1e-05")
     assert numbers("0.25") != numbers("0.250")
     assert numbers("2 of 3") == numbers("3 个中有 2 个")
+
+
+def test_docs_i18n_reads_what_say_writes():
+    """docs/i18n.py keeps its own copies (it loads without the engine's package): the
+    metadata key of the Chinese text and the numbers' pattern must be say's."""
+    assert i18n.ZH_KEY == minivllm.i18n.ZH_KEY
+    assert i18n.NUMBER.pattern == minivllm.i18n.NUMBER.pattern
 
 
 def test_say_refuses_different_numbers(capsys):
