@@ -16,7 +16,11 @@ Steps, all in one process so every ratio is measured side by side:
    Llama-3-8B attention shape (32 query heads, 8 KV heads, head_dim 128, bf16 cache,
    block size 16, blocks scattered at random), batch 1..256 x context 512..32k, against
    ``F.scaled_dot_product_attention`` on the same K/V laid out contiguously
-   (``[B, kv_heads, ctx, 128]``, ``enable_gqa``). Achieved bandwidth = K/V bytes read /
+   (``[B, kv_heads, ctx, 128]``, ``enable_gqa``; skipped, with a line, at a shape whose
+   contiguous copy does not fit in the free memory), and the same shapes with an fp8_e4m3
+   cache (both fp8 kernels, ``fp8_kernel``) against the bf16 cache. Shapes whose caches do
+   not fit are skipped with a line; each part frees its memory even when it fails, so an
+   80 GB H100 runs the whole suite. Achieved bandwidth = K/V bytes read /
    kernel time (``triton.testing.do_bench`` on a CUDA-graph replay of the call, as the
    engine runs it, for both: median, L2 flushed). SDPA's backend is PyTorch's pick (with
    torch 2.11 on an H200: cuDNN's fused attention); the suite logs the kernels it ran.
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import json
 import platform
 import subprocess
@@ -202,8 +207,18 @@ def decode_attention(copy_bw: float, quick: bool, full_sweep: bool = False) -> t
     batches = [1, 8, 32] if quick else [1, 8, 32, 64, 128, 256]
     ctxs = [512, 4096] if quick else [512, 1024, 4096, 8192, 16384, 32768]
     dtype = torch.bfloat16
-    # room for every timed shape and for the batch-invariance check (256 x 4096) below
-    max_tokens = max([b * c for b in batches for c in ctxs] + [256 * 4096])
+    # room for every timed shape and for the batch-invariance check (256 x 4096) below,
+    # in bf16 and fp8 (3 bytes per element), within the free memory: shapes that do not
+    # fit are dropped with a line that says so
+    free = torch.cuda.mem_get_info()[0]
+    per_token = Hkv * D * 2 * 3  # K and V, bf16 + fp8
+    fits = [(b, c) for b in batches for c in ctxs if b * c * per_token < 0.8 * free]
+    for b, c in sorted(set((b, c) for b in batches for c in ctxs) - set(fits)):
+        log(f"decode attention: batch {b}, context {c} skipped: its caches need "
+            f"{b * c * per_token / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free")
+    batches = sorted({b for b, _ in fits})
+    ctxs = sorted({c for _, c in fits})
+    max_tokens = max([b * c for b, c in fits] + [256 * 4096])
     num_blocks = max_tokens // bs + 16
     g = torch.Generator(device="cuda").manual_seed(0)
     k_cache = torch.randn(num_blocks * bs, Hkv, D, device="cuda", dtype=dtype, generator=g)
@@ -252,44 +267,62 @@ def decode_attention(copy_bw: float, quick: bool, full_sweep: bool = False) -> t
 
     sweep = configs_sweep()
     sdpa_kernels: list[str] = []
+    # fp8 KV (half the bytes) beside bf16 at every shape: the default kernel for fp8
+    # caches (fp8_kernel="swap_ab" or whichever is the default) and the exact one
+    k8, v8 = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+    one = torch.ones(Hkv, device="cuda")
+    fp8_rows = []
     for B in batches:
         for ctx in ctxs:
+            if (B, ctx) not in fits:
+                continue
             q, bt, lens = make(B, ctx)
             kv_bytes = B * ctx * Hkv * D * 2 * k_cache.element_size()
             ms_tri = bench_graph(lambda: PA.paged_attention_decode(
                 q, k_cache, v_cache, bt, lens, bs, D ** -0.5, max_seq_len=ctx))  # noqa: F821 (del below)
-            sdpa = sdpa_on_contiguous(q, k_cache, v_cache, bt, bs, D ** -0.5)
-            if not sdpa_kernels:
-                sdpa_kernels = cuda_kernel_names(sdpa)
-                log(f"SDPA here runs: {sdpa_kernels}")
-            ms_sdpa = bench_graph(sdpa)
             o_tri = PA.paged_attention_decode(q, k_cache, v_cache, bt, lens, bs, D ** -0.5)
-            err = (o_tri.float() - sdpa()[:, :, 0].float()).abs().max().item()
             spp = PA.default_splits_per_program(B, Hkv, -(-ctx // PA.SPLIT_SIZE),
                                                 q.device)
             r = dict(batch=B, context=ctx, kv_MB=kv_bytes / 1e6, splits_per_program=spp,
-                     triton_us=ms_tri * 1e3,
-                     sdpa_us=ms_sdpa * 1e3, triton_GBps=kv_bytes / (ms_tri * 1e-3) / 1e9,
-                     frac_copy_bw=kv_bytes / (ms_tri * 1e-3) / copy_bw,
-                     speedup_vs_sdpa=ms_sdpa / ms_tri, max_abs_diff=err)
+                     triton_us=ms_tri * 1e3, triton_GBps=kv_bytes / (ms_tri * 1e-3) / 1e9,
+                     frac_copy_bw=kv_bytes / (ms_tri * 1e-3) / copy_bw)
+            # SDPA needs K and V copied contiguously: skip it where that does not fit
+            need = 2 * kv_bytes
+            free = torch.cuda.mem_get_info()[0]
+            if need * 1.1 + (1 << 30) > free:
+                log(f"SDPA skipped at batch {B}, context {ctx}: its contiguous K/V copy "
+                    f"needs {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free")
+            else:
+                sdpa = sdpa_on_contiguous(q, k_cache, v_cache, bt, bs, D ** -0.5)
+                if not sdpa_kernels:
+                    sdpa_kernels = cuda_kernel_names(sdpa)
+                    log(f"SDPA here runs: {sdpa_kernels}")
+                ms_sdpa = bench_graph(sdpa)
+                err = (o_tri.float() - sdpa()[:, :, 0].float()).abs().max().item()
+                r.update(sdpa_us=ms_sdpa * 1e3, speedup_vs_sdpa=ms_sdpa / ms_tri,
+                         max_abs_diff=err)
+                del sdpa  # frees the contiguous copy
+                torch.cuda.empty_cache()
             rows.append(r)
-            del sdpa  # frees the contiguous copy
-            torch.cuda.empty_cache()
+            f8 = dict(batch=B, context=ctx, kv_MB=kv_bytes / 2e6, bf16_us=ms_tri * 1e3)
+            for name in ("default", "exact"):
+                kw = {} if name == "default" else dict(fp8_kernel="exact")
+                ms = bench_graph(lambda: PA.paged_attention_decode(  # noqa: B023
+                    q, k8, v8, bt, lens, bs, D ** -0.5, one, one, max_seq_len=ctx, **kw))  # noqa: F821 (del below)
+                f8[f"fp8_{name}_us"] = ms * 1e3
+                f8[f"fp8_{name}_frac_copy_bw"] = kv_bytes / 2 / (ms * 1e-3) / copy_bw
+                f8[f"fp8_{name}_speedup_vs_bf16"] = ms_tri / ms
+            fp8_rows.append(f8)
     log("decode attention (bf16 KV, 32 heads / 8 KV heads, head_dim 128, block 16):")
     log(table(rows, ["batch", "context", "kv_MB", "splits_per_program", "triton_us", "sdpa_us",
                      "triton_GBps", "frac_copy_bw", "speedup_vs_sdpa", "max_abs_diff"]))
-    # fp8 KV: half the bytes
-    fp8_rows = []
-    k8, v8 = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
-    for B, ctx in ([(32, 4096)] if quick else [(64, 4096), (64, 32768), (256, 8192)]):
-        q, bt, lens = make(B, ctx)
-        ms = bench_graph(lambda: PA.paged_attention_decode(q, k8, v8, bt, lens, bs, D ** -0.5,  # noqa: F821 (del below)
-                                                           1.0, 1.0, max_seq_len=ctx))
-        kv_bytes = B * ctx * Hkv * D * 2
-        fp8_rows.append(dict(batch=B, context=ctx, kv_MB=kv_bytes / 1e6, triton_us=ms * 1e3,
-                             frac_copy_bw=kv_bytes / (ms * 1e-3) / copy_bw))
-    log("decode attention, fp8_e4m3 KV:")
-    log(table(fp8_rows, ["batch", "context", "kv_MB", "triton_us", "frac_copy_bw"]))
+    default = inspect.signature(PA.paged_attention_decode).parameters["fp8_kernel"].default
+    log(f"decode attention, fp8_e4m3 KV (default fp8 kernel: {default}; and the exact one), "
+        f"against bf16 KV at the same shape:")
+    log(table(fp8_rows, ["batch", "context", "kv_MB", "bf16_us", "fp8_default_us",
+                         "fp8_default_frac_copy_bw", "fp8_default_speedup_vs_bf16",
+                         "fp8_exact_us", "fp8_exact_frac_copy_bw",
+                         "fp8_exact_speedup_vs_bf16"]))
     # batch invariance at this shape: the launch choices that follow the batch (splits per
     # program, pipeline depth) must not change a sequence's output bits
     invariant = {}
@@ -478,6 +511,9 @@ def main() -> int:
         except Exception:  # report it, and still run the engine part
             traceback.print_exc()
             head["attention_error"] = True
+        finally:  # what a failed part held (its frames, the allocator's cache) goes
+            gc.collect()
+            torch.cuda.empty_cache()
     if "engine" not in ns.skip:
         try:
             rows, extra = engine(bw, ns.quick)

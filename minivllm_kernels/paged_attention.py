@@ -56,6 +56,12 @@ SPLIT_SIZE = 512  # tokens per split (a multiple of BLOCK_N)
 # decode_num_stages() (the benchmarks' sweeps use it).
 DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4}
 DECODE_CONFIG_QUANT = {"BLOCK_N": 128, "num_warps": 4}
+# fp8 caches with fp8_kernel="swap_ab" (the default): keys in the tensor-core tile's rows.
+DECODE_CONFIG_SWAP_AB = {"BLOCK_N": 128, "num_warps": 4}
+# The two decode kernels for fp8 caches (``fp8_kernel``): "swap_ab", fast, a tolerance
+# contract; "exact", the kernel int8 caches use (dequantize each tile, round to the query
+# dtype, query rows in the tile), whose bits earlier releases gave.
+FP8_KERNELS = ("swap_ab", "exact", "folded", "fp8_qk")
 # A launch gives each (sequence, KV head) one program that reads all its splits once there
 # are at least this many such pairs per streaming multiprocessor (SM); otherwise one
 # program per split. Tuned on an H200 (132 SMs) by benchmarks/decode_sweep.py.
@@ -89,11 +95,15 @@ def default_splits_per_program(batch: int, num_kv_heads: int, max_splits: int,
     return 1
 
 
-def decode_config(cache_dtype: torch.dtype) -> dict:
-    """The launch configuration dict for a cache dtype: ``DECODE_CONFIG_QUANT`` for
-    fp8/int8 caches, ``DECODE_CONFIG`` for float caches (the module-level dict itself, so
-    a benchmark or test can set ``"num_stages"`` in it)."""
-    return DECODE_CONFIG_QUANT if quant_format(cache_dtype)[0] else DECODE_CONFIG
+def decode_config(cache_dtype: torch.dtype, fp8_kernel: str = "swap_ab") -> dict:
+    """The launch configuration dict for a cache dtype: ``DECODE_CONFIG_SWAP_AB`` for
+    fp8 caches with ``fp8_kernel="swap_ab"``, ``DECODE_CONFIG_QUANT`` for other fp8 and
+    int8 caches, ``DECODE_CONFIG`` for float caches (the module-level dict itself, so a
+    benchmark or test can set ``"num_stages"`` in it)."""
+    kind = quant_format(cache_dtype)[0]
+    if kind == 1 and fp8_kernel != "exact":
+        return DECODE_CONFIG_SWAP_AB
+    return DECODE_CONFIG_QUANT if kind else DECODE_CONFIG
 
 
 def decode_num_stages(programs: int, whole: bool, quantized: bool,
@@ -165,6 +175,113 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, ks_cache
 
 
 @triton.jit
+def _load_raw_tile(cache_ptr, slot, pmask, kvh, d, NUM_KV_HEADS: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """[BLOCK_N, D_PAD] tile of an fp8 cache's stored values, cast to OUT_DTYPE without
+    the scale: exact (every fp8 e4m3/e5m2 value is a bfloat16, float16 and float32
+    value), one conversion instruction per element, no float32 detour."""
+    mask = pmask[:, None] & (d[None, :] < HEAD_DIM)
+    x = tl.load(cache_ptr + slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM
+                + d[None, :], mask=mask, other=0.0)
+    return x.to(OUT_DTYPE)
+
+
+@triton.jit
+def _attend_tile_swap_ab(q, k_cache_ptr, v_cache_ptr, ks_cache_ptr, vs_cache_ptr, slot, pmask,
+                         kvh, d, m, l, acc_t, score_scale, NUM_KV_HEADS: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, DYNAMIC: tl.constexpr,
+                         PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """The online-softmax step of :func:`_attend_tile` for an fp8 cache, with the keys in
+    the rows of both products ("swap AB", as FlashInfer's and FlashAttention-3's decode
+    kernels for small query groups do): scores s^T = K q^T [N, G] and the transposed
+    output acc_t = V^T P [D, G]. The tensor-core tile's large dimension is then the
+    BLOCK_N keys and head_dim, instead of the query group (4 heads in Llama-3-8B) padded
+    to 16 rows. The scales are folded out of the tile: K and V enter the products as
+    stored (an exact cast), the score is multiplied by ``score_scale`` (softmax scale x
+    k_scale, a scalar, or per key with DYNAMIC scales) and the static v_scale multiplies
+    the split's output once (the caller). So K*scale, and V*scale with static scales, are
+    never rounded to the query dtype. DYNAMIC V scales are applied in the tile, as
+    :func:`_attend_tile` does: folded into the weights instead (p * v_scale), they push
+    small weights into float16's subnormals (an fp8_e5m2 scale is amax / 57344), which
+    measured 6x the error of the float cache (``benchmarks/fp8_decode.py``). The sums
+    run in another order than :func:`_attend_tile`'s: the result agrees with it within a
+    tolerance, not in bits."""
+    k = _load_raw_tile(k_cache_ptr, slot, pmask, kvh, d, NUM_KV_HEADS, HEAD_DIM, q.dtype)
+    s = dot(k, tl.trans(q), PRECISION, UPCAST)  # [N, G]
+    if DYNAMIC:
+        ks = tl.load(ks_cache_ptr + slot * NUM_KV_HEADS + kvh, mask=pmask, other=0.0)
+        s = s * (score_scale * ks)[:, None]
+    else:
+        s = s * score_scale
+    s = tl.where(pmask[:, None], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=0))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # see _attend_tile
+    alpha = tl.exp(m - m_use)
+    p = tl.exp(s - m_use[None, :])
+    l = l * alpha + tl.sum(p, axis=0)
+    if DYNAMIC:  # V dequantized in the tile, as in _attend_tile (see the docstring)
+        v = _load_kv_tile(v_cache_ptr, vs_cache_ptr, vs_cache_ptr, slot, pmask, kvh, d,
+                          NUM_KV_HEADS, HEAD_DIM, True, True, q.dtype)
+    else:
+        v = _load_raw_tile(v_cache_ptr, slot, pmask, kvh, d, NUM_KV_HEADS, HEAD_DIM, q.dtype)
+    acc_t = acc_t * alpha[None, :] + dot(tl.trans(v), cast_rne(p, v.dtype), PRECISION, UPCAST)
+    return m_new, l, acc_t
+
+
+@triton.jit
+def _attend_tile_folded(q, q_hi, q_lo, inv_hi, inv_lo, k_cache_ptr, v_cache_ptr, ks_cache_ptr,
+                        vs_cache_ptr, slot, pmask, kvh, d, m, l, acc, score_scale,
+                        NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        DYNAMIC: tl.constexpr, FP8_QK: tl.constexpr, PRECISION: tl.constexpr,
+                        UPCAST: tl.constexpr):
+    """:func:`_attend_tile`'s orientation (query rows [G, N]) with the scales folded out
+    of the tiles as in :func:`_attend_tile_swap_ab`. FP8_QK: the scores come from two
+    fp8 x fp8 products on the raw K bytes, q ~ q_hi / inv_hi... (q = q_hi * inv_hi +
+    q_lo * inv_lo, each part an e4m3 tensor with its own per-row scale), so K is never
+    converted."""
+    if FP8_QK:
+        kr = tl.load(k_cache_ptr + slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM
+                     + d[None, :], mask=pmask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+        kt = tl.trans(kr)
+        s = tl.dot(q_hi, kt) * inv_hi[:, None] + tl.dot(q_lo, kt) * inv_lo[:, None]
+    else:
+        k = _load_raw_tile(k_cache_ptr, slot, pmask, kvh, d, NUM_KV_HEADS, HEAD_DIM, q.dtype)
+        s = dot(q, tl.trans(k), PRECISION, UPCAST)  # [G, N]
+    if DYNAMIC:
+        ks = tl.load(ks_cache_ptr + slot * NUM_KV_HEADS + kvh, mask=pmask, other=0.0)
+        s = s * (score_scale * ks)[None, :]
+    else:
+        s = s * score_scale
+    s = tl.where(pmask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # see _attend_tile
+    alpha = tl.exp(m - m_use)
+    p = tl.exp(s - m_use[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    if DYNAMIC:
+        v = _load_kv_tile(v_cache_ptr, vs_cache_ptr, vs_cache_ptr, slot, pmask, kvh, d,
+                          NUM_KV_HEADS, HEAD_DIM, True, True, q.dtype)
+    else:
+        v = _load_raw_tile(v_cache_ptr, slot, pmask, kvh, d, NUM_KV_HEADS, HEAD_DIM, q.dtype)
+    acc = acc * alpha[:, None] + dot(cast_rne(p, v.dtype), v, PRECISION, UPCAST)
+    return m_new, l, acc
+
+
+@triton.jit
+def _split_e4m3(x):
+    """float32 rows x [G, D] -> (hi, lo, inv_hi, inv_lo): e4m3 tensors and per-row float32
+    factors with x ~ hi * inv_hi + lo * inv_lo (each part scaled to the format's 448)."""
+    a = tl.max(tl.abs(x), axis=1)
+    s_hi = tl.where(a > 0, 448.0 / a, 1.0)
+    hi = (x * s_hi[:, None]).to(tl.float8e4nv)
+    r = x - hi.to(tl.float32) / s_hi[:, None]
+    a_r = tl.max(tl.abs(r), axis=1)
+    s_lo = tl.where(a_r > 0, 448.0 / a_r, 1.0)
+    lo = (r * s_lo[:, None]).to(tl.float8e4nv)
+    return hi, lo, 1.0 / s_hi, 1.0 / s_lo
+
+
+@triton.jit
 def _merge_split(m, l, acc, m_s, l_s, acc_s):
     """Fold one split's partial result (m_s [G], l_s [G], acc_s [G, D]) into the running
     (m, l, acc): rescale both to the larger max and add. Explicit FMAs, so the compiler
@@ -200,7 +317,7 @@ def _decode_split_kernel(
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr,
         DYNAMIC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-        WHOLE: tl.constexpr):
+        WHOLE: tl.constexpr, FP8_MODE: tl.constexpr):
     # KV head fastest: programs that run side by side read the heads of the same tokens,
     # which sit next to each other in memory ([slot, kv_head, head_dim]).
     kvh = tl.program_id(0)
@@ -222,7 +339,19 @@ def _decode_split_kernel(
                     mask=gmask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
         m = tl.full([G_PAD], float("-inf"), tl.float32)  # this split's online softmax
         l = tl.zeros([G_PAD], tl.float32)
-        acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+        score_scale = sm_scale
+        v_out_scale = 1.0
+        if FP8_MODE == 1:  # acc is transposed, [D, G]
+            acc = tl.zeros([D_PAD, G_PAD], tl.float32)
+        else:
+            acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+        if FP8_MODE != 0:  # static scales folded out of the tiles
+            if not DYNAMIC:
+                score_scale = sm_scale * tl.load(k_scale_ptr + kvh)
+                v_out_scale = tl.load(v_scale_ptr + kvh)
+        q_hi, q_lo, inv_hi, inv_lo = q, q, l, l
+        if FP8_MODE == 3:
+            q_hi, q_lo, inv_hi, inv_lo = _split_e4m3(q.to(tl.float32))
         if WHOLE:  # splits merged so far
             m_all = tl.full([G_PAD], float("-inf"), tl.float32)
             l_all = tl.zeros([G_PAD], tl.float32)
@@ -235,22 +364,37 @@ def _decode_split_kernel(
             blk = tl.load(block_tables_ptr + b * stride_bt + pos // BLOCK_SIZE, mask=pmask,
                           other=0)
             slot = blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
-            m, l, acc = _attend_tile(
-                q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, ks_cache_ptr,
-                vs_cache_ptr, slot, pmask, pmask[None, :], kvh, d, m, l, acc, sm_scale,
-                NUM_KV_HEADS, HEAD_DIM, QUANT, DYNAMIC, PRECISION, UPCAST)
+            if FP8_MODE == 1:
+                m, l, acc = _attend_tile_swap_ab(
+                    q, k_cache_ptr, v_cache_ptr, ks_cache_ptr, vs_cache_ptr, slot, pmask, kvh,
+                    d, m, l, acc, score_scale, NUM_KV_HEADS, HEAD_DIM, DYNAMIC, PRECISION,
+                    UPCAST)
+            elif FP8_MODE >= 2:
+                m, l, acc = _attend_tile_folded(
+                    q, q_hi, q_lo, inv_hi, inv_lo, k_cache_ptr, v_cache_ptr, ks_cache_ptr,
+                    vs_cache_ptr, slot, pmask, kvh, d, m, l, acc, score_scale, NUM_KV_HEADS,
+                    HEAD_DIM, DYNAMIC, FP8_MODE == 3, PRECISION, UPCAST)
+            else:
+                m, l, acc = _attend_tile(
+                    q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, ks_cache_ptr,
+                    vs_cache_ptr, slot, pmask, pmask[None, :], kvh, d, m, l, acc, sm_scale,
+                    NUM_KV_HEADS, HEAD_DIM, QUANT, DYNAMIC, PRECISION, UPCAST)
             if ((n0 + BLOCK_N) % SPLIT == 0) | (n0 + BLOCK_N >= end):  # a split ends
+                if FP8_MODE == 1:
+                    acc_s = tl.trans(acc) * v_out_scale
+                else:
+                    acc_s = acc * v_out_scale
                 if WHOLE:
-                    m_all, l_all, acc_all = _merge_split(m_all, l_all, acc_all, m, l, acc)
+                    m_all, l_all, acc_all = _merge_split(m_all, l_all, acc_all, m, l, acc_s)
                 else:
                     row = (b * (NUM_KV_HEADS * QUERY_GROUP) + heads) * max_splits + n0 // SPLIT
                     tl.store(part_m_ptr + row, m, mask=gmask)
                     tl.store(part_l_ptr + row, l, mask=gmask)
-                    tl.store(part_acc_ptr + row[:, None] * D_PAD + d[None, :], acc,
+                    tl.store(part_acc_ptr + row[:, None] * D_PAD + d[None, :], acc_s,
                              mask=gmask[:, None])
                 m = tl.full([G_PAD], float("-inf"), tl.float32)
                 l = tl.zeros([G_PAD], tl.float32)
-                acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+                acc = tl.zeros_like(acc)
         if WHOLE:
             _store_output(out_ptr, b, heads, gmask, d, l_all, acc_all, stride_ob, stride_oh,
                           HEAD_DIM)
@@ -350,7 +494,8 @@ def paged_attention_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache
                            v_scale_cache: Optional[torch.Tensor] = None,
                            max_seq_len: Optional[int] = None,
                            out: Optional[torch.Tensor] = None,
-                           splits_per_program: Optional[int] = None) -> torch.Tensor:
+                           splits_per_program: Optional[int] = None,
+                           fp8_kernel: str = "swap_ab") -> torch.Tensor:
     """Decode attention over a paged KV cache (Triton, split-KV).
 
     Args:
@@ -375,16 +520,24 @@ def paged_attention_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache
         splits_per_program: how many consecutive ``SPLIT_SIZE`` splits one program
             reads (>= 1; capped at the number of splits). A launch choice only: every
             value gives bit-identical outputs. Default: :func:`default_splits_per_program`.
+        fp8_kernel: for fp8 caches, "swap_ab" (default: :func:`_attend_tile_swap_ab`,
+            scales folded out of the tiles; within a tolerance of "exact", see
+            ``tests/test_kernels.py::test_fp8_swap_ab_error_against_float64``) or "exact"
+            (the int8 path's tiles: each dequantized K/V tile rounded to q's dtype).
+            Ignored for other caches. Either is batch invariant.
     Returns:
         [B, num_heads, head_dim] in q's dtype.
     Raises:
         ValueError: shape, device or layout mismatch; splits_per_program not an
-            integer >= 1.
+            integer >= 1; an unknown fp8_kernel.
     """
     num_heads, num_kv_heads, head_dim = _check_paged_args(q, key_cache, value_cache,
                                                          block_tables, "paged_attention_decode")
     _check_out_and_scales(q, out, k_scale_cache, v_scale_cache, key_cache,
                           "paged_attention_decode")
+    if fp8_kernel not in FP8_KERNELS:
+        raise ValueError(f"paged_attention_decode: fp8_kernel must be one of {FP8_KERNELS}, "
+                         f"got {fp8_kernel!r}")
     B = q.shape[0]
     _check_index("seq_lens", seq_lens, B, "paged_attention_decode")
     _check_index("block_tables", block_tables, B, "paged_attention_decode", ndim=2)
@@ -397,6 +550,11 @@ def paged_attention_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache
         max_seq_len = int(seq_lens.max())
     max_splits = max(1, triton.cdiv(max_seq_len, SPLIT_SIZE))
     kind = quant_format(key_cache.dtype)[0]
+    # the kernel's FP8_MODE: 0 exact (and every other cache), 1 swap_ab, 2 folded, 3 fp8_qk
+    fp8_mode = {"exact": 0, "swap_ab": 1, "folded": 2, "fp8_qk": 3}[fp8_kernel] if kind == 1 \
+        else 0
+    if fp8_mode == 3 and key_cache.dtype != torch.float8_e4m3fn:
+        fp8_mode = 2
     if splits_per_program is None:
         splits_per_program = default_splits_per_program(B, num_kv_heads, max_splits, q.device)
     if (not isinstance(splits_per_program, numbers.Integral)
@@ -418,7 +576,7 @@ def paged_attention_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     ks = _per_head(k_scale, num_kv_heads, q.device) if kind else q
     vs = _per_head(v_scale, num_kv_heads, q.device) if kind else q
     dynamic = k_scale_cache is not None
-    config = dict(decode_config(key_cache.dtype))
+    config = dict(decode_config(key_cache.dtype, fp8_kernel))
     grid = (num_kv_heads, B, triton.cdiv(max_splits, splits_per_program))
     if "num_stages" not in config:
         config["num_stages"] = decode_num_stages(grid[0] * grid[1] * grid[2], whole, kind != 0,
@@ -431,7 +589,7 @@ def paged_attention_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache
         QUERY_GROUP=group, G_PAD=g_pad, NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size, SPLIT=SPLIT_SIZE,
         QUANT=kind != 0, DYNAMIC=dynamic, PRECISION=_dot_precision(q.dtype),
-        UPCAST=_upcast(q.dtype), WHOLE=whole, **config)
+        UPCAST=_upcast(q.dtype), WHOLE=whole, FP8_MODE=fp8_mode, **config)
     if not whole:
         _decode_reduce_kernel[(num_heads, B)](
             part_m, part_l, part_acc, seq_lens, out, out.stride(0), out.stride(1), max_splits,
@@ -494,4 +652,39 @@ def paged_attention_decode_ref(q: torch.Tensor, key_cache: torch.Tensor,
         v = gather_kv(value_cache, block_tables[b], block_size, n, q.dtype, v_scale,
                       v_scale_cache)
         out[b] = attention_ref(q[b:b + 1], k, v, scale)[0].to(q.dtype)
+    return out
+
+
+def paged_attention_decode_f64(q: torch.Tensor, key_cache: torch.Tensor,
+                               value_cache: torch.Tensor, block_tables: torch.Tensor,
+                               seq_lens: torch.Tensor, block_size: int, scale: float,
+                               k_scale: torch.Tensor | float = 1.0,
+                               v_scale: torch.Tensor | float = 1.0,
+                               k_scale_cache: Optional[torch.Tensor] = None,
+                               v_scale_cache: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The truth a decode kernel's error is measured against: attention in float64 of
+    the dequantized cache (``stored * scale`` in float64, exact) and of q as given.
+
+    Same arguments as :func:`paged_attention_decode`. Returns [B, num_heads, head_dim]
+    float64 (0 for a seq_len-0 row), on q's device."""
+    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    num_kv_heads = key_cache.shape[1]
+    group = q.shape[1] // num_kv_heads
+    for b in range(q.shape[0]):
+        n = int(seq_lens[b])
+        if n == 0:
+            continue
+        kv = []
+        for cache, s, sc in ((key_cache, k_scale, k_scale_cache),
+                             (value_cache, v_scale, v_scale_cache)):
+            x = gather_kv(cache, block_tables[b], block_size, n, torch.float64)
+            if quant_format(cache.dtype)[0]:  # gather_kv with scale 1.0: the stored values
+                pos = torch.arange(n, device=cache.device)
+                slots = block_tables[b].long()[pos // block_size] * block_size + pos % block_size
+                x = x * (sc[slots].double()[..., None] if sc is not None else
+                         _per_head(s, num_kv_heads, cache.device).double()[:, None])
+            kv.append(x.repeat_interleave(group, dim=1))  # [n, H, D]
+        k, v = kv
+        p = torch.softmax(torch.einsum("hd,lhd->hl", q[b].double(), k) * scale, dim=-1)
+        out[b] = torch.einsum("hl,lhd->hd", p, v)
     return out

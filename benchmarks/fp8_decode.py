@@ -1,0 +1,135 @@
+"""fp8 KV decode attention: the swap-AB kernel against the exact one and the bf16 cache.
+
+Two parts, side by side in one run:
+
+1. **Error against float64** (CPU in Triton's interpreter, or GPU): decode attention over
+   random paged caches (GQA group 4, head_dim 128, per-head scales that are not powers of
+   two, and per-token dynamic scales), for each query dtype and fp8 format. Each kernel's
+   output is compared with :func:`paged_attention_decode_f64`, attention in float64 of the
+   dequantized cache. The error of a row is ``max |out - truth| / max |V|`` over that
+   row's keys (the output is a convex combination of the V rows, so this is the error
+   relative to the largest value it can reach), in units of the query dtype's unit
+   roundoff u (2**-8 bfloat16, 2**-11 float16, 2**-24 float32). Rows: ``swap_ab`` (the
+   default fp8 kernel), ``exact`` (the earlier fp8 kernel: each tile dequantized and
+   rounded to the query dtype) and ``float cache`` (the same dequantized values stored
+   in a cache of the query's dtype, read by the float kernel: what a bf16 KV cache
+   holding this data computes).
+2. **Time** (GPU only; ``--time``): the Llama-3-8B shape (32 query heads, 8 KV heads,
+   head_dim 128, block 16, blocks scattered at random), bf16 cache against fp8_e4m3 with
+   each fp8 kernel, at several batch/context shapes, as CUDA-graph replays
+   (``triton.testing.do_bench``, median, L2 flushed), with the copy bandwidth measured in
+   the same run; then the swap-AB kernel's launch configurations at batch 64 / 4k.
+
+    python benchmarks/fp8_decode.py                 # errors (CPU: a few minutes)
+    python benchmarks/fp8_decode.py --time          # + times (CUDA)
+
+The last line is one JSON object with every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import minivllm  # noqa: E402,F401  (before torch: sets up Triton)
+import torch  # noqa: E402
+
+from minivllm_kernels import paged_attention as PA  # noqa: E402
+from tests.fp8_decode_cases import errors  # noqa: E402
+
+def timings(shapes: list[tuple[int, int]], sweep_kernels: list[str]) -> dict:
+    from benchmarks.gpu_suite import bench_graph, copy_bandwidth, paged_decode_inputs
+
+    H, Hkv, D, bs = 32, 8, 128, 16
+    copy_bw = copy_bandwidth()
+    max_tokens = max(b * c for b, c in shapes + [(64, 4096)])
+    num_blocks = max_tokens // bs + 16
+    g = torch.Generator(device="cuda").manual_seed(0)
+    kb = torch.randn(num_blocks * bs, Hkv, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    vb = torch.randn_like(kb)
+    k8, v8 = kb.to(torch.float8_e4m3fn), vb.to(torch.float8_e4m3fn)
+    ks = torch.full((Hkv,), 1.0, device="cuda")
+    kernels = [("bf16", kb, vb, {})] + [(f"fp8 {n}", k8, v8, dict(fp8_kernel=n))
+                                        for n in PA.FP8_KERNELS]
+    rows = []
+    for B, ctx in shapes:
+        q, bt, lens = paged_decode_inputs(num_blocks, B, ctx, H, D, bs, torch.bfloat16, g)
+        elems = B * ctx * Hkv * D * 2  # K and V elements read
+        r: dict = dict(batch=B, context=ctx)
+        for name, kc, vc, kw in kernels:
+            ms = bench_graph(lambda: PA.paged_attention_decode(  # noqa: B023
+                q, kc, vc, bt, lens, bs, D ** -0.5, ks, ks, max_seq_len=ctx, **kw))
+            r[f"{name} us"] = round(ms * 1e3, 1)
+            r[f"{name} frac"] = round(elems * kc.element_size() / (ms * 1e-3) / copy_bw, 3)
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+    # launch choices of the fp8 kernels at batch 64 / 4k and 256 / 8k: splits per program
+    # (the same bits for every value), pipeline depth, register cap, tile size
+    sweep = []
+    for B, ctx in [(64, 4096), (256, 8192)]:
+        if B * ctx > max_tokens:
+            continue
+        q, bt, lens = paged_decode_inputs(num_blocks, B, ctx, H, D, bs, torch.bfloat16, g)
+        for name in sweep_kernels:
+            cfg = PA.decode_config(torch.float8_e4m3fn, name)
+            saved = dict(cfg)
+            for bn in (128,):
+                for spp in (1, 2, 4, 8):
+                    for st in (3, 4):
+                        for reg in (96, 112, 128, 160):
+                            cfg.clear()
+                            cfg.update(BLOCK_N=bn, num_warps=4, num_stages=st)
+                            if reg:
+                                cfg["maxnreg"] = reg
+                            try:
+                                ms = bench_graph(lambda: PA.paged_attention_decode(  # noqa: B023
+                                    q, k8, v8, bt, lens, bs, D ** -0.5, ks, ks,
+                                    max_seq_len=ctx, fp8_kernel=name, splits_per_program=spp))
+                            except Exception as e:  # noqa: BLE001  (out of resources)
+                                print(f"{name} {bn} {spp} {st} {reg}: {type(e).__name__}")
+                                continue
+                            frac = B * ctx * Hkv * D * 2 / (ms * 1e-3) / copy_bw
+                            sweep.append(dict(batch=B, context=ctx, kernel=name, BLOCK_N=bn,
+                                              splits_per_program=spp, num_stages=st,
+                                              maxnreg=reg, us=round(ms * 1e3, 1),
+                                              frac_copy_bw=round(frac, 3)))
+            cfg.clear()
+            cfg.update(saved)
+        best = sorted((r for r in sweep if r["batch"] == B), key=lambda r: r["us"])[:8]
+        for r in best:
+            print(json.dumps(r), flush=True)
+    return dict(copy_GBps=copy_bw / 1e9, device=torch.cuda.get_device_name(), rows=rows,
+                sweep=sweep)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--time", action="store_true", help="also time the kernels (CUDA)")
+    ap.add_argument("--no-errors", action="store_true")
+    ap.add_argument("--shapes", default="1x4096,32x4096,64x4096,256x8192",
+                    help="batch x context shapes to time")
+    ap.add_argument("--sweep", default="", help="comma-separated fp8 kernels whose launch "
+                    "configurations to sweep at batch 64 / 4k")
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    t0 = time.perf_counter()
+    res: dict = dict(device=device, triton_interpret=PA.INTERPRET)
+    if not args.no_errors:
+        res["errors"] = errors(device, args.seeds)
+    if args.time:
+        shapes = [tuple(int(x) for x in sh.split("x")) for sh in args.shapes.split(",")]
+        res["timings"] = timings(shapes, [k for k in args.sweep.split(",") if k])
+    res["seconds"] = time.perf_counter() - t0
+    print(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
