@@ -17,20 +17,35 @@ What this file assumes (change it where yours differs):
   MINIVLLM_HUB_USERS and MINIVLLM_HUB_ADMINS are comma-separated user names; nobody else
   may log in. Put TLS in front of the hub (or set c.JupyterHub.ssl_key/ssl_cert).
 - Each learner has a Docker volume `minivllm-user-<name>` as their home folder
-  (/home/jovyan/work, the server's root); a link `minivllm` in it points at the course
-  in the image (/opt/minivllm: chapters, labs). Edits to the chapters live in the container
-  and go when the server stops; labs fetched with nbgrader's Assignment List, and anything
-  else under work/, stay.
+  (/home/jovyan/work, the server's root, working directory and HOME); a link `minivllm`
+  in it points at the course in the image (/opt/minivllm: chapters, released labs). Edits
+  to the chapters live in the container and go when the server stops; labs fetched with
+  nbgrader's Assignment List, and anything else under work/, stay.
+- Each learner's container runs as a uid of its own: the uid and gid of the learner's Unix
+  account on the host (PAM's users), else MINIVLLM_HUB_UID_BASE (10000) + the user's id in
+  the hub's database. Before each start a short root container of the image makes the
+  home volume theirs (chown, mode 0700), and the container gets an /etc/passwd and
+  /etc/group (written under MINIVLLM_HUB_DIR, default /srv/minivllm, mounted read-only)
+  in which the image's account `jovyan` has that uid: nbgrader then names submissions by
+  hub user (JUPYTERHUB_USER), and the exchange's modes keep one learner out of another's
+  submissions. So the learner image must run as any uid (docker/lab-cpu.Dockerfile's
+  learner stage does).
 - nbgrader's exchange is the Docker volume `minivllm-exchange`, the one docker/compose.yaml
   and the grader use: the instructor releases, collects and autogrades with the grader
-  image on that volume (docker/README.md). nbgrader names submissions by hub user.
-  Every learner container runs as uid 1000, so file permissions do not keep learners out
-  of each other's submissions in the exchange; where that matters, use per-user uids.
+  image on that volume (docker/README.md). Before each start its root is made mode 1777
+  (nobody renames another's folder) and its course folder, if missing, is made for the
+  grader's uid 1000 (no learner takes the name before the first release).
+- Learners' servers have no Formgrader, course list or Create Assignment: a learner
+  configuration (MINIVLLM_HUB_DIR/etc/learner, mounted read-only, JUPYTER_CONFIG_PATH)
+  switches them off; the instructor works with the grader image.
 - Each server gets at most MINIVLLM_HUB_CPUS cores (2) and MINIVLLM_HUB_MEM memory (6G):
   a chapter runs the embedded model and its float32 reference side by side.
 """
 
+import asyncio
 import os
+import pwd
+from pathlib import Path
 
 c = get_config()  # noqa: F821  (provided by traitlets)
 
@@ -65,6 +80,9 @@ c.DockerSpawner.volumes = {
     "minivllm-user-{username}": notebook_dir,
     "minivllm-exchange": "/srv/nbgrader/exchange",
 }
+c.DockerSpawner.environment = {"HOME": notebook_dir,
+                               # the learner configuration (below): no instructor tools
+                               "JUPYTER_CONFIG_PATH": "/etc/minivllm/learner"}
 c.DockerSpawner.post_start_cmd = f"ln -sfn /opt/minivllm {notebook_dir}/minivllm"
 c.DockerSpawner.cpu_limit = float(os.environ.get("MINIVLLM_HUB_CPUS", "2"))
 c.DockerSpawner.mem_limit = os.environ.get("MINIVLLM_HUB_MEM", "6G")
@@ -75,3 +93,103 @@ if os.environ.get("MINIVLLM_HUB_GPUS") == "1":
 
     c.DockerSpawner.extra_host_config = {
         "device_requests": [docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])]}
+
+# Per-user uids (see the docstring): each start, the learner's uid, home volume, passwd
+# entry and the exchange's modes.
+HUB_DIR = Path(os.environ.get("MINIVLLM_HUB_DIR", "/srv/minivllm"))
+UID_BASE = int(os.environ.get("MINIVLLM_HUB_UID_BASE", "10000"))
+EXCHANGE = "/srv/nbgrader/exchange"
+COURSE_ID = "minivllm-precision"
+GRADER_UID = 1000  # jovyan of the grader image: it releases and collects
+LEARNER_CONFIG = {  # file under etc/learner: its text
+    # A terminal runs bash, not `bash -l`, Jupyter's choice under a spawner: a login shell
+    # reads /etc/profile, whose PATH drops /opt/venv/bin (python without the engine).
+    "jupyter_server_config.py":
+        "c = get_config()  # noqa: F821\n"
+        "c.ServerApp.terminado_settings = {'shell_command': ['/bin/bash']}\n",
+    # merged per extension, as `jupyter server extension disable` writes them
+    "jupyter_server_config.d/minivllm-learner.json":
+        '{"ServerApp": {"jpserver_extensions": {\n'
+        '  "nbgrader.server_extensions.formgrader": false,\n'
+        '  "nbgrader.server_extensions.course_list": false}}}\n',
+    "labconfig/page_config.json":
+        '{"disabledExtensions": {\n  "@jupyter/nbgrader:formgrader": true,\n'
+        '  "@jupyter/nbgrader:create-assignment": true,\n'
+        '  "@jupyter/nbgrader:course-list": true}}\n',
+}
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.chmod(0o755)
+    path.write_text(text)
+    path.chmod(0o644)
+
+
+def _uid_gid(user) -> tuple[int, int]:
+    try:
+        pw = pwd.getpwnam(user.name)
+        return pw.pw_uid, pw.pw_gid
+    except KeyError:
+        return UID_BASE + user.id, UID_BASE + user.id
+
+
+def _root_run(spawner, script: str, volumes: dict) -> str:
+    """``script`` in a short container of the lab image as root, no network: its output."""
+    import docker
+
+    client = docker.from_env()
+    out = client.containers.run(spawner.image, ["sh", "-ec", script], entrypoint=[],
+                                user="0:0", network_disabled=True, remove=True,
+                                volumes=volumes)
+    return out.decode()
+
+
+def _as_uid(lines: str, name: str, uid: int, gid: int, passwd: bool) -> str:
+    """/etc/passwd or /etc/group of the image with jovyan's ids replaced."""
+    out = []
+    for line in lines.splitlines():
+        f = line.split(":")
+        if f[0] == name:
+            f[2] = str(uid) if passwd else str(gid)
+            if passwd:
+                f[3], f[5] = str(gid), notebook_dir
+        out.append(":".join(f))
+    return "\n".join(out) + "\n"
+
+
+async def minivllm_per_user_uid(spawner) -> None:
+    uid, gid = _uid_gid(spawner.user)
+    binds = spawner.volume_binds  # {volume or host path: {"bind": path in the container}}
+    home = next(v for v, b in binds.items() if b["bind"] == notebook_dir)
+    exchange = next(v for v, b in binds.items() if b["bind"] == EXCHANGE)
+    course = f"{EXCHANGE}/{COURSE_ID}"
+    ids = await asyncio.to_thread(_root_run, spawner, (
+        f"chown -R {uid}:{gid} {notebook_dir} && chmod 0700 {notebook_dir}\n"
+        f"chmod 1777 {EXCHANGE}\n"
+        f"if [ ! -e {course} ]; then mkdir {course} && chown {GRADER_UID}:{GRADER_UID} {course}"
+        f" && chmod 0755 {course}; fi\n"
+        "cat /etc/passwd; echo ---; cat /etc/group"),
+        {home: {"bind": notebook_dir, "mode": "rw"}, exchange: {"bind": EXCHANGE, "mode": "rw"}})
+    passwd, group = ids.split("---\n")
+    users = HUB_DIR / "users" / spawner.user.name
+    _write(users / "passwd", _as_uid(passwd, "jovyan", uid, gid, True))
+    _write(users / "group", _as_uid(group, "jovyan", uid, gid, False))
+    spawner.extra_create_kwargs = {**BASE_CREATE_KWARGS, "user": f"{uid}:{gid}"}
+    spawner.read_only_volumes = {**BASE_READ_ONLY, str(users / "passwd"): "/etc/passwd",
+                                 str(users / "group"): "/etc/group"}
+    spawner.log.info("%s runs as uid %d, gid %d", spawner.user.name, uid, gid)
+
+
+def _prepare_hub_dir() -> None:
+    for rel, text in LEARNER_CONFIG.items():
+        _write(HUB_DIR / "etc" / "learner" / rel, text)
+    (HUB_DIR / "users").mkdir(parents=True, exist_ok=True)
+    (HUB_DIR / "users").chmod(0o755)
+
+
+_prepare_hub_dir()
+BASE_CREATE_KWARGS = dict(c.DockerSpawner.extra_create_kwargs)
+BASE_READ_ONLY = {str(HUB_DIR / "etc" / "learner"): "/etc/minivllm/learner"}
+c.DockerSpawner.read_only_volumes = BASE_READ_ONLY
+c.DockerSpawner.pre_spawn_hook = minivllm_per_user_uid

@@ -521,7 +521,10 @@ def test_local_process_hub_round_trip_scores_and_integrity(local_hub, accounts):
     attempt("read the grading fixtures", f"cat {repo}/grading/fixtures/{LAB}.py",
             "Permission denied")
     attempt("read the repository's history", f"git -C {repo} log -1", "ermission denied")
-    attempt("import the fixtures", "python -c 'import grading.fixtures'", "ModuleNotFoundError")
+    # the learner's Python has what a lab imports, and nothing else of grading
+    bob.sh_ok("python -c 'import grading.checks; from minivllm import LLM'")
+    attempt("import the fixtures", "python -c 'import grading.fixtures'",
+            "No module named 'grading.fixtures'")
     attempt("read the course root (gradebook, collected submissions)",
             f"ls {course}/submitted/alice", "Permission denied")
     attempt("list the exchange's submissions", f"ls {inbound}", "Permission denied")
@@ -586,4 +589,204 @@ def test_local_process_hub_round_trip_scores_and_integrity(local_hub, accounts):
     record["round trip s"] = round(time.perf_counter() - t_start, 1)
     REPORTS.mkdir(parents=True, exist_ok=True)
     (REPORTS / "hub-local.json").write_text(json.dumps(record, indent=1))
+    print(json.dumps(record, indent=1))
+
+
+# ---------------------------------------------------------------------------------------
+# The DockerSpawner hub: docker/jupyterhub_config.py, the learner image, per-user uids.
+
+DOCKER_CONFIG = ROOT / "docker" / "jupyterhub_config.py"
+LAB_IMAGE = os.environ.get("MINIVLLM_LAB_IMAGE", "minivllm/lab-cpu:latest")
+GRADER_IMAGE = os.environ.get("MINIVLLM_GRADER_IMAGE", "minivllm/grader:latest")
+PREFIX = "minivllm-hubtest"  # the test's containers and volumes: never a class's own
+
+
+def _docker_why_not() -> str | None:
+    if not shutil.which("docker"):
+        return "no docker CLI"
+    info = subprocess.run(["docker", "info"], capture_output=True, text=True)
+    if info.returncode != 0:
+        return f"`docker info` failed (no Docker engine): {info.stderr.strip()[:200]}"
+    for image in (LAB_IMAGE, GRADER_IMAGE):
+        if subprocess.run(["docker", "image", "inspect", image], capture_output=True).returncode:
+            return f"image {image} is not built (docker/README.md)"
+    try:
+        import dockerspawner  # noqa: F401
+    except ImportError:
+        return "dockerspawner is not installed (pip install dockerspawner)"
+    return None
+
+
+def _docker0_ip() -> str:
+    out = subprocess.run(["ip", "-4", "-o", "addr", "show", "docker0"], capture_output=True,
+                         text=True).stdout
+    m = re.search(r"inet (\d+\.\d+\.\d+\.\d+)", out)
+    return m.group(1) if m else "172.17.0.1"
+
+
+def _volume_path(name: str) -> Path:
+    out = subprocess.run(["docker", "volume", "inspect", "-f", "{{.Mountpoint}}", name],
+                         capture_output=True, text=True, check=True).stdout
+    return Path(out.strip())
+
+
+@pytest.fixture(scope="module")
+def docker_hub(accounts):
+    why = _docker_why_not()
+    if why:
+        pytest.skip(why)
+    run = TEST_DIR / f"docker-run-{os.getpid()}"
+    shutil.rmtree(run, ignore_errors=True)
+    run.mkdir(mode=0o755)
+    os.chmod(run, 0o755)
+    port, token, ip = _free_port(), secrets.token_hex(32), _docker0_ip()
+    wrapper = run / "test_config.py"
+    wrapper.write_text(
+        f"load_subconfig({str(DOCKER_CONFIG)!r})  # noqa: F821\n"
+        "c = get_config()  # noqa: F821\n"
+        f"c.JupyterHub.bind_url = 'http://127.0.0.1:{port}'\n"
+        f"c.JupyterHub.hub_bind_url = 'http://{ip}:{_free_port()}'\n"
+        f"c.ConfigurableHTTPProxy.api_url = 'http://127.0.0.1:{_free_port()}'\n"
+        f"c.JupyterHub.db_url = 'sqlite:///{run}/jupyterhub.sqlite'\n"
+        f"c.JupyterHub.cookie_secret_file = '{run}/cookie_secret'\n"
+        f"c.ConfigurableHTTPProxy.pid_file = '{run}/proxy.pid'\n"
+        f"c.DockerSpawner.prefix = {PREFIX!r}\n"
+        f"c.DockerSpawner.volumes = {{'{PREFIX}-user-{{username}}': '/home/jovyan/work', "
+        f"'{PREFIX}-exchange': '/srv/nbgrader/exchange'}}\n"
+        "c.JupyterHub.services = [{'name': 'classroom-test', 'api_token': "
+        f"{token!r}}}]\n"
+        "c.JupyterHub.load_roles = [{'name': 'admin', 'services': ['classroom-test']}]\n")
+    env = dict(os.environ, MINIVLLM_HUB_DIR=str(run / "hub"), HUB_CONNECT_IP=ip,
+               MINIVLLM_HUB_USERS=",".join(LEARNERS), MINIVLLM_HUB_ADMINS=INSTRUCTOR,
+               MINIVLLM_LAB_IMAGE=LAB_IMAGE)
+    log = run / "jupyterhub.log"
+    with open(log, "w") as fh:
+        proc = subprocess.Popen([str(VENV_BIN / "jupyterhub"), "-f", str(wrapper)], cwd=run,
+                                env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    hub = Hub(f"http://127.0.0.1:{port}", token, proc, log, run / "hub")
+    try:
+        hub.wait_up(120)
+        yield hub
+    finally:
+        for name in USERS:
+            try:
+                hub.api("DELETE", f"/users/{name}/server", ok=(202, 204, 400, 404))
+            except Exception:  # noqa: BLE001  (the hub may be gone already)
+                pass
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        names = subprocess.run(["docker", "ps", "-aq", "--filter", f"name=^{PREFIX}-"],
+                               capture_output=True, text=True).stdout.split()
+        if names:
+            subprocess.run(["docker", "rm", "-f", *names], capture_output=True)
+        volumes = subprocess.run(["docker", "volume", "ls", "-q", "--filter", f"name=^{PREFIX}-"],
+                                 capture_output=True, text=True).stdout.split()
+        if volumes:
+            subprocess.run(["docker", "volume", "rm", "-f", *volumes], capture_output=True)
+        REPORTS.mkdir(parents=True, exist_ok=True)
+        shutil.copy(log, REPORTS / "hub-docker.log")
+        shutil.rmtree(run, ignore_errors=True)
+
+
+def test_docker_spawner_hub_round_trip_scores_and_integrity(docker_hub):
+    """docker/jupyterhub_config.py with the learner image: alice and bob through the
+    Assignment List in containers of their own uids; the instructor's commands of
+    docs/instructor.md ($G: the grader image on the course and exchange volumes)."""
+    from grading import fixtures
+
+    hub, t_start, record = docker_hub, time.perf_counter(), {"hub": "DockerSpawner"}
+    expected = {"alice": fixtures.load(LAB).FIXTURES["solution"].score,
+                "bob": fixtures.load(LAB).FIXTURES["truncate"].score}
+    C = f"/srv/course/{COURSE_ID}"
+    G = ["docker", "run", "--rm", "--network", "none", "-e", "OMP_WAIT_POLICY=PASSIVE",
+         "-v", f"{PREFIX}-course:/srv/course", "-v", f"{PREFIX}-exchange:/srv/nbgrader/exchange"]
+
+    def instructor(*args: str, cwd: str | None = C) -> str:
+        cmd = [*G, *(["-w", cwd] if cwd else []), GRADER_IMAGE, *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+        assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+        return proc.stdout + proc.stderr
+
+    alice, bob = hub.server("alice"), hub.server("bob")  # their start prepares the exchange
+    uids = {s.name: int(s.sh_ok("id -u")) for s in (alice, bob)}
+    record["uids"] = uids
+    assert uids == {n: pwd.getpwnam(n).pw_uid for n in LEARNERS}, uids
+    instructor("python", "-m", "grading.grade", "--prepare-only", "--course-root", C, LAB,
+               cwd=None)
+    instructor("nbgrader", "release_assignment", LAB, "--force")
+
+    assert (LAB, "released") in alice.assignments()
+    path = f"{LAB}/{NOTEBOOK}.ipynb"
+    course = _volume_path(f"{PREFIX}-course") / COURSE_ID
+    source = course / "source" / LAB / f"{NOTEBOOK}.ipynb"
+    for server, fixture in ((alice, "truncate"), (bob, "truncate")):
+        server.action("fetch")
+        released = server.notebook(path)["content"]
+        assert "BEGIN SOLUTION" not in json.dumps(released)
+        server.save(path, _fixture_notebook(released, source, fixture))
+    validated = alice.json("post", "assignments/validate", data={"path": path})
+    assert "failed" in json.dumps(validated), validated
+    alice.action("submit")
+    bob.action("submit")
+    out = instructor("nbgrader", "collect", LAB)
+    assert "Collecting submission: alice" in out and "Collecting submission: bob" in out, out
+    time.sleep(1.1)
+    alice.save(path, _fixture_notebook(alice.notebook(path)["content"], source, "solution"))
+    alice.action("submit")
+    out = instructor("nbgrader", "collect", LAB)
+    assert "Updating submission: alice" in out, out
+
+    attempts = {}
+
+    def attempt(what: str, command: str, expect: str) -> None:
+        rc, out = bob.sh(command)
+        attempts[what] = {"command": command, "exit": rc, "output": out[-300:]}
+        assert rc != 0 and expect in out, f"bob$ {command}: exit {rc}\n{out}"
+
+    inbound = f"/srv/nbgrader/exchange/{COURSE_ID}/inbound"
+    attempt("read the lab's source (not in the learner image)",
+            f"cat /opt/minivllm/labs/source/{LAB}/{NOTEBOOK}.py", "No such file")
+    assert bob.sh_ok("which python") == "/opt/venv/bin/python"
+    bob.sh_ok("cd /tmp && python -c 'import grading.checks; from minivllm import LLM'")
+    attempt("import the fixtures", "cd /tmp && python -c 'import grading.fixtures'",
+            "No module named 'grading.fixtures'")
+    attempt("list the exchange's submissions", f"ls {inbound}", "Permission denied")
+    alices = [p.name for p in (_volume_path(f"{PREFIX}-exchange") / COURSE_ID / "inbound")
+              .iterdir() if p.name.startswith("alice+")][-1]
+    attempt("read alice's submission without its random suffix",
+            f"cat '{inbound}/{alices.rsplit('+', 1)[0]}/{NOTEBOOK}.ipynb'", "No such file")
+    attempt("change the released lab", f"touch /srv/nbgrader/exchange/{COURSE_ID}/outbound/{LAB}/x",
+            "Permission denied")
+    attempt("take the course's exchange folder",
+            f"mv /srv/nbgrader/exchange/{COURSE_ID} /srv/nbgrader/exchange/x",
+            "Operation not permitted")
+    r = bob.get("formgrader")
+    attempts["open the Formgrader"] = {"GET": "/user/bob/formgrader", "status": r.status_code}
+    assert r.status_code == 404, (r.status_code, r.text[:300])
+    record["attempts"] = attempts
+
+    t0 = time.perf_counter()
+    instructor("nbgrader", "autograde", LAB)
+    record["autograde s"] = round(time.perf_counter() - t0, 1)
+    scores = _scores(course)
+    record["scores"] = scores
+    assert scores == expected, scores
+    instructor("nbgrader", "generate_feedback", LAB)
+    instructor("nbgrader", "release_feedback", LAB, "--student=alice")
+    alice.action("fetch_feedback")
+    bob.action("fetch_feedback")
+    assert alice.get(f"api/contents/{LAB}/feedback").status_code == 200
+    assert bob.get(f"api/contents/{LAB}/feedback").status_code == 404
+    instructor("nbgrader", "release_feedback", LAB)
+    bob.action("fetch_feedback")
+    assert bob.get(f"api/contents/{LAB}/feedback").status_code == 200
+    record["round trip s"] = round(time.perf_counter() - t_start, 1)
+    REPORTS.mkdir(parents=True, exist_ok=True)
+    (REPORTS / "hub-docker.json").write_text(json.dumps(record, indent=1))
     print(json.dumps(record, indent=1))
