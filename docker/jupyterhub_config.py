@@ -22,8 +22,8 @@ What this file assumes (change it where yours differs):
   to the chapters live in the container and go when the server stops; labs fetched with
   nbgrader's Assignment List, and anything else under work/, stay.
 - Each learner's container runs as a uid of its own: the uid and gid of the learner's Unix
-  account on the host (PAM's users), else MINIVLLM_HUB_UID_BASE (10000) + the user's id in
-  the hub's database. Before each start a short root container of the image makes the
+  account on the host (PAM's users), else (no such account, or it has uid 0 or the
+  grader's 1000) MINIVLLM_HUB_UID_BASE (10000) + the user's id in the hub's database. Before each start a short root container of the image makes the
   home volume theirs (chown, mode 0700), and the container gets an /etc/passwd and
   /etc/group (written under MINIVLLM_HUB_DIR, default /srv/minivllm, mounted read-only)
   in which the image's account `jovyan` has that uid: nbgrader then names submissions by
@@ -127,11 +127,15 @@ def _write(path: Path, text: str) -> None:
 
 
 def _uid_gid(user) -> tuple[int, int]:
+    """The host account's ids, unless they are root's or the grader's (uid 1000 owns the
+    exchange's course folder: a learner with it would list every submission)."""
     try:
         pw = pwd.getpwnam(user.name)
-        return pw.pw_uid, pw.pw_gid
+        if pw.pw_uid not in (0, GRADER_UID) and pw.pw_gid not in (0, GRADER_UID):
+            return pw.pw_uid, pw.pw_gid
     except KeyError:
-        return UID_BASE + user.id, UID_BASE + user.id
+        pass
+    return UID_BASE + user.id, UID_BASE + user.id
 
 
 def _root_run(spawner, script: str, volumes: dict) -> str:

@@ -464,6 +464,9 @@ def test_local_process_hub_round_trip_scores_and_integrity(local_hub, accounts):
                         f"--course-root ~/course --exchange {ex} {LAB}")
     assert "1 generated and released" in out, out
     assert (exchange / COURSE_ID / "outbound" / LAB / f"{NOTEBOOK}.ipynb").is_file()
+    # the instructor's Formgrader sees the course (its root under the server's: ~/course)
+    listed = teacher.json("get", "formgrader/api/assignments")
+    assert [a["name"] for a in listed] == [LAB], listed
 
     # -- alice, through the Assignment List's endpoints in her server
     alice = hub.server("alice")
@@ -719,7 +722,7 @@ def test_docker_spawner_hub_round_trip_scores_and_integrity(docker_hub):
     assert uids == {n: pwd.getpwnam(n).pw_uid for n in LEARNERS}, uids
     instructor("python", "-m", "grading.grade", "--prepare-only", "--course-root", C, LAB,
                cwd=None)
-    instructor("nbgrader", "release_assignment", LAB, "--force")
+    instructor("nbgrader", "release_assignment", LAB)
 
     assert (LAB, "released") in alice.assignments()
     path = f"{LAB}/{NOTEBOOK}.ipynb"
