@@ -38,11 +38,19 @@ What this file assumes (change it where yours differs):
 - Learners' servers have no Formgrader, course list or Create Assignment: a learner
   configuration (MINIVLLM_HUB_DIR/etc/learner, mounted read-only, JUPYTER_CONFIG_PATH)
   switches them off; the instructor works with the grader image.
+- The exchange's inbound folder is writable by every learner (that is how a submission
+  gets there), so bob can write a folder named alice+ch01+<timestamp>; nbgrader's collect
+  only warns ("cheating attempt?", and in the grader's container, where learners' uids
+  have no names, it warns for every submission) and takes it. MINIVLLM_HUB_DIR/etc/grader
+  holds an nbgrader configuration for the grader's container (docs/instructor.md mounts
+  it) whose collect takes a learner's submission only from a folder of that learner's
+  uid (uids.json there: each learner's, written at each start).
 - Each server gets at most MINIVLLM_HUB_CPUS cores (2) and MINIVLLM_HUB_MEM memory (6G):
   a chapter runs the embedded model and its float32 reference side by side.
 """
 
 import asyncio
+import json
 import os
 import pwd
 from pathlib import Path
@@ -179,15 +187,63 @@ async def minivllm_per_user_uid(spawner) -> None:
     users = HUB_DIR / "users" / spawner.user.name
     _write(users / "passwd", _as_uid(passwd, "jovyan", uid, gid, True))
     _write(users / "group", _as_uid(group, "jovyan", uid, gid, False))
+    _record_uid(spawner.user.name, uid)
     spawner.extra_create_kwargs = {**BASE_CREATE_KWARGS, "user": f"{uid}:{gid}"}
     spawner.read_only_volumes = {**BASE_READ_ONLY, str(users / "passwd"): "/etc/passwd",
                                  str(users / "group"): "/etc/group"}
     spawner.log.info("%s runs as uid %d, gid %d", spawner.user.name, uid, gid)
 
 
+GRADER_NBGRADER = """c = get_config()  # noqa: F821
+import json
+import os
+
+from nbgrader.exchange.default.collect import ExchangeCollect
+
+UIDS = "/etc/minivllm/grader/uids.json"  # this folder, as docs/instructor.md mounts it
+
+
+class OwnerCheckedCollect(ExchangeCollect):
+    \"""nbgrader's collect, keeping only submissions whose folder is the learner's uid.\"""
+
+    def _owned(self, rec):
+        try:
+            with open(UIDS) as fh:
+                uid = json.load(fh).get(rec["username"])
+            return uid == os.stat(os.path.join(self.inbound_path, rec["filename"])).st_uid
+        except OSError:
+            return False
+
+    def _sort_by_timestamp(self, records):  # one learner's: their own first, newest first
+        for rec in records:
+            if not self._owned(rec):
+                self.log.warning("Skipped %s: named after %s, not owned by them",
+                                 rec["filename"], rec["username"])
+        return sorted(records, key=lambda r: (self._owned(r), r["timestamp"]), reverse=True)
+
+    def copy_files(self):  # a learner with no submission of their own: nothing to collect
+        self.src_records = [rec for rec in self.src_records if self._owned(rec)]
+        super().copy_files()
+
+
+c.ExchangeFactory.collect = OwnerCheckedCollect
+# the learners' uids have no names in this container: nbgrader's own check would warn for
+# every submission; the class above checks the uid instead
+c.ExchangeCollect.check_owner = False
+"""
+
+
+def _record_uid(name: str, uid: int) -> None:
+    path = HUB_DIR / "etc" / "grader" / "uids.json"
+    uids = json.loads(path.read_text()) if path.is_file() else {}
+    if uids.get(name) != uid:
+        _write(path, json.dumps({**uids, name: uid}, indent=1, sort_keys=True) + "\n")
+
+
 def _prepare_hub_dir() -> None:
     for rel, text in LEARNER_CONFIG.items():
         _write(HUB_DIR / "etc" / "learner" / rel, text)
+    _write(HUB_DIR / "etc" / "grader" / "nbgrader_config.py", GRADER_NBGRADER)
     (HUB_DIR / "users").mkdir(parents=True, exist_ok=True)
     (HUB_DIR / "users").chmod(0o755)
 

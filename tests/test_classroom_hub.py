@@ -265,7 +265,8 @@ class Server:
             ws, headers={"Authorization": f"token {self.token}"}))
         conn.write_message(json.dumps(["set_size", 50, 2000]))  # no wrapped command lines
         mark = uuid.uuid4().hex[:12]
-        conn.write_message(json.dumps(["stdin", f"{command}; echo __done_{mark}_$?__\r"]))
+        conn.write_message(json.dumps(
+            ["stdin", f"echo __start_{mark}__; {command}; echo __done_{mark}_$?__\r"]))
         out, t0 = [], time.monotonic()
         try:
             while True:
@@ -278,10 +279,9 @@ class Server:
                     out.append(msg[1])
                     text = "".join(out)
                     m = re.search(rf"__done_{mark}_(\d+)__", text)
-                    if m:
+                    if m:  # the output between the two markers' lines (not their echo)
                         text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]|\r", "", text[:m.start()])
-                        # the output after the echo of the command line
-                        body = text.split(f"__done_{mark}_$?__", 1)[-1]
+                        body = re.split(rf"(?m)^__start_{mark}__$", text, maxsplit=1)[-1]
                         return int(m.group(1)), body.strip()
         finally:
             conn.close()
@@ -708,7 +708,9 @@ def test_docker_spawner_hub_round_trip_scores_and_integrity(docker_hub):
                 "bob": fixtures.load(LAB).FIXTURES["truncate"].score}
     C = f"/srv/course/{COURSE_ID}"
     G = ["docker", "run", "--rm", "--network", "none", "-e", "OMP_WAIT_POLICY=PASSIVE",
-         "-v", f"{PREFIX}-course:/srv/course", "-v", f"{PREFIX}-exchange:/srv/nbgrader/exchange"]
+         "-v", f"{PREFIX}-course:/srv/course", "-v", f"{PREFIX}-exchange:/srv/nbgrader/exchange",
+         "-v", f"{hub.dir}/etc/grader:/etc/minivllm/grader:ro",
+         "-e", "JUPYTER_CONFIG_PATH=/etc/minivllm/grader"]
 
     def instructor(*args: str, cwd: str | None = C) -> str:
         cmd = [*G, *(["-w", cwd] if cwd else []), GRADER_IMAGE, *args]
@@ -772,6 +774,16 @@ def test_docker_spawner_hub_round_trip_scores_and_integrity(docker_hub):
     r = bob.get("formgrader")
     attempts["open the Formgrader"] = {"GET": "/user/bob/formgrader", "status": r.status_code}
     assert r.status_code == 404, (r.status_code, r.text[:300])
+    forged = f"alice+{LAB}+2099-01-01 00:00:00.000000 UTC+forged"
+    rc, out = bob.sh(f"cp -r ~/{LAB} '{inbound}/{forged}' && echo made")
+    attempts["submit under alice's name"] = {"exit": rc, "output": out[-300:]}
+    assert rc == 0 and "made" in out, out  # nbgrader's inbound: writable by every learner
+    kept = (course / "submitted" / "alice" / LAB / f"{NOTEBOOK}.ipynb").read_bytes()
+    out = instructor("nbgrader", "collect", LAB)
+    assert f"Skipped {forged}: named after alice, not owned by them" in out, out
+    assert "cheating attempt" not in out, out  # nbgrader's own check: every uid is nameless
+    assert (course / "submitted" / "alice" / LAB / f"{NOTEBOOK}.ipynb").read_bytes() == kept
+    attempts["submit under alice's name"]["collect"] = "skipped: named after alice, not owned"
     record["attempts"] = attempts
 
     t0 = time.perf_counter()
