@@ -17,8 +17,9 @@ What this file assumes (change it where yours differs):
   MINIVLLM_HUB_USERS and MINIVLLM_HUB_ADMINS are comma-separated user names; nobody else
   may log in. Put TLS in front of the hub (or set c.JupyterHub.ssl_key/ssl_cert).
 - Each learner has a Docker volume `minivllm-user-<name>` as their home folder
-  (/home/jovyan/work, the server's root, working directory and HOME); a link `minivllm`
-  in it points at the course in the image (/opt/minivllm: chapters, released labs). Edits
+  (/home/jovyan/work, the server's root, working directory and HOME); a link
+  `minivllm-course` in it points at the course in the image (/opt/minivllm: chapters,
+  released labs), and their model cache is there (.cache/minivllm, SERVER_CMD below). Edits
   to the chapters live in the container and go when the server stops; labs fetched with
   nbgrader's Assignment List, and anything else under work/, stay.
 - Each learner's container runs as a uid of its own: the uid and gid of the learner's Unix
@@ -73,25 +74,37 @@ c.Authenticator.admin_users = _names("MINIVLLM_HUB_ADMINS")
 # One lab container per learner.
 c.JupyterHub.spawner_class = "dockerspawner.DockerSpawner"
 c.DockerSpawner.image = os.environ.get("MINIVLLM_LAB_IMAGE", "minivllm/lab-cpu:latest")
-c.DockerSpawner.cmd = ["jupyterhub-singleuser"]  # not the image's `make lab`
+# The server (not the image's CMD): first, as the learner, a link `minivllm-course` to the
+# course in the image (chapters, released labs), in place of a link `minivllm` (the image
+# makes one in /home/jovyan/work: in that folder, `import minivllm` found the link, the
+# repository's root, and `from minivllm import LLM` failed in a notebook saved there),
+# and the learner's model cache (MINIVLLM_CACHE in their volume, its `models` a link to the
+# image's converted model: the quantized checkpoints that chapters 15-17, 28 and 30 and
+# labs 17 and 28 build on first use need a cache they may write); then
+# jupyterhub-singleuser with the hub's arguments.
+SERVER_CMD = (
+    'w=/home/jovyan/work; [ "$(readlink $w/minivllm)" = /opt/minivllm ] && rm -f $w/minivllm; '
+    'ln -sfn /opt/minivllm $w/minivllm-course; '
+    'mkdir -p "$MINIVLLM_CACHE" && ln -sfn /opt/minivllm-cache/models "$MINIVLLM_CACHE/models"; '
+    'exec jupyterhub-singleuser "$@"')
+c.DockerSpawner.cmd = ["sh", "-c", SERVER_CMD, "jupyterhub-singleuser"]
 c.DockerSpawner.remove = True  # a fresh container from the image at each start
 notebook_dir = "/home/jovyan/work"
 c.DockerSpawner.notebook_dir = notebook_dir
 # ...and the server's working directory, not the image's WORKDIR (/opt/minivllm):
 # nbgrader's Assignment List resolves assignment_dir "." and reads nbgrader_config.py in
 # the working directory, where the repository's one-machine configuration would send
-# every learner to /opt/minivllm/build/exchange ("Unwritable directory"). With this, the
-# round trip worked on a DockerSpawner hub (alice 10/10, bob 8/10: the classroom issue's
-# trial; not re-run here, no Docker engine on this machine).
+# every learner to /opt/minivllm/build/exchange ("Unwritable directory").
+# tests/test_classroom_hub.py runs a class on this file (the learner image, per-user uids).
 c.DockerSpawner.extra_create_kwargs = {"working_dir": notebook_dir}
 c.DockerSpawner.volumes = {
     "minivllm-user-{username}": notebook_dir,
     "minivllm-exchange": "/srv/nbgrader/exchange",
 }
 c.DockerSpawner.environment = {"HOME": notebook_dir,
+                               "MINIVLLM_CACHE": f"{notebook_dir}/.cache/minivllm",
                                # the learner configuration (below): no instructor tools
                                "JUPYTER_CONFIG_PATH": "/etc/minivllm/learner"}
-c.DockerSpawner.post_start_cmd = f"ln -sfn /opt/minivllm {notebook_dir}/minivllm"
 c.DockerSpawner.cpu_limit = float(os.environ.get("MINIVLLM_HUB_CPUS", "2"))
 c.DockerSpawner.mem_limit = os.environ.get("MINIVLLM_HUB_MEM", "6G")
 c.Spawner.start_timeout = 120  # pulling or starting a ~3 GB image

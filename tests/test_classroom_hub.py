@@ -524,8 +524,12 @@ def test_local_process_hub_round_trip_scores_and_integrity(local_hub, accounts):
     attempt("read the grading fixtures", f"cat {repo}/grading/fixtures/{LAB}.py",
             "Permission denied")
     attempt("read the repository's history", f"git -C {repo} log -1", "ermission denied")
-    # the learner's Python has what a lab imports, and nothing else of grading
+    # the learner's Python has what a lab imports, and nothing else of grading; the model
+    # is found through bob's own cache (where quantized checkpoints are built)
     bob.sh_ok("python -c 'import grading.checks; from minivllm import LLM'")
+    cache = bob.sh_ok("python -c 'from minivllm.models import embedded as e; "
+                      "print(e.is_converted(), e.cache_dir())'")
+    assert cache == f"True {pwd.getpwnam('bob').pw_dir}/.cache/minivllm", cache
     attempt("import the fixtures", "python -c 'import grading.fixtures'",
             "No module named 'grading.fixtures'")
     attempt("read the course root (gradebook, collected submissions)",
@@ -758,6 +762,10 @@ def test_docker_spawner_hub_round_trip_scores_and_integrity(docker_hub):
     attempt("read the lab's source (not in the learner image)",
             f"cat /opt/minivllm/labs/source/{LAB}/{NOTEBOOK}.py", "No such file")
     assert bob.sh_ok("which python") == "/opt/venv/bin/python"
+    # in the home folder, where a notebook saved there runs: the engine, bob's own cache
+    cache = bob.sh_ok("cd ~ && python -c 'from minivllm import LLM; from minivllm.models "
+                      "import embedded as e; print(e.is_converted(), e.cache_dir())'")
+    assert cache == "True /home/jovyan/work/.cache/minivllm", cache
     bob.sh_ok("cd /tmp && python -c 'import grading.checks; from minivllm import LLM'")
     attempt("import the fixtures", "cd /tmp && python -c 'import grading.fixtures'",
             "No module named 'grading.fixtures'")

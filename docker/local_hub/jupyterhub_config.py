@@ -17,7 +17,11 @@ MINIVLLM_HUB_DIR (default /srv/minivllm):
   TORCH_SPEC (default torch==2.13.0) and TORCH_INDEX_URL as for scripts/install.sh;
   MINIVLLM_HUB_PYTHON is the interpreter it is made from (default /usr/bin/python3: it
   must be readable by every user, which a pyenv under /root is not).
-- ``cache/``: the embedded model, converted once (MINIVLLM_CACHE of every server), read-only.
+- ``cache/``: the embedded model, converted once, read-only. Each server's MINIVLLM_CACHE is
+  ``~/.cache/minivllm`` of its user, whose ``models`` links here: the quantized checkpoints
+  chapters 15-17, 28 and 30 and labs 17 and 28 build on first use go to the user's own
+  cache (a shared read-only cache would refuse them; a shared writable one would let one
+  user change another's).
   (MINIVLLM_HUB_VENV and MINIVLLM_HUB_CACHE put these two elsewhere, e.g. shared by
   several hubs.)
 - ``exchange/``: nbgrader's exchange, mode 1777 (every account may write, nobody may rename
@@ -280,7 +284,8 @@ def minivllm_roles(spawner) -> None:
     pw = pwd.getpwnam(name)
     role = "instructor" if name in INSTRUCTORS else "learner"
     env = {"PATH": f"{VENV}/bin:/usr/local/bin:/usr/bin:/bin", "VIRTUAL_ENV": str(VENV),
-           "JUPYTER_CONFIG_PATH": str(ETC / role), "MINIVLLM_CACHE": str(CACHE),
+           "JUPYTER_CONFIG_PATH": str(ETC / role),
+           "MINIVLLM_CACHE": f"{pw.pw_dir}/.cache/minivllm",  # made by the user: SERVER_CMD
            # torch's OpenMP threads otherwise spin while they wait (docs/instructor.md)
            "OMP_WAIT_POLICY": "PASSIVE"}
     if role == "instructor":
@@ -305,7 +310,12 @@ c.Authenticator.allowed_users = set(LEARNERS + INSTRUCTORS)
 c.Authenticator.admin_users = set(_names("MINIVLLM_HUB_ADMINS"))
 
 c.JupyterHub.spawner_class = "jupyterhub.spawner.LocalProcessSpawner"
-c.Spawner.cmd = [str(VENV / "bin" / "jupyterhub-singleuser")]
+# The server, started as the user: first their model cache (as the user, never root: a path
+# in a home is the user's to point anywhere), then jupyterhub-singleuser with the hub's args.
+SERVER_CMD = ('mkdir -p "$MINIVLLM_CACHE" && ln -sfn {models} "$MINIVLLM_CACHE/models"; '
+              'exec {singleuser} "$@"').format(models=CACHE / "models",
+                                                singleuser=VENV / "bin" / "jupyterhub-singleuser")
+c.Spawner.cmd = ["/bin/sh", "-c", SERVER_CMD, "jupyterhub-singleuser"]
 c.Spawner.default_url = "/lab"
 c.Spawner.notebook_dir = "~"  # the server's root; its working directory is the home too
 c.Spawner.env_keep = ["LANG", "LC_ALL"]  # not the hub's PATH, VIRTUAL_ENV or PYTHONPATH
