@@ -127,13 +127,17 @@ lint-docker: install
 	$(VENV)/bin/hadolint docker/*.Dockerfile
 
 # The class's round trips, timed, with the scores of two learners (a wrong, late submission
-# and a correct one): today the one-machine setup of `make lab` (tests/test_classroom.py:
-# fetch, submit, collect, autograde, feedback per learner, late penalty, export, restart)
-# and the hub's Kubernetes values (tests/test_z2jh_values.py, schema and roles only). The
-# lab image and a running JupyterHub need a Docker engine: not covered here yet.
+# and a correct one): the one-machine setup of `make lab` (tests/test_classroom.py:
+# fetch, submit, collect, autograde, feedback per learner, late penalty, export, restart),
+# the hub's Kubernetes values (tests/test_z2jh_values.py, schema and roles only), and the
+# images (tests/test_classroom_docker.py: learners' sessions in the learner image as uids of
+# their own, the exchange, the grader with each submission sandboxed by
+# docker/grade_sandbox.py, the integrity attempts; needs a Docker engine and the images
+# built as docker/README.md says, else it skips with the reason).
 classroom-test: install
 	$(PY) -m minivllm.models.embedded
-	$(PY) -m pytest -q -s -n 0 --durations=0 tests/test_classroom.py tests/test_z2jh_values.py
+	$(PY) -m pytest -q -s -n 0 --durations=0 tests/test_classroom.py tests/test_z2jh_values.py \
+		tests/test_classroom_docker.py
 
 # The course website: chapters executed on first build (about a minute each; cached in
 # build/notebooks until a chapter or the engine changes), then mkdocs with no warnings.
