@@ -1,4 +1,4 @@
-"""fp8 KV decode attention: the swap-AB kernel against the exact one and the bf16 cache.
+"""fp8 KV decode attention: the folded-scales kernel against the exact one and the bf16 cache.
 
 Two parts, side by side in one run:
 
@@ -9,8 +9,8 @@ Two parts, side by side in one run:
    dequantized cache. The error of a row is ``max |out - truth| / max |V|`` over that
    row's keys (the output is a convex combination of the V rows, so this is the error
    relative to the largest value it can reach), in units of the query dtype's unit
-   roundoff u (2**-8 bfloat16, 2**-11 float16, 2**-24 float32). Rows: ``swap_ab`` (the
-   default fp8 kernel), ``exact`` (the earlier fp8 kernel: each tile dequantized and
+   roundoff u (2**-8 bfloat16, 2**-11 float16, 2**-24 float32). Rows: ``folded`` (the
+   default fp8 kernel: scales folded out of the tiles), ``exact`` (the earlier fp8 kernel: each tile dequantized and
    rounded to the query dtype) and ``float cache`` (the same dequantized values stored
    in a cache of the query's dtype, read by the float kernel: what a bf16 KV cache
    holding this data computes).
@@ -18,7 +18,11 @@ Two parts, side by side in one run:
    head_dim 128, block 16, blocks scattered at random), bf16 cache against fp8_e4m3 with
    each fp8 kernel, at several batch/context shapes, as CUDA-graph replays
    (``triton.testing.do_bench``, median, L2 flushed), with the copy bandwidth measured in
-   the same run; then the swap-AB kernel's launch configurations at batch 64 / 4k.
+   the same run; then the fp8 kernels' launch choices (splits per program, pipeline depth,
+   register cap) at batch 64 / 4k and 256 / 8k (``--sweep folded,exact``).
+
+The swap-AB (keys in the tensor-core tile's rows) and fp8-product variants measured
+beside these are in the commit 6982dff (``benchmarks/RESULTS.md`` has their numbers).
 
     python benchmarks/fp8_decode.py                 # errors (CPU: a few minutes)
     python benchmarks/fp8_decode.py --time          # + times (CUDA)
@@ -108,11 +112,72 @@ def timings(shapes: list[tuple[int, int]], sweep_kernels: list[str]) -> dict:
                 sweep=sweep)
 
 
+def engine_kl(windows: int, seq_len: int, bootstrap_seeds: int) -> dict:
+    """Mean KL (nats) of the embedded model's decode-mode scores against the float32
+    engine (TORCH backend, float32 KV), on ``windows`` corpus windows: bfloat16 weights,
+    an fp8_e4m3 KV cache with calibrated per-head scales (``calculate_kv_scales``: not
+    powers of two, so the two fp8 kernels really differ), the TRITON backend with each
+    fp8 kernel, and the TORCH backend on the same configuration (a third implementation
+    of the same formula, whose distance to the exact kernel is the noise a kernel change
+    is judged by). The spread across seeds: the 95 % interval of the mean over windows
+    resampled with ``bootstrap_seeds`` seeds, for each KL and for the paired difference
+    folded - exact."""
+    import functools
+
+    import numpy as np
+
+    from minivllm import LLM
+    from minivllm.attention.backends.triton_attn import TritonAttentionBackend
+    from minivllm.precision import evalsets as E
+    from minivllm.precision.metrics import kl_divergence
+
+    common = dict(max_model_len=seq_len + 8, enforce_eager=True, enable_prefix_caching=False)
+    base = LLM("smollm2-135m-instruct", dtype="float32", kv_cache_dtype="auto",
+               attention_backend="TORCH", **common)
+    seqs = E.corpus_sequences(base.get_tokenizer(), seq_len, windows)
+    ref = base.score(seqs, mode="decode")
+    del base
+    fp8 = dict(dtype="bfloat16", kv_cache_dtype="fp8_e4m3", calculate_kv_scales=True,
+               kv_scale_granularity="head", **common)
+    kl: dict = {}
+    for name, backend, kernel in (("TRITON folded", "TRITON", "folded"),
+                                  ("TRITON exact", "TRITON", "exact"),
+                                  ("TORCH", "TORCH", None)):
+        llm = LLM("smollm2-135m-instruct", attention_backend=backend, **fp8)
+        if kernel:
+            for mod in llm.llm_engine.model_runner.model.modules():
+                b = getattr(mod, "backend", None)
+                if isinstance(b, TritonAttentionBackend):
+                    b._decode = functools.partial(PA.paged_attention_decode, fp8_kernel=kernel)
+        t0 = time.perf_counter()
+        out = llm.score(seqs, mode="decode")
+        kl[name] = np.array([float(kl_divergence(r, c).mean()) for r, c in zip(ref, out)])
+        print(f"{name}: mean KL {kl[name].mean():.6g} nats over {len(seqs)} windows "
+              f"({time.perf_counter() - t0:.0f} s)", flush=True)
+        del llm
+    rng = np.random.default_rng(0)
+    idx = rng.integers(0, len(seqs), size=(bootstrap_seeds, len(seqs)))
+
+    def ci(x):
+        m = x[idx].mean(axis=1)
+        return [float(np.quantile(m, 0.025)), float(np.quantile(m, 0.975))]
+
+    res = {name: dict(mean=float(v.mean()), ci95=ci(v)) for name, v in kl.items()}
+    for a_, b_ in (("TRITON folded", "TRITON exact"), ("TORCH", "TRITON exact")):
+        d = kl[a_] - kl[b_]
+        res[f"{a_} - {b_}"] = dict(mean=float(d.mean()), ci95=ci(d))
+    print(json.dumps(res), flush=True)
+    return res
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--time", action="store_true", help="also time the kernels (CUDA)")
     ap.add_argument("--no-errors", action="store_true")
+    ap.add_argument("--engine-kl", type=int, default=0, metavar="WINDOWS",
+                    help="also the engine's mean KL on this many corpus windows")
+    ap.add_argument("--seq-len", type=int, default=64, help="corpus window length")
     ap.add_argument("--shapes", default="1x4096,32x4096,64x4096,256x8192",
                     help="batch x context shapes to time")
     ap.add_argument("--sweep", default="", help="comma-separated fp8 kernels whose launch "
@@ -123,6 +188,8 @@ def main() -> int:
     res: dict = dict(device=device, triton_interpret=PA.INTERPRET)
     if not args.no_errors:
         res["errors"] = errors(device, args.seeds)
+    if args.engine_kl:
+        res["engine_kl"] = engine_kl(args.engine_kl, args.seq_len, 1000)
     if args.time:
         shapes = [tuple(int(x) for x in sh.split("x")) for sh in args.shapes.split(",")]
         res["timings"] = timings(shapes, [k for k in args.sweep.split(",") if k])

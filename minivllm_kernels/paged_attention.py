@@ -56,12 +56,19 @@ SPLIT_SIZE = 512  # tokens per split (a multiple of BLOCK_N)
 # decode_num_stages() (the benchmarks' sweeps use it).
 DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4}
 DECODE_CONFIG_QUANT = {"BLOCK_N": 128, "num_warps": 4}
-# fp8 caches with fp8_kernel="swap_ab" (the default): keys in the tensor-core tile's rows.
-DECODE_CONFIG_SWAP_AB = {"BLOCK_N": 128, "num_warps": 4}
-# The two decode kernels for fp8 caches (``fp8_kernel``): "swap_ab", fast, a tolerance
-# contract; "exact", the kernel int8 caches use (dequantize each tile, round to the query
-# dtype, query rows in the tile), whose bits earlier releases gave.
-FP8_KERNELS = ("swap_ab", "exact", "folded", "fp8_qk")
+# fp8 caches with fp8_kernel="folded" (the default): scales folded out of the tiles, and
+# registers capped at 128 per thread, so that 4 programs share an SM instead of 2 (the
+# uncapped kernel takes 168-200): on an H100, batch 64 / 4k context, 254 us against 286 us
+# for the exact kernel's best launch (benchmarks/fp8_decode.py, benchmarks/RESULTS.md).
+DECODE_CONFIG_FOLDED = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 4, "maxnreg": 128}
+# The decode kernels for fp8 caches (``fp8_kernel``): "folded", the default, a tolerance
+# contract (tests/test_kernels.py, FP8_CONTRACT); "exact", the kernel int8 caches use
+# (each tile dequantized and rounded to the query dtype), whose bits earlier releases gave.
+FP8_KERNELS = ("folded", "exact")
+# fp8 "folded" launches read at most this many splits per program: at batch 64 / 4k on an
+# H100 two splits per program (2,048 programs, then the reduce kernel) took 254 us, whole
+# sequences (512 programs) 262 us. Any value gives the same bits.
+FOLDED_MAX_SPLITS_PER_PROGRAM = 2
 # A launch gives each (sequence, KV head) one program that reads all its splits once there
 # are at least this many such pairs per streaming multiprocessor (SM); otherwise one
 # program per split. Tuned on an H200 (132 SMs) by benchmarks/decode_sweep.py.
@@ -95,14 +102,14 @@ def default_splits_per_program(batch: int, num_kv_heads: int, max_splits: int,
     return 1
 
 
-def decode_config(cache_dtype: torch.dtype, fp8_kernel: str = "swap_ab") -> dict:
-    """The launch configuration dict for a cache dtype: ``DECODE_CONFIG_SWAP_AB`` for
-    fp8 caches with ``fp8_kernel="swap_ab"``, ``DECODE_CONFIG_QUANT`` for other fp8 and
+def decode_config(cache_dtype: torch.dtype, fp8_kernel: str = "folded") -> dict:
+    """The launch configuration dict for a cache dtype: ``DECODE_CONFIG_FOLDED`` for
+    fp8 caches with ``fp8_kernel="folded"``, ``DECODE_CONFIG_QUANT`` for other fp8 and
     int8 caches, ``DECODE_CONFIG`` for float caches (the module-level dict itself, so a
     benchmark or test can set ``"num_stages"`` in it)."""
     kind = quant_format(cache_dtype)[0]
-    if kind == 1 and fp8_kernel != "exact":
-        return DECODE_CONFIG_SWAP_AB
+    if kind == 1 and fp8_kernel == "folded":
+        return DECODE_CONFIG_FOLDED
     return DECODE_CONFIG_QUANT if kind else DECODE_CONFIG
 
 
@@ -187,66 +194,23 @@ def _load_raw_tile(cache_ptr, slot, pmask, kvh, d, NUM_KV_HEADS: tl.constexpr,
 
 
 @triton.jit
-def _attend_tile_swap_ab(q, k_cache_ptr, v_cache_ptr, ks_cache_ptr, vs_cache_ptr, slot, pmask,
-                         kvh, d, m, l, acc_t, score_scale, NUM_KV_HEADS: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, DYNAMIC: tl.constexpr,
-                         PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """The online-softmax step of :func:`_attend_tile` for an fp8 cache, with the keys in
-    the rows of both products ("swap AB", as FlashInfer's and FlashAttention-3's decode
-    kernels for small query groups do): scores s^T = K q^T [N, G] and the transposed
-    output acc_t = V^T P [D, G]. The tensor-core tile's large dimension is then the
-    BLOCK_N keys and head_dim, instead of the query group (4 heads in Llama-3-8B) padded
-    to 16 rows. The scales are folded out of the tile: K and V enter the products as
-    stored (an exact cast), the score is multiplied by ``score_scale`` (softmax scale x
-    k_scale, a scalar, or per key with DYNAMIC scales) and the static v_scale multiplies
-    the split's output once (the caller). So K*scale, and V*scale with static scales, are
-    never rounded to the query dtype. DYNAMIC V scales are applied in the tile, as
-    :func:`_attend_tile` does: folded into the weights instead (p * v_scale), they push
-    small weights into float16's subnormals (an fp8_e5m2 scale is amax / 57344), which
-    measured 6x the error of the float cache (``benchmarks/fp8_decode.py``). The sums
-    run in another order than :func:`_attend_tile`'s: the result agrees with it within a
-    tolerance, not in bits."""
+def _attend_tile_folded(q, k_cache_ptr, v_cache_ptr, ks_cache_ptr, vs_cache_ptr, slot, pmask,
+                        kvh, d, m, l, acc, score_scale, NUM_KV_HEADS: tl.constexpr,
+                        HEAD_DIM: tl.constexpr, DYNAMIC: tl.constexpr,
+                        PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """:func:`_attend_tile` for an fp8 cache with the scales folded out of the tiles. K
+    and V enter the products as stored (:func:`_load_raw_tile`: one exact cast); the
+    scores are multiplied by ``score_scale`` (softmax scale x k_scale: a scalar, or per
+    key with DYNAMIC scales) and the static v_scale multiplies the split's output once
+    (the caller). So K * scale, and V * scale with static scales, are never rounded to
+    the query dtype, as :func:`_attend_tile` rounds them. DYNAMIC V scales are applied in
+    the tile as :func:`_attend_tile` does: folded into the weights instead (p * v_scale),
+    they push small weights into float16's subnormals (an fp8_e5m2 scale is amax /
+    57344), which measured 6x the float cache's error (benchmarks/fp8_decode.py). The
+    sums run in the same order as :func:`_attend_tile`'s, but the products differ: the
+    result agrees with it within a tolerance, not in bits."""
     k = _load_raw_tile(k_cache_ptr, slot, pmask, kvh, d, NUM_KV_HEADS, HEAD_DIM, q.dtype)
-    s = dot(k, tl.trans(q), PRECISION, UPCAST)  # [N, G]
-    if DYNAMIC:
-        ks = tl.load(ks_cache_ptr + slot * NUM_KV_HEADS + kvh, mask=pmask, other=0.0)
-        s = s * (score_scale * ks)[:, None]
-    else:
-        s = s * score_scale
-    s = tl.where(pmask[:, None], s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, axis=0))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # see _attend_tile
-    alpha = tl.exp(m - m_use)
-    p = tl.exp(s - m_use[None, :])
-    l = l * alpha + tl.sum(p, axis=0)
-    if DYNAMIC:  # V dequantized in the tile, as in _attend_tile (see the docstring)
-        v = _load_kv_tile(v_cache_ptr, vs_cache_ptr, vs_cache_ptr, slot, pmask, kvh, d,
-                          NUM_KV_HEADS, HEAD_DIM, True, True, q.dtype)
-    else:
-        v = _load_raw_tile(v_cache_ptr, slot, pmask, kvh, d, NUM_KV_HEADS, HEAD_DIM, q.dtype)
-    acc_t = acc_t * alpha[None, :] + dot(tl.trans(v), cast_rne(p, v.dtype), PRECISION, UPCAST)
-    return m_new, l, acc_t
-
-
-@triton.jit
-def _attend_tile_folded(q, q_hi, q_lo, inv_hi, inv_lo, k_cache_ptr, v_cache_ptr, ks_cache_ptr,
-                        vs_cache_ptr, slot, pmask, kvh, d, m, l, acc, score_scale,
-                        NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                        DYNAMIC: tl.constexpr, FP8_QK: tl.constexpr, PRECISION: tl.constexpr,
-                        UPCAST: tl.constexpr):
-    """:func:`_attend_tile`'s orientation (query rows [G, N]) with the scales folded out
-    of the tiles as in :func:`_attend_tile_swap_ab`. FP8_QK: the scores come from two
-    fp8 x fp8 products on the raw K bytes, q ~ q_hi / inv_hi... (q = q_hi * inv_hi +
-    q_lo * inv_lo, each part an e4m3 tensor with its own per-row scale), so K is never
-    converted."""
-    if FP8_QK:
-        kr = tl.load(k_cache_ptr + slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM
-                     + d[None, :], mask=pmask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
-        kt = tl.trans(kr)
-        s = tl.dot(q_hi, kt) * inv_hi[:, None] + tl.dot(q_lo, kt) * inv_lo[:, None]
-    else:
-        k = _load_raw_tile(k_cache_ptr, slot, pmask, kvh, d, NUM_KV_HEADS, HEAD_DIM, q.dtype)
-        s = dot(q, tl.trans(k), PRECISION, UPCAST)  # [G, N]
+    s = dot(q, tl.trans(k), PRECISION, UPCAST)  # [G, N]
     if DYNAMIC:
         ks = tl.load(ks_cache_ptr + slot * NUM_KV_HEADS + kvh, mask=pmask, other=0.0)
         s = s * (score_scale * ks)[None, :]
@@ -265,20 +229,6 @@ def _attend_tile_folded(q, q_hi, q_lo, inv_hi, inv_lo, k_cache_ptr, v_cache_ptr,
         v = _load_raw_tile(v_cache_ptr, slot, pmask, kvh, d, NUM_KV_HEADS, HEAD_DIM, q.dtype)
     acc = acc * alpha[:, None] + dot(cast_rne(p, v.dtype), v, PRECISION, UPCAST)
     return m_new, l, acc
-
-
-@triton.jit
-def _split_e4m3(x):
-    """float32 rows x [G, D] -> (hi, lo, inv_hi, inv_lo): e4m3 tensors and per-row float32
-    factors with x ~ hi * inv_hi + lo * inv_lo (each part scaled to the format's 448)."""
-    a = tl.max(tl.abs(x), axis=1)
-    s_hi = tl.where(a > 0, 448.0 / a, 1.0)
-    hi = (x * s_hi[:, None]).to(tl.float8e4nv)
-    r = x - hi.to(tl.float32) / s_hi[:, None]
-    a_r = tl.max(tl.abs(r), axis=1)
-    s_lo = tl.where(a_r > 0, 448.0 / a_r, 1.0)
-    lo = (r * s_lo[:, None]).to(tl.float8e4nv)
-    return hi, lo, 1.0 / s_hi, 1.0 / s_lo
 
 
 @triton.jit
@@ -317,7 +267,7 @@ def _decode_split_kernel(
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr,
         DYNAMIC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-        WHOLE: tl.constexpr, FP8_MODE: tl.constexpr):
+        WHOLE: tl.constexpr, FOLDED: tl.constexpr):
     # KV head fastest: programs that run side by side read the heads of the same tokens,
     # which sit next to each other in memory ([slot, kv_head, head_dim]).
     kvh = tl.program_id(0)
@@ -339,19 +289,12 @@ def _decode_split_kernel(
                     mask=gmask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
         m = tl.full([G_PAD], float("-inf"), tl.float32)  # this split's online softmax
         l = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, D_PAD], tl.float32)
         score_scale = sm_scale
         v_out_scale = 1.0
-        if FP8_MODE == 1:  # acc is transposed, [D, G]
-            acc = tl.zeros([D_PAD, G_PAD], tl.float32)
-        else:
-            acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-        if FP8_MODE != 0:  # static scales folded out of the tiles
-            if not DYNAMIC:
-                score_scale = sm_scale * tl.load(k_scale_ptr + kvh)
-                v_out_scale = tl.load(v_scale_ptr + kvh)
-        q_hi, q_lo, inv_hi, inv_lo = q, q, l, l
-        if FP8_MODE == 3:
-            q_hi, q_lo, inv_hi, inv_lo = _split_e4m3(q.to(tl.float32))
+        if FOLDED and not DYNAMIC:  # static scales folded out of the tiles
+            score_scale = sm_scale * tl.load(k_scale_ptr + kvh)
+            v_out_scale = tl.load(v_scale_ptr + kvh)
         if WHOLE:  # splits merged so far
             m_all = tl.full([G_PAD], float("-inf"), tl.float32)
             l_all = tl.zeros([G_PAD], tl.float32)
@@ -364,26 +307,18 @@ def _decode_split_kernel(
             blk = tl.load(block_tables_ptr + b * stride_bt + pos // BLOCK_SIZE, mask=pmask,
                           other=0)
             slot = blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
-            if FP8_MODE == 1:
-                m, l, acc = _attend_tile_swap_ab(
+            if FOLDED:
+                m, l, acc = _attend_tile_folded(
                     q, k_cache_ptr, v_cache_ptr, ks_cache_ptr, vs_cache_ptr, slot, pmask, kvh,
                     d, m, l, acc, score_scale, NUM_KV_HEADS, HEAD_DIM, DYNAMIC, PRECISION,
                     UPCAST)
-            elif FP8_MODE >= 2:
-                m, l, acc = _attend_tile_folded(
-                    q, q_hi, q_lo, inv_hi, inv_lo, k_cache_ptr, v_cache_ptr, ks_cache_ptr,
-                    vs_cache_ptr, slot, pmask, kvh, d, m, l, acc, score_scale, NUM_KV_HEADS,
-                    HEAD_DIM, DYNAMIC, FP8_MODE == 3, PRECISION, UPCAST)
             else:
                 m, l, acc = _attend_tile(
                     q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, ks_cache_ptr,
                     vs_cache_ptr, slot, pmask, pmask[None, :], kvh, d, m, l, acc, sm_scale,
                     NUM_KV_HEADS, HEAD_DIM, QUANT, DYNAMIC, PRECISION, UPCAST)
             if ((n0 + BLOCK_N) % SPLIT == 0) | (n0 + BLOCK_N >= end):  # a split ends
-                if FP8_MODE == 1:
-                    acc_s = tl.trans(acc) * v_out_scale
-                else:
-                    acc_s = acc * v_out_scale
+                acc_s = acc * v_out_scale if FOLDED else acc
                 if WHOLE:
                     m_all, l_all, acc_all = _merge_split(m_all, l_all, acc_all, m, l, acc_s)
                 else:
@@ -495,7 +430,7 @@ def paged_attention_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache
                            max_seq_len: Optional[int] = None,
                            out: Optional[torch.Tensor] = None,
                            splits_per_program: Optional[int] = None,
-                           fp8_kernel: str = "swap_ab") -> torch.Tensor:
+                           fp8_kernel: str = "folded") -> torch.Tensor:
     """Decode attention over a paged KV cache (Triton, split-KV).
 
     Args:
@@ -520,9 +455,9 @@ def paged_attention_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache
         splits_per_program: how many consecutive ``SPLIT_SIZE`` splits one program
             reads (>= 1; capped at the number of splits). A launch choice only: every
             value gives bit-identical outputs. Default: :func:`default_splits_per_program`.
-        fp8_kernel: for fp8 caches, "swap_ab" (default: :func:`_attend_tile_swap_ab`,
-            scales folded out of the tiles; within a tolerance of "exact", see
-            ``tests/test_kernels.py::test_fp8_swap_ab_error_against_float64``) or "exact"
+        fp8_kernel: for fp8 caches, "folded" (default: :func:`_attend_tile_folded`,
+            scales folded out of the tiles; its contract is a tolerance against float64,
+            ``tests/test_kernels.py::test_fp8_folded_error_against_float64``) or "exact"
             (the int8 path's tiles: each dequantized K/V tile rounded to q's dtype).
             Ignored for other caches. Either is batch invariant.
     Returns:
@@ -550,13 +485,11 @@ def paged_attention_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache
         max_seq_len = int(seq_lens.max())
     max_splits = max(1, triton.cdiv(max_seq_len, SPLIT_SIZE))
     kind = quant_format(key_cache.dtype)[0]
-    # the kernel's FP8_MODE: 0 exact (and every other cache), 1 swap_ab, 2 folded, 3 fp8_qk
-    fp8_mode = {"exact": 0, "swap_ab": 1, "folded": 2, "fp8_qk": 3}[fp8_kernel] if kind == 1 \
-        else 0
-    if fp8_mode == 3 and key_cache.dtype != torch.float8_e4m3fn:
-        fp8_mode = 2
+    folded = kind == 1 and fp8_kernel == "folded"
     if splits_per_program is None:
         splits_per_program = default_splits_per_program(B, num_kv_heads, max_splits, q.device)
+        if folded:
+            splits_per_program = min(splits_per_program, FOLDED_MAX_SPLITS_PER_PROGRAM)
     if (not isinstance(splits_per_program, numbers.Integral)
             or isinstance(splits_per_program, bool) or splits_per_program < 1):
         raise ValueError(f"paged_attention_decode: splits_per_program must be an integer "
@@ -589,7 +522,7 @@ def paged_attention_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache
         QUERY_GROUP=group, G_PAD=g_pad, NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size, SPLIT=SPLIT_SIZE,
         QUANT=kind != 0, DYNAMIC=dynamic, PRECISION=_dot_precision(q.dtype),
-        UPCAST=_upcast(q.dtype), WHOLE=whole, FP8_MODE=fp8_mode, **config)
+        UPCAST=_upcast(q.dtype), WHOLE=whole, FOLDED=folded, **config)
     if not whole:
         _decode_reduce_kernel[(num_heads, B)](
             part_m, part_l, part_acc, seq_lens, out, out.stride(0), out.stride(1), max_splits,

@@ -115,7 +115,7 @@ def errors(device: str, seeds: int) -> list[dict]:
                 u = UNIT_ROUNDOFF[q_dtype]
                 row = dict(q_dtype=q_name, cache=fmt, scales=mode, seeds=seeds,
                            **{f"{k} / u": v / u for k, v in worst.items()},
-                           swap_over_float_cache=worst["swap_ab"] / max(worst["float cache"],
+                           folded_over_float_cache=worst["folded"] / max(worst["float cache"],
                                                                         1e-300))
                 rows.append(row)
                 print(" | ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"

@@ -534,12 +534,12 @@ def test_decode_batch_invariant(dtype, cache_dtype, mode, monkeypatch):
     assert_attn_close(batch, ref, dtype, "decode batch vs ref")
 
 
-# The fp8 decode contract (the "swap_ab" kernel, the default for fp8 caches): no bits to
+# The fp8 decode contract (the "folded" kernel, the default for fp8 caches): no bits to
 # match, a tolerance. Error of a row = max |out - float64 truth| / max |V| of its keys, in
 # units of the query dtype's unit roundoff u (tests/fp8_decode_cases.py). Measured by
-# benchmarks/fp8_decode.py (3 seeds, CPU interpreter): swap_ab at most 0.97 u for 16-bit
+# benchmarks/fp8_decode.py (3 seeds, CPU interpreter): folded at most 0.97 u for 16-bit
 # queries, where the float cache holding the same dequantized values reaches 1.2-2.8 u
-# (it rounds K*scale and V*scale to the query dtype; swap_ab never does); float32 queries
+# (it rounds K*scale and V*scale to the query dtype; folded never does); float32 queries
 # 10-32 u, where the exact kernel (the same 128-key tiles) gives 10-36 u and the float
 # cache's 64-key tiles 3-13 u: in float32 the tile's summation order dominates, and exp
 # turns a score's relative error into |score| times it. The bound, per query dtype:
@@ -551,7 +551,7 @@ FP8_CONTRACT = {BF16: (1.5, "float cache", 1.0), F16: (1.5, "float cache", 1.0),
 @pytest.mark.parametrize("mode", ["head", "dynamic"])
 @pytest.mark.parametrize("cache_dtype", [E4M3, E5M2], ids=str)
 @pytest.mark.parametrize("dtype", [BF16, F16, F32], ids=str)
-def test_fp8_swap_ab_error_against_float64(dtype, cache_dtype, mode):
+def test_fp8_folded_error_against_float64(dtype, cache_dtype, mode):
     from tests.fp8_decode_cases import (UNIT_ROUNDOFF, float_cache_case, normalized_error,
                                         random_case)
     seed = 17 + 5 * [BF16, F16, F32].index(dtype) + 2 * [E4M3, E5M2].index(cache_dtype) + \
@@ -567,9 +567,9 @@ def test_fp8_swap_ab_error_against_float64(dtype, cache_dtype, mode):
     print(f"{dtype} {cache_dtype} {mode}: error / u = " +
           ", ".join(f"{k} {v:.3g}" for k, v in err.items()))
     bound, other, factor = FP8_CONTRACT[dtype]
-    assert err["swap_ab"] <= bound, f"swap_ab error {err['swap_ab']:.3g} u > {bound} u"
-    assert err["swap_ab"] <= factor * err[other], (
-        f"swap_ab error {err['swap_ab']:.3g} u > {factor} x the {other}'s {err[other]:.3g} u")
+    assert err["folded"] <= bound, f"folded error {err['folded']:.3g} u > {bound} u"
+    assert err["folded"] <= factor * err[other], (
+        f"folded error {err['folded']:.3g} u > {factor} x the {other}'s {err[other]:.3g} u")
 
 
 def test_fp8_kernel_choice():
@@ -583,7 +583,7 @@ def test_fp8_kernel_choice():
     a = paged_attention_decode(q, block_size=16, seq_lens=sl, scale=0.125, **kv)
     b = paged_attention_decode(q, block_size=16, seq_lens=sl, scale=0.125, fp8_kernel="exact",
                                **kv)
-    assert_attn_close(a, b, F32, "swap_ab vs exact")
+    assert_attn_close(a, b, F32, "folded vs exact")
     fc = fill_paged_cache([5], 1, 64, 16, F32, F32, None)
     assert_bitwise(paged_attention_decode(q, block_size=16, seq_lens=sl, scale=0.125, **fc),
                    paged_attention_decode(q, block_size=16, seq_lens=sl, scale=0.125,
