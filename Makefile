@@ -133,11 +133,17 @@ lint-docker: install
 # images (tests/test_classroom_docker.py: learners' sessions in the learner image as uids of
 # their own, the exchange, the grader with each submission sandboxed by
 # docker/grade_sandbox.py, the integrity attempts; needs a Docker engine and the images
-# built as docker/README.md says, else it skips with the reason).
+# built as docker/README.md says, else it skips with the reason), and the two JupyterHub
+# setups (tests/test_classroom_hub.py: docker/local_hub/jupyterhub_config.py, learners as
+# Unix accounts, and docker/jupyterhub_config.py, learners' containers as uids of their own;
+# two learners and an instructor through each hub, one in Chromium, the integrity attempts
+# from a learner's terminal; needs root, jupyterhub and configurable-http-proxy, and for the
+# second Docker and the images, else it skips with the reason). It adds Unix accounts and a
+# group while it runs and removes them: MINIVLLM_CLASSROOM_HUB=1, here only.
 classroom-test: install
 	$(PY) -m minivllm.models.embedded
-	$(PY) -m pytest -q -s -n 0 --durations=0 tests/test_classroom.py tests/test_z2jh_values.py \
-		tests/test_classroom_docker.py
+	MINIVLLM_CLASSROOM_HUB=1 $(PY) -m pytest -q -s -n 0 --durations=0 tests/test_classroom.py \
+		tests/test_z2jh_values.py tests/test_classroom_docker.py tests/test_classroom_hub.py
 
 # The course website: chapters executed on first build (about a minute each; cached in
 # build/notebooks until a chapter or the engine changes), then mkdocs with no warnings.

@@ -19,7 +19,14 @@ What it runs, through the hub's proxy as each user with their own API token:
   change the released lab and to hand in a submission under alice's name; and the
   Formgrader, which a learner's server does not serve.
 
-Scores are exact: grading/fixtures/ch03.py's (solution 17, truncate 3). The hub creates its
+The second test runs the same class on docker/jupyterhub_config.py (DockerSpawner, the
+learner image, each learner's container as the uid of their Unix account): the learners
+through the Assignment List's endpoints, the instructor with the grader image ($G of
+docs/instructor.md), bob's attempts from his container's terminal. It skips, with the
+reason, without a Docker engine, the images or dockerspawner; its containers and volumes
+are named minivllm-hubtest-* and removed afterwards.
+
+Scores are exact: grading/fixtures/ch03.py's (solution 17, truncate 3). The test creates its
 accounts (alice, bob, teacher) and removes them, stops every process it started and puts
 the checkout's mode back. It needs root, JupyterHub (the `hub` extra) and
 configurable-http-proxy, and runs only when MINIVLLM_CLASSROOM_HUB=1 (`make
