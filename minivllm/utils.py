@@ -1,9 +1,11 @@
 """Small helpers shared across the package: integer ceiling division, input checks for
-the entry points, and whether forward hooks watch a model (the paths that run no Python per module, CUDA
-graphs and the deferred residual adds, step aside for them)."""
+the entry points, whether forward hooks watch a model (the paths that run no Python per module, CUDA
+graphs and the deferred residual adds, step aside for them), and safetensors files written with
+the modes of any other file the user creates."""
 
 from __future__ import annotations
 
+import os
 from typing import Iterable
 
 import torch
@@ -39,3 +41,30 @@ def forward_hooks_registered(dicts: Iterable[dict]) -> bool:
     twin, which fire for every module)."""
     glob = torch.nn.modules.module
     return bool(glob._global_forward_hooks or glob._global_forward_pre_hooks or any(dicts))
+
+
+def umask() -> int:
+    """The process's umask, read without changing it where Linux reports it (changing it,
+    even for an instant, would race with other threads creating files)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike,
+                     metadata: dict[str, str] | None = None) -> None:
+    """``safetensors.torch.save_file``, then the file's mode as ``open()`` would have made it
+    (0666 less the umask): safetensors 0.8 writes through a private temporary file, so its
+    files are 0600, unreadable to the other uids that share a converted model (a hub's
+    learners, the grader's sandboxes)."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, 0o666 & ~umask())

@@ -140,8 +140,9 @@ def _sha256(path: Path) -> str:
 
 def _convert_gguf(gguf_path: Path, out: Path) -> None:
     """Dequantize the GGUF with transformers and write a plain HF folder."""
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from minivllm.utils import save_safetensors
 
     folder, name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
@@ -159,7 +160,7 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
         config["rope_theta"] = rope["rope_theta"]  # readable by transformers 4.x too
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     state = {k: v.float().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(state, out / "model.safetensors", metadata={"format": "pt"})
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id"),
          "pad_token_id": config.get("pad_token_id")}, indent=2))

@@ -54,7 +54,7 @@ from typing import Optional
 import torch
 
 from minivllm.quantization import QuantConfig, parse_quantization
-from minivllm.utils import cdiv
+from minivllm.utils import cdiv, save_safetensors
 
 FORMAT_VERSION = 1
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -98,7 +98,6 @@ def save_quantized(engine, path: str | Path) -> Path:
             that is not empty.
     """
     from minivllm.layers.linear import QuantLinear
-    from safetensors.torch import save_file
 
     quant = engine.quant_config
     if quant is None:
@@ -122,7 +121,7 @@ def save_quantized(engine, path: str | Path) -> Path:
     for name, p in model.named_parameters():  # float weights, norms, biases
         hf = name if name == "lm_head.weight" else f"model.{name}"
         tensors[hf] = p.detach().cpu().contiguous()
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(tensors, out / "model.safetensors", metadata={"format": "pt"})
     cfg = json.loads((src / "config.json").read_text(encoding="utf-8"))
     float_dtype = next(p.dtype for p in model.parameters())  # the engine's dtype
     cfg["torch_dtype"] = str(float_dtype).removeprefix("torch.")

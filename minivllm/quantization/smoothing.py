@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from minivllm.utils import save_safetensors
+
 # the layers that read a norm's output, and that norm (checkpoint names, layer i)
 SITES = {"self_attn.qkv_proj": ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj",
                                                     "self_attn.v_proj")),
@@ -107,7 +109,7 @@ def fold_into_checkpoint(src: str | Path, dst: str | Path,
         ValueError: a name that is not a qkv_proj/gate_up_proj of the checkpoint, a scale
             that is not a positive power of two of the right length, ``dst`` not empty.
     """
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     src, dst = Path(src), Path(dst)
     if dst.exists() and any(dst.iterdir()):
@@ -131,7 +133,7 @@ def fold_into_checkpoint(src: str | Path, dst: str | Path,
             key = f"model.layers.{parts[1]}.{shard}.weight"
             state[key] = state[key] * s32
     dst.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(state, dst / "model.safetensors", metadata={"format": "pt"})
     for f in src.iterdir():
         if f.is_file() and f.name != "model.safetensors":
             shutil.copy2(f, dst / f.name)
