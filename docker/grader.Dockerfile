@@ -49,8 +49,7 @@ ARG TORCH_SPEC=torch==2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG EXTRAS=course
 RUN scripts/install.sh --model "$VENV" \
-    && rm -rf "$MINIVLLM_CACHE/wheels" \
-    && chmod -R a+rX "$MINIVLLM_CACHE"
+    && rm -rf "$MINIVLLM_CACHE/wheels"
 COPY --chown=1000:1000 . .
 
 # From here on nothing may need the network: no hub look-ups, no pip.

