@@ -20,8 +20,13 @@
 #               `python scripts/course_profiles.py stale|claims` lists the copies to run
 #               again and the claims rows whose verdicts differ between the profiles
 #   make lint-docker  hadolint on the images in docker/
-#   make classroom-test  the class's round trips with two learners' scores (make lab's setup;
-#               the Kubernetes values' schema and roles), timed
+#   make classroom-test  the class's round trips, timed, with the learners' scores: make lab's
+#               setup, the Kubernetes values (schema, roles, per-user uids), the images
+#               (learners' sessions as their own uids, the sandboxed grader) and both
+#               JupyterHub setups (local accounts; containers), one learner in Chromium;
+#               builds the images first where `docker info` works (else those tests skip)
+#   make classroom-images  the learner, instructor and grader images classroom-test runs
+#               (BASE_IMAGE, TORCH_WHEEL=/path/torch.whl offline: docker/README.md)
 #   make site   the course website into build/site (mkdocs build --strict)
 # Each creates .venv and installs on first use.
 
@@ -42,10 +47,10 @@ LAB_PORT ?= 8888
 # Chinese edition: docs/i18n.py; the same assignments, cells, points and tests).
 COURSE_LANG ?= en
 
-.PHONY: install demo test test-fast lab grade grade-all mutants course-isa lint-docker site clean help quantized classroom-test
+.PHONY: install demo test test-fast lab grade grade-all mutants course-isa lint-docker site clean help quantized classroom-test classroom-images
 
 help:
-	@echo "make demo | make test | make lab | make grade | make grade-all | make mutants | make course-isa | make classroom-test | make install | make test-fast | make lint-docker | make site | make clean"
+	@echo "make demo | make test | make lab | make grade | make grade-all | make mutants | make course-isa | make classroom-test | make classroom-images | make install | make test-fast | make lint-docker | make site | make clean"
 	@echo "  grade: every lab against CI's fixtures; grade-all: every fixture of every lab (before a lab is done)"
 
 # scripts/install.sh is the one install procedure (CI and the Docker images run it too);
@@ -139,11 +144,27 @@ lint-docker: install
 # two learners and an instructor through each hub, one in Chromium, the integrity attempts
 # from a learner's terminal; needs root, jupyterhub and configurable-http-proxy, and for the
 # second Docker and the images, else it skips with the reason). It adds Unix accounts and a
-# group while it runs and removes them: MINIVLLM_CLASSROOM_HUB=1, here only.
+# group while it runs and removes them: MINIVLLM_CLASSROOM_HUB=1, here only. The hubs need
+# the hub-docker extra (jupyterhub, dockerspawner): scripts/install.sh --extras
+# dev,course,serve,docs,hub-docker .venv. Where `docker info` works it first builds the
+# images (classroom-images: seconds when nothing changed).
 classroom-test: install
+	@if docker info >/dev/null 2>&1; then $(MAKE) --no-print-directory classroom-images; \
+	else echo "classroom-test: docker info failed (no Docker engine): the image and Docker hub tests skip"; fi
 	$(PY) -m minivllm.models.embedded
 	MINIVLLM_CLASSROOM_HUB=1 $(PY) -m pytest -q -s -n 0 --durations=0 tests/test_classroom.py \
 		tests/test_z2jh_values.py tests/test_classroom_docker.py tests/test_classroom_hub.py
+
+# The images make classroom-test runs, built one after the other with Docker's layer cache
+# (scripts/build_classroom_images.sh; docker/README.md, "The class's images in one
+# command"): the learner image, the instructor image (lab-cpu --target instructor) and the
+# grader. BASE_IMAGE: their base (unset: python:3.11-slim-bookworm, else the offline
+# stand-in that scripts/build_base_image.sh builds); TORCH_WHEEL: a torch wheel file served
+# to the builds from this host where PyTorch's index is out of reach; CLASSROOM_IMAGES:
+# some of learner, instructor, grader.
+CLASSROOM_IMAGES ?= learner instructor grader
+classroom-images:
+	BASE_IMAGE="$(BASE_IMAGE)" TORCH_WHEEL="$(TORCH_WHEEL)" scripts/build_classroom_images.sh $(CLASSROOM_IMAGES)
 
 # The course website: chapters executed on first build (about a minute each; cached in
 # build/notebooks until a chapter or the engine changes), then mkdocs with no warnings.

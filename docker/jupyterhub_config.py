@@ -5,7 +5,7 @@
 What this file assumes (change it where yours differs):
 
 - JupyterHub runs on the Docker host itself, not in a container, in an environment with
-  `pip install jupyterhub dockerspawner` and `npm install -g configurable-http-proxy`, as a
+  `pip install -e ".[hub-docker]"` (jupyterhub, dockerspawner) and `npm install -g configurable-http-proxy`, as a
   user who may use the Docker socket. Learner containers reach the hub at the address of
   the default bridge, docker0 (HUB_CONNECT_IP, default 172.17.0.1); the hub's API listens
   there only.

@@ -627,7 +627,7 @@ def _docker_why_not() -> str | None:
     try:
         import dockerspawner  # noqa: F401
     except ImportError:
-        return "dockerspawner is not installed (pip install dockerspawner)"
+        return "dockerspawner is not installed (the hub-docker extra: scripts/install.sh --extras dev,course,serve,docs,hub-docker .venv)"
     return None
 
 
