@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import re
 import subprocess
@@ -173,6 +174,23 @@ def contract_problems(values: dict) -> list[str]:
         p.append("proxy.https: letsencrypt with hosts and contactEmail")
     if "minivllm-roles" not in values.get("hub", {}).get("extraConfig", {}):
         p.append("hub.extraConfig.minivllm-roles (learners without the Formgrader) is missing")
+
+    # the instructor image: named to the hook (hub.extraEnv) and pulled onto every node
+    instructor = str(values.get("hub", {}).get("extraEnv", {}).get("MINIVLLM_INSTRUCTOR_IMAGE", ""))
+    pulled = [f"{i['name']}:{i['tag']}" for i in
+              ((values.get("prePuller") or {}).get("extraImages") or {}).values()]
+    if not instructor.rpartition(":")[0].endswith("/" + LAB_IMAGE + "-instructor"):
+        p.append(f"hub.extraEnv.MINIVLLM_INSTRUCTOR_IMAGE {instructor!r} is not "
+                 f"<registry>/{LAB_IMAGE}-instructor:<tag>")
+    elif instructor not in pulled:
+        p.append(f"prePuller.extraImages does not pull the instructor image {instructor}")
+    # no fsGroup: the kubelet would give the shared exchange to each starting learner's group
+    if su.get("fsGid", "unset") is not None:
+        p.append("singleuser.fsGid must be null (the hook's init container owns the home)")
+    # the learner image's entrypoint makes the link minivllm-course; a link named minivllm in
+    # the home folder would shadow the package there
+    if re.search(r"/home/jovyan/work/minivllm\b(?!-)", json.dumps(su.get("lifecycleHooks") or {})):
+        p.append("singleuser.lifecycleHooks: a link named minivllm in the home shadows the package")
     return p
 
 
@@ -239,6 +257,15 @@ MUTATIONS = {
                                            "dummy"), "authenticator"),
     "sample image": (lambda v: _set(v, "singleuser.image.name",
                                     "quay.io/jupyterhub/k8s-singleuser-sample"), "lab image"),
+    "instructors on the learner image": (
+        lambda v: _set(v, "hub.extraEnv.MINIVLLM_INSTRUCTOR_IMAGE",
+                       "registry.example.edu/minivllm-lab:2026.1"), "minivllm-lab-instructor"),
+    "instructor image not pre-pulled": (
+        lambda v: _set(v, "prePuller.extraImages.minivllm-instructor.tag", "other"), "prePuller"),
+    "fsGroup back": (lambda v: _set(v, "singleuser.fsGid", 100), "fsGid"),
+    "the old link": (lambda v: _set(v, "singleuser.lifecycleHooks", {"postStart": {"exec": {
+        "command": ["sh", "-c", "ln -sfn /opt/minivllm /home/jovyan/work/minivllm"]}}}),
+        "shadows the package"),
 }
 
 
@@ -254,43 +281,95 @@ def test_a_broken_copy_fails(name):
 
 # --- the roles: the hook of hub.extraConfig, and the files it points servers at ---------------
 
-def _spawner(admin: bool, groups: list[str], as_lists: bool, shared_env: dict):
-    volumes = {"home": {"name": "home"}}
-    mounts = {"home": {"name": "home", "mountPath": "/home/jovyan/work"}}
+HOME_TEMPLATE = "volume-{username}{servername}"  # the chart's volumeNameTemplate
+
+
+def _spawner(admin: bool, groups: list[str], as_lists: bool, shared_env: dict, uid: int = 7,
+             name: str = "learner@example.edu"):
+    """A stand-in KubeSpawner as the chart configures it: the home volume (its name a template
+    KubeSpawner expands), the exchange from extraVolumes, the chart's own init container
+    (a V1Container object in a list, or a dict entry)."""
+    values = load_values()
+    storage = values["singleuser"]["storage"]
+    exchange_mount = storage["extraVolumeMounts"][0]
+    volumes = {"home": {"name": HOME_TEMPLATE, "persistentVolumeClaim": {"claimName": "claim-x"}},
+               "exchange": storage["extraVolumes"][0]}
+    mounts = {"home": {"name": HOME_TEMPLATE, "mountPath": "/home/jovyan/work"},
+              "exchange": exchange_mount}
+    block = {"name": "block-cloud-metadata", "image": "network-tools"}
+    init = {"block": block}
     if as_lists:
         volumes, mounts = list(volumes.values()), list(mounts.values())
+        init = [SimpleNamespace(**block)]  # the chart appends a kubernetes V1Container
     return SimpleNamespace(
-        user=SimpleNamespace(admin=admin, groups=[SimpleNamespace(name=g) for g in groups]),
-        environment=shared_env, volumes=volumes, volume_mounts=mounts)
+        user=SimpleNamespace(admin=admin, groups=[SimpleNamespace(name=g) for g in groups],
+                             id=uid, name=name),
+        environment=shared_env, volumes=volumes, volume_mounts=mounts, init_containers=init,
+        image=_images(values)[0], uid=values["singleuser"]["uid"], gid=None, fs_gid=100,
+        log=logging.getLogger("stand-in-spawner"))
 
 
-def _hook(values: dict):
-    c = SimpleNamespace(KubeSpawner=SimpleNamespace())
+def _images(values: dict) -> tuple[str, str]:
+    """(learner, instructor) images as the chart and hub.extraEnv name them."""
+    image = values["singleuser"]["image"]
+    return f"{image['name']}:{image['tag']}", values["hub"]["extraEnv"]["MINIVLLM_INSTRUCTOR_IMAGE"]
+
+
+def _hook(values: dict, monkeypatch):
+    # the chart's jupyterhub_config.py sets KubeSpawner.image from singleuser.image, and the
+    # hub's environment from hub.extraEnv, before it runs extraConfig
+    c = SimpleNamespace(KubeSpawner=SimpleNamespace(image=_images(values)[0]))
+    for k, v in values["hub"]["extraEnv"].items():
+        monkeypatch.setenv(k, v)
     exec(values["hub"]["extraConfig"]["minivllm-roles"], {"c": c})
     return c.KubeSpawner.pre_spawn_hook
 
 
+def _as_list(x):
+    return list(x.values()) if isinstance(x, dict) else list(x)
+
+
 def _after(spawner):
-    as_list = (lambda x: list(x.values()) if isinstance(x, dict) else x)
-    return spawner.environment, as_list(spawner.volumes), as_list(spawner.volume_mounts)
+    return spawner.environment, _as_list(spawner.volumes), _as_list(spawner.volume_mounts)
+
+
+def _names(items) -> list[str]:
+    return sorted(v["name"] if isinstance(v, dict) else v.name for v in _as_list(items))
+
+
+def _prepare(spawner) -> dict:
+    """The hook's init container."""
+    found = [v for v in _as_list(spawner.init_containers)
+             if isinstance(v, dict) and v["name"] == "minivllm-prepare"]
+    assert len(found) == 1, spawner.init_containers
+    return found[0]
 
 
 @pytest.mark.parametrize("as_lists", [False, True])
-def test_roles_hook(as_lists):
+def test_roles_hook(as_lists, monkeypatch):
     values = load_values()
-    hook = _hook(values)
+    hook = _hook(values, monkeypatch)
+    learner_image, instructor_image = _images(values)
     files = values["singleuser"]["extraFiles"]
     course_root = re.search(r'CourseDirectory\.root = "([^"]+)"',
                             files["instructor-nbgrader-config"]["stringData"]).group(1)
     work = dockerspawner_notebook_dir()
     pvcs = {d["metadata"]["name"]: d for d in yaml.safe_load_all(PVCS.read_text()) if d}
     shared_env = {"JUPYTER_CONFIG_PATH": "/etc/minivllm/learner", "X": "1"}
+    learner_volumes = sorted([HOME_TEMPLATE, "nbgrader-exchange", "minivllm-ids"])
+
+    def check_learner(spawner):
+        env, vols, mounts = _after(spawner)
+        assert env["JUPYTER_CONFIG_PATH"] == "/etc/minivllm/learner" and env["X"] == "1"
+        assert env["MINIVLLM_CACHE"].startswith(work + "/")  # a cache the learner may write
+        assert _names(vols) == learner_volumes and len(mounts) == 4  # home, exchange, passwd, group
+        assert spawner.image == learner_image
+        assert spawner.uid == spawner.gid == 10000 + spawner.user.id and spawner.fs_gid is None
+        assert _names(spawner.init_containers) == ["block-cloud-metadata", "minivllm-prepare"]
 
     learner = _spawner(False, ["students"], as_lists, shared_env)
     hook(learner)
-    env, vols, mounts = _after(learner)
-    assert env["JUPYTER_CONFIG_PATH"] == "/etc/minivllm/learner" and env["X"] == "1"
-    assert [v["name"] for v in vols] == ["home"] and len(mounts) == 1
+    check_learner(learner)
 
     for admin, groups in ((False, ["instructors"]), (True, [])):
         spawner = _spawner(admin, groups, as_lists, shared_env)
@@ -298,8 +377,11 @@ def test_roles_hook(as_lists):
             hook(spawner)
         env, vols, mounts = _after(spawner)
         assert env["JUPYTER_CONFIG_PATH"] == "/etc/minivllm/instructor"
+        assert "MINIVLLM_CACHE" not in env  # the instructor image's own cache, theirs
+        assert spawner.image == instructor_image and spawner.uid == spawner.gid == 1000
         course = [m for m in mounts if m["name"] == "minivllm-course"]
-        assert len(course) == 1 and sorted(v["name"] for v in vols) == ["home", "minivllm-course"]
+        assert len(course) == 1 and _names(vols) == sorted(learner_volumes + ["minivllm-course"])
+        assert _names(spawner.init_containers) == ["block-cloud-metadata", "minivllm-prepare"]
         claim = [v for v in vols if v["name"] == "minivllm-course"][0]["persistentVolumeClaim"]
         assert claim["claimName"] in pvcs
         # the Formgrader needs the course root under the server's root
@@ -308,13 +390,113 @@ def test_roles_hook(as_lists):
         # removed from the instructors: the next start is a learner's, without the course
         spawner.user.admin, spawner.user.groups = False, []
         hook(spawner)
-        env, vols, mounts = _after(spawner)
-        assert env["JUPYTER_CONFIG_PATH"] == "/etc/minivllm/learner"
-        assert [v["name"] for v in vols] == ["home"] and len(mounts) == 1
+        check_learner(spawner)
     assert shared_env == {"JUPYTER_CONFIG_PATH": "/etc/minivllm/learner", "X": "1"}, \
         "the hook must not change the configured (shared) environment"
     for path in ("/etc/minivllm/learner", "/etc/minivllm/instructor"):
         assert any(f["mountPath"].startswith(path + "/") for f in files.values())
+
+
+def test_hook_gives_each_learner_a_uid_of_their_own(monkeypatch):
+    """Learners' pods run as distinct uids, never root's 0 or the grader's 1000 (the
+    exchange's course folder is the grader's: with its uid a learner would list every
+    submission), stable from start to start; instructors run as the grader, 1000, with the
+    instructor image; the init container gets the pod's image and ids."""
+    values = load_values()
+    hook = _hook(values, monkeypatch)
+    learner_image, instructor_image = _images(values)
+    assert learner_image != instructor_image
+    uids = {}
+    for hub_id in (1, 2, 3, 17, 999, 1000, 1001, 5000):  # hub database ids
+        spawner = _spawner(False, [], hub_id % 2 == 0, {}, uid=hub_id, name=f"u{hub_id}")
+        hook(spawner)
+        first = spawner.uid
+        hook(spawner)  # the next start: the same uid
+        assert spawner.uid == first == spawner.gid and spawner.fs_gid is None
+        assert spawner.image == learner_image and _prepare(spawner)["image"] == learner_image
+        uids[hub_id] = spawner.uid
+        script = _prepare(spawner)["command"][-1]
+        assert f"jovyan:x:{first}:{first}:" in script and f"chown -R {first}:{first}" in script
+    assert len(set(uids.values())) == len(uids), uids
+    assert not {0, 1000} & set(uids.values()), uids
+    assert min(uids.values()) > 1000
+    for admin, groups in ((True, []), (False, ["instructors"])):
+        spawner = _spawner(admin, groups, False, {}, uid=4)
+        hook(spawner)
+        assert spawner.image == instructor_image == _prepare(spawner)["image"]
+        assert spawner.uid == spawner.gid == 1000
+
+
+def test_hook_strings_survive_kubespawners_expansion(monkeypatch):
+    """KubeSpawner formats every string of volumes, mounts, init containers and the
+    environment with the user's name (str.format with username, servername, ...): a brace in
+    the init container's shell script would raise or change it."""
+    values = load_values()
+    hook = _hook(values, monkeypatch)
+    for admin in (False, True):
+        spawner = _spawner(admin, [], False, {"JUPYTER_CONFIG_PATH": "x"})
+        hook(spawner)
+        ns = {"username": "alice-40example-2eedu", "servername": "", "user_server": "alice",
+              "unescaped_username": "alice@example.edu", "userid": 7}
+
+        def expand(x):
+            if isinstance(x, dict):
+                return {k: expand(v) for k, v in x.items()}
+            if isinstance(x, list):
+                return [expand(v) for v in x]
+            return x.format(**ns) if isinstance(x, str) else x
+
+        ours = [_prepare(spawner), spawner.environment,
+                *[v for v in _as_list(spawner.volumes) if v["name"].startswith("minivllm")],
+                *[m for m in _as_list(spawner.volume_mounts) if m["name"].startswith("minivllm")]]
+        for item in ours:  # unchanged, but for the home volume's name, the template's
+            assert json.dumps(expand(item)) == \
+                json.dumps(item).replace(HOME_TEMPLATE, "volume-alice-40example-2eedu")
+        assert _prepare(spawner)["volumeMounts"][0]["name"] == HOME_TEMPLATE
+
+
+def test_init_container_in_the_learner_image(tmp_path, monkeypatch):
+    """The hook's init container run as Kubernetes would run it, in the learner image (a
+    Docker engine and minivllm/lab-cpu needed, else skipped): the home becomes the learner's
+    (0700), the exchange 1777 with the course folder the grader's, and the server, as the
+    learner's uid with the passwd and group written, is jovyan to nbgrader, so submissions
+    carry the hub user's name (JUPYTERHUB_USER)."""
+    image = os.environ.get("MINIVLLM_LEARNER_IMAGE", "minivllm/lab-cpu")
+    if subprocess.run(["docker", "image", "inspect", image], capture_output=True).returncode:
+        pytest.skip(f"needs a Docker engine and the learner image {image} (make classroom-images)")
+    if os.geteuid() != 0:
+        pytest.skip("needs root to remove the folders the containers give to other uids")
+    values = load_values()
+    hook = _hook(values, monkeypatch)
+    spawner = _spawner(False, [], False, {}, uid=42)
+    hook(spawner)
+    prep, uid = _prepare(spawner), spawner.uid
+    folders = {m["mountPath"]: tmp_path / m["mountPath"].strip("/").replace("/", "_")
+               for m in prep["volumeMounts"]}
+    for f in folders.values():
+        f.mkdir()
+    (folders["/srv/nbgrader/exchange"]).chmod(0o755)
+    binds = [x for path, f in folders.items() for x in ("-v", f"{f}:{path}")]
+    out = subprocess.run(["docker", "run", "--rm", "--network", "none", "--user", "0:0",
+                          "--entrypoint", prep["command"][0], *binds, image, *prep["command"][1:]],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    home, exchange = folders["/home/jovyan/work"], folders["/srv/nbgrader/exchange"]
+    assert (home.stat().st_uid, home.stat().st_mode & 0o777) == (uid, 0o700)
+    assert exchange.stat().st_mode & 0o7777 == 0o1777
+    course = exchange / "minivllm-precision"
+    assert (course.stat().st_uid, course.stat().st_mode & 0o777) == (1000, 0o755)
+    ids = folders["/minivllm-ids"]
+    probe = ("import os, pwd; from nbgrader.utils import get_username; "
+             "print(pwd.getpwuid(os.getuid()).pw_name, os.path.expanduser('~'), get_username())")
+    out = subprocess.run(["docker", "run", "--rm", "--network", "none", "--user", f"{uid}:{uid}",
+                          "-e", "JUPYTERHUB_USER=alice@example.edu", "-e", "HOME=/home/jovyan/work",
+                          "-v", f"{ids / 'passwd'}:/etc/passwd:ro", "-v", f"{ids / 'group'}:/etc/group:ro",
+                          "-v", f"{home}:/home/jovyan/work", image, "python", "-c", probe],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["jovyan", "/home/jovyan/work", "alice@example.edu"], out.stdout
+    assert (home / "minivllm-course").is_symlink()  # the image's entrypoint, as that uid
 
 
 def _write_extra_files(values: dict, root: Path) -> None:
