@@ -20,8 +20,9 @@ What it runs, through the hub's proxy as each user with their own API token:
   Formgrader, which a learner's server does not serve.
 
 The second test runs the same class on docker/jupyterhub_config.py (DockerSpawner, the
-learner image, each learner's container as the uid of their Unix account): the learners
-through the Assignment List's endpoints, the instructor with the grader image ($G of
+learner image, each learner's container as the uid of their Unix account): alice through
+the Assignment List's endpoints, bob in Chromium as above (the screenshot
+hub-docker-assignment-list-bob.png), the instructor with the grader image ($G of
 docs/instructor.md), bob's attempts from his container's terminal. It skips, with the
 reason, without a Docker engine, the images or dockerspawner; its containers and volumes
 are named minivllm-hubtest-* and removed afterwards.
@@ -390,9 +391,10 @@ def _browser(profile: Path):
     return webdriver.Chrome(service=Service(chromedriver), options=opts), None
 
 
-def _browser_fetch_and_submit(hub: Hub, name: str, password: str, fill) -> dict:
+def _browser_fetch_and_submit(hub: Hub, name: str, password: str, fill, setup: str) -> dict:
     """``name`` logs in with their Unix password, opens Nbgrader > Assignment List, fetches the
-    lab, (``fill()`` writes their answer), submits it; a screenshot. Returns what it saw."""
+    lab, (``fill()`` writes their answer), submits it; a screenshot
+    (reports/classroom/hub-<setup>-assignment-list-<name>.png). Returns what it saw."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as EC
     from selenium.webdriver.support.ui import WebDriverWait
@@ -437,7 +439,7 @@ def _browser_fetch_and_submit(hub: Hub, name: str, password: str, fill) -> dict:
         wait.until(EC.presence_of_element_located(
             (By.XPATH, f"//div[@id='submitted_assignments_list']//*[contains(., '{LAB}')]")))
         REPORTS.mkdir(parents=True, exist_ok=True)
-        shot = REPORTS / f"hub-local-assignment-list-{name}.png"
+        shot = REPORTS / f"hub-{setup}-assignment-list-{name}.png"
         driver.save_screenshot(str(shot))
         seen["screenshot"] = str(shot.relative_to(ROOT))
         seen["submitted list"] = driver.find_element(By.ID, "submitted_assignments_list").text
@@ -498,7 +500,8 @@ def test_local_process_hub_round_trip_scores_and_integrity(local_hub, accounts):
         bob_server = hub.server("bob")
         bob_server.save(path, _fixture_notebook(bob_server.notebook(path)["content"], source,
                                                 "truncate"))
-    record["browser"] = _browser_fetch_and_submit(hub, "bob", accounts["bob"], bob_writes)
+    record["browser"] = _browser_fetch_and_submit(hub, "bob", accounts["bob"], bob_writes,
+                                                  "local")
     assert "Assignment List" in record["browser"]["nbgrader menu"], record["browser"]
     assert not {"Formgrader", "Course List"} & set(record["browser"]["nbgrader menu"])
     bob = hub.server("bob")
@@ -708,10 +711,11 @@ def docker_hub(accounts):
         shutil.rmtree(run, ignore_errors=True)
 
 
-def test_docker_spawner_hub_round_trip_scores_and_integrity(docker_hub):
+def test_docker_spawner_hub_round_trip_scores_and_integrity(docker_hub, accounts):
     """docker/jupyterhub_config.py with the learner image: alice and bob through the
-    Assignment List in containers of their own uids; the instructor's commands of
-    docs/instructor.md ($G: the grader image on the course and exchange volumes)."""
+    Assignment List in containers of their own uids (bob in Chromium: log in, Nbgrader >
+    Assignment List, Fetch, Submit; a screenshot in reports/classroom/); the instructor's
+    commands of docs/instructor.md ($G: the grader image on the course and exchange volumes)."""
     from grading import fixtures
 
     hub, t_start, record = docker_hub, time.perf_counter(), {"hub": "DockerSpawner"}
@@ -741,15 +745,26 @@ def test_docker_spawner_hub_round_trip_scores_and_integrity(docker_hub):
     path = f"{LAB}/{NOTEBOOK}.ipynb"
     course = _volume_path(f"{PREFIX}-course") / COURSE_ID
     source = course / "source" / LAB / f"{NOTEBOOK}.ipynb"
-    for server, fixture in ((alice, "truncate"), (bob, "truncate")):
-        server.action("fetch")
-        released = server.notebook(path)["content"]
-        assert "BEGIN SOLUTION" not in json.dumps(released)
-        server.save(path, _fixture_notebook(released, source, fixture))
+    alice.action("fetch")
+    released = alice.notebook(path)["content"]
+    assert "BEGIN SOLUTION" not in json.dumps(released)
+    alice.save(path, _fixture_notebook(released, source, "truncate"))
     validated = alice.json("post", "assignments/validate", data={"path": path})
     assert "failed" in json.dumps(validated), validated
     alice.action("submit")
-    bob.action("submit")
+
+    # -- bob, in a browser: log in (PAM), Assignment List, Fetch, Submit (his answer: truncate)
+    def bob_writes():
+        released = bob.notebook(path)["content"]
+        assert "BEGIN SOLUTION" not in json.dumps(released)
+        bob.save(path, _fixture_notebook(released, source, "truncate"))
+    t0 = time.perf_counter()
+    record["browser"] = _browser_fetch_and_submit(hub, "bob", accounts["bob"], bob_writes,
+                                                  "docker")
+    record["browser s"] = round(time.perf_counter() - t0, 1)
+    assert "Assignment List" in record["browser"]["nbgrader menu"], record["browser"]
+    assert not {"Formgrader", "Course List"} & set(record["browser"]["nbgrader menu"])
+    assert (LAB, "submitted") in bob.assignments()
     out = instructor("nbgrader", "collect", LAB)
     assert "Collecting submission: alice" in out and "Collecting submission: bob" in out, out
     time.sleep(1.1)
