@@ -15,8 +15,10 @@ tokens. For each KV-cache dtype (bf16 = "auto", fp8_e4m3) and batch size:
 
 The fp8 cache halves the K/V bytes, so the cost model predicts a shorter step whenever
 K/V bytes are a visible share of the step's bytes; whether the kernel delivers it is what
-this measures (``benchmarks/fp8_decode_probe.py``: the fp8 decode kernel reads at about
-45 % of copy bandwidth, the bf16 one at 91-107 %).
+this measures. The earlier fp8 decode kernel (``--fp8-kernels exact``) reads at about
+45 % of copy bandwidth on an H200 (``benchmarks/fp8_decode_probe.py``), the bf16 one at
+91-107 %; the default one (``folded``) at 69 % at batch 64 / 4k on an H100
+(``benchmarks/fp8_decode.py``, ``benchmarks/RESULTS.md``).
 
 Usage: ``python benchmarks/precision_sla.py`` (needs CUDA; about 3 minutes on an H200).
 Prints one table and a last JSON line.
