@@ -147,7 +147,8 @@ lint-docker: install
 # group while it runs and removes them: MINIVLLM_CLASSROOM_HUB=1, here only. The hubs need
 # the hub-docker extra (jupyterhub, dockerspawner): scripts/install.sh --extras
 # dev,course,serve,docs,hub-docker .venv. Where `docker info` works it first builds the
-# images (classroom-images: seconds when nothing changed).
+# images (classroom-images: seconds when nothing changed; minutes an image after an edit
+# to what the install copies, docker/README.md).
 classroom-test: install
 	@if docker info >/dev/null 2>&1; then $(MAKE) --no-print-directory classroom-images; \
 	else echo "classroom-test: docker info failed (no Docker engine): the image and Docker hub tests skip"; fi

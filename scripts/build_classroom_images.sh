@@ -20,8 +20,9 @@
 # out of reach): served for the build from its folder by a local HTTP server on
 # 127.0.0.1:$WHEEL_PORT (8765), the builds on the host's network (--network host); the
 # server stops when the script ends. The rest comes from the package index as usual.
-# Docker's layer cache makes a build of unchanged sources take seconds; an edit to minivllm/,
-# minivllm_kernels/, grading/ or the install reinstalls (about 2 minutes an image on 2 cores).
+# Docker's layer cache makes a build of unchanged sources take seconds; an edit to what the
+# install copies (pyproject.toml, README.md, scripts/install.sh, minivllm/, minivllm_kernels/,
+# grading/) reinstalls and converts the model again: 3-6 minutes an image on 2 shared cores.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
