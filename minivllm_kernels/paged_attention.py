@@ -534,7 +534,8 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, block_size: int, l
               dtype: torch.dtype, scale: torch.Tensor | float = 1.0,
               scale_cache: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Reference helper: positions [0, length) of one sequence from a paged cache,
-    dequantized (``stored * scale`` in float32) and cast to ``dtype``: [length, H, D]."""
+    dequantized (``stored * scale`` in float32, or float64 when ``dtype`` is float64) and
+    cast to ``dtype``: [length, H, D]."""
     pos = torch.arange(length, device=cache.device)
     slots = block_table.long()[pos // block_size] * block_size + pos % block_size
     raw = cache.view(torch.uint8)[slots].view(cache.dtype) if cache.element_size() == 1 \
@@ -545,7 +546,8 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, block_size: int, l
         s = scale_cache[slots][..., None]
     else:
         s = _per_head(scale, cache.shape[1], cache.device)[:, None]
-    return (raw.to(torch.float32) * s).to(dtype)
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    return (raw.to(wide) * s.to(wide)).to(dtype)
 
 
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -601,23 +603,15 @@ def paged_attention_decode_f64(q: torch.Tensor, key_cache: torch.Tensor,
     Same arguments as :func:`paged_attention_decode`. Returns [B, num_heads, head_dim]
     float64 (0 for a seq_len-0 row), on q's device."""
     out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
-    num_kv_heads = key_cache.shape[1]
-    group = q.shape[1] // num_kv_heads
+    group = q.shape[1] // key_cache.shape[1]
     for b in range(q.shape[0]):
         n = int(seq_lens[b])
         if n == 0:
             continue
-        kv = []
-        for cache, s, sc in ((key_cache, k_scale, k_scale_cache),
-                             (value_cache, v_scale, v_scale_cache)):
-            x = gather_kv(cache, block_tables[b], block_size, n, torch.float64)
-            if quant_format(cache.dtype)[0]:  # gather_kv with scale 1.0: the stored values
-                pos = torch.arange(n, device=cache.device)
-                slots = block_tables[b].long()[pos // block_size] * block_size + pos % block_size
-                x = x * (sc[slots].double()[..., None] if sc is not None else
-                         _per_head(s, num_kv_heads, cache.device).double()[:, None])
-            kv.append(x.repeat_interleave(group, dim=1))  # [n, H, D]
-        k, v = kv
+        k, v = (gather_kv(cache, block_tables[b], block_size, n, torch.float64, s, sc)
+                .repeat_interleave(group, dim=1)  # [n, H, D]
+                for cache, s, sc in ((key_cache, k_scale, k_scale_cache),
+                                     (value_cache, v_scale, v_scale_cache)))
         p = torch.softmax(torch.einsum("hd,lhd->hl", q[b].double(), k) * scale, dim=-1)
         out[b] = torch.einsum("hl,lhd->hd", p, v)
     return out

@@ -71,13 +71,9 @@ def normalized_error(out: torch.Tensor, truth: torch.Tensor, case: dict) -> floa
 
 
 def _dequant_v(case: dict, b: int, n: int) -> torch.Tensor:
-    bs = case["block_size"]
-    pos = torch.arange(n, device=case["value_cache"].device)
-    slots = case["block_tables"][b].long()[pos // bs] * bs + pos % bs
-    raw = PA.gather_kv(case["value_cache"], case["block_tables"][b], bs, n, torch.float64)
-    if "v_scale_cache" in case:
-        return raw * case["v_scale_cache"][slots].double()[..., None]
-    return raw * case["v_scale"].double()[None, :, None]
+    """Sequence b's first n values, dequantized in float64: [n, Hkv, D]."""
+    return PA.gather_kv(case["value_cache"], case["block_tables"][b], case["block_size"], n,
+                        torch.float64, case.get("v_scale", 1.0), case.get("v_scale_cache"))
 
 
 def float_cache_case(case: dict) -> dict:
