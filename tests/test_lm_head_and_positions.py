@@ -206,7 +206,13 @@ def test_bad_positions_for_a_batch(llm, positions, err, match):
 def test_embedded_fp32_head_and_positions(embedded_model_dir):
     """On SmolLM2 (49152 x 576 tied head): oneDNN's packed float32 GEMM gives other bits
     for 1-3, 5-7 and 9-11 rows than inside a larger batch; the chosen rows still equal the
-    full score's. The fp32 head moves the bf16 engine's log-probs towards float32."""
+    full score's. The fp32 head removes the head's own rounding: with the bf16 engine's
+    hidden states, its logits are float32 sums of exact products, where the bf16 head's
+    carry bf16 rounding. (This test used to assert that the fp32 head moves the whole
+    log-prob vector towards the float32 engine's; on an AMD EPYC with avx512_bf16,
+    2026-12-06, it moved it 2 % further away, RMS 0.0519 against 0.0508: there the bf16
+    body's error dominates, so that claim depends on the CPU and is not tested.)"""
+    from minivllm.models.llama import lm_head_ref
     from minivllm.precision import evalsets
 
     fp32 = LLM("smollm2-135m-instruct", dtype="float32", max_model_len=256,
@@ -219,13 +225,25 @@ def test_embedded_fp32_head_and_positions(embedded_model_dir):
     assert torch.equal(fp32.score(ids[:9], positions=[2, 8]), short[[2, 8]])
     bf16 = LLM("smollm2-135m-instruct", dtype="bfloat16", max_model_len=256,
                kv_cache_memory_bytes=16 << 20)
-    tgt = torch.tensor(ids[1:])
-    ar = torch.arange(len(tgt))
+    seen: dict = {}
 
-    def rms(rows):
-        return (rows[ar, tgt] - full[ar, tgt]).pow(2).mean().sqrt().item()
+    def recording(name, head):
+        def step(hidden, weight):
+            out = head(hidden, weight)
+            seen[name] = (hidden.detach().clone(), weight.detach(), out.detach().clone())
+            return out
+        return step
 
-    bf16_head = rms(bf16.score(ids)[:-1])
-    with bf16.swap_step("lm_head", lm_head_fp32):
-        fp32_head = rms(bf16.score(ids)[:-1])
-    assert fp32_head < bf16_head, (fp32_head, bf16_head)
+    for name, head in (("bf16", lm_head_ref), ("fp32", lm_head_fp32)):
+        with bf16.swap_step("lm_head", recording(name, head)):
+            bf16.score(ids)
+    h, w, _ = seen["fp32"]
+    assert h.dtype == torch.bfloat16 and torch.equal(h, seen["bf16"][0])  # the same body
+    exact = h.double() @ w.double().T
+    err = {k: (seen[k][2].double() - exact).abs().max().item() for k in seen}
+    # float32 sums of 576 exact products (bf16 x bf16): at most K eps32 sum |h||w|
+    bound32 = (576 * 2.0 ** -24 * (h.double().abs() @ w.double().abs().T)).max().item()
+    print(f"head logits, max |error| against float64: bf16 head {err['bf16']:.3g}, "
+          f"fp32 head {err['fp32']:.3g} (float32 bound {bound32:.3g})")
+    assert err["fp32"] <= bound32, err
+    assert err["bf16"] > 100 * err["fp32"], err  # the bf16 head rounds its logits
