@@ -333,22 +333,28 @@ def local_hub(accounts):
         hub.wait_up(1800)  # the first start builds the learners' Python
         yield hub
     finally:
-        for name in USERS:
-            try:
-                hub.api("DELETE", f"/users/{name}/server", ok=(202, 204, 400, 404))
-            except Exception:  # noqa: BLE001  (the hub may be gone already)
-                pass
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+        _stop_hub(hub, proc, 30)
         _kill_processes_of(USERS)
         REPORTS.mkdir(parents=True, exist_ok=True)
         shutil.copy(log, REPORTS / "hub-local.log")
         shutil.rmtree(run, ignore_errors=True)
+
+
+def _stop_hub(hub, proc: subprocess.Popen, wait_s: float) -> None:
+    """Stop every user's server through the API, then the hub's process group: SIGTERM,
+    and SIGKILL after ``wait_s`` seconds."""
+    for name in USERS:
+        try:
+            hub.api("DELETE", f"/users/{name}/server", ok=(202, 204, 400, 404))
+        except Exception:  # noqa: BLE001  (the hub may be gone already)
+            pass
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
 
 
 def _fixture_notebook(released: dict, source: Path, fixture: str) -> dict:
@@ -686,18 +692,7 @@ def docker_hub(accounts):
         hub.wait_up(120)
         yield hub
     finally:
-        for name in USERS:
-            try:
-                hub.api("DELETE", f"/users/{name}/server", ok=(202, 204, 400, 404))
-            except Exception:  # noqa: BLE001  (the hub may be gone already)
-                pass
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+        _stop_hub(hub, proc, 60)
         names = subprocess.run(["docker", "ps", "-aq", "--filter", f"name=^{PREFIX}-"],
                                capture_output=True, text=True).stdout.split()
         if names:
