@@ -39,6 +39,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.docker_ready import docker_why_not
+
 ROOT = Path(__file__).resolve().parents[1]
 LAB = "ch03"  # grading.fixtures.CI_GENERIC_LAB: the fastest lab
 COURSE_ID = "minivllm-precision"
@@ -52,20 +54,7 @@ GRADER_UID = 1000
 SANDBOX = {"memory": "3g", "cpus": "1.5", "pids": 128, "uid_base": 30000}
 
 
-def _docker_ready() -> str | None:
-    """Why the test cannot run here, or None."""
-    if not shutil.which("docker"):
-        return "no docker CLI"
-    info = subprocess.run(["docker", "info"], capture_output=True, text=True)
-    if info.returncode != 0:
-        return f"`docker info` failed (no Docker engine): {info.stderr.strip()[:200]}"
-    for image in (LEARNER, GRADER):
-        if subprocess.run(["docker", "image", "inspect", image], capture_output=True).returncode:
-            return f"image {image} not built (docker/README.md: docker build ...)"
-    return None
-
-
-_why = _docker_ready()
+_why = docker_why_not((LEARNER, GRADER))
 pytestmark = pytest.mark.skipif(_why is not None, reason=_why or "")
 
 

@@ -58,6 +58,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.docker_ready import docker_why_not
+
 ROOT = Path(__file__).resolve().parents[1]
 LAB, NOTEBOOK, COURSE_ID = "ch03", "ch03_lab", "minivllm-precision"
 LEARNERS, INSTRUCTOR = ("alice", "bob"), "teacher"
@@ -323,12 +325,7 @@ def local_hub(accounts):
                MINIVLLM_HUB_VENV=str(TEST_DIR / "venv"), MINIVLLM_HUB_CACHE=str(TEST_DIR / "cache"),
                MINIVLLM_HUB_USERS=",".join(LEARNERS), MINIVLLM_HUB_INSTRUCTORS=INSTRUCTOR,
                MINIVLLM_HUB_BIND_URL=f"http://127.0.0.1:{port}")
-    log = run / "jupyterhub.log"
-    with open(log, "w") as fh:
-        proc = subprocess.Popen([str(VENV_BIN / "jupyterhub"), "-f", str(wrapper)], cwd=run,
-                                env=env, stdout=fh, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    hub = Hub(f"http://127.0.0.1:{port}", token, proc, log, run / "hub")
+    hub, proc, log = _start_hub(run, wrapper, env, port, token)
     try:
         hub.wait_up(1800)  # the first start builds the learners' Python
         yield hub
@@ -338,6 +335,17 @@ def local_hub(accounts):
         REPORTS.mkdir(parents=True, exist_ok=True)
         shutil.copy(log, REPORTS / "hub-local.log")
         shutil.rmtree(run, ignore_errors=True)
+
+
+def _start_hub(run: Path, wrapper: Path, env: dict, port: int, token: str):
+    """Start ``jupyterhub -f wrapper`` in ``run`` (its own process group, output in
+    ``run/jupyterhub.log``): (the Hub client, the process, the log's path)."""
+    log = run / "jupyterhub.log"
+    with open(log, "w") as fh:
+        proc = subprocess.Popen([str(VENV_BIN / "jupyterhub"), "-f", str(wrapper)], cwd=run,
+                                env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    return Hub(f"http://127.0.0.1:{port}", token, proc, log, run / "hub"), proc, log
 
 
 def _stop_hub(hub, proc: subprocess.Popen, wait_s: float) -> None:
@@ -625,14 +633,9 @@ PREFIX = "minivllm-hubtest"  # the test's containers and volumes: never a class'
 
 
 def _docker_why_not() -> str | None:
-    if not shutil.which("docker"):
-        return "no docker CLI"
-    info = subprocess.run(["docker", "info"], capture_output=True, text=True)
-    if info.returncode != 0:
-        return f"`docker info` failed (no Docker engine): {info.stderr.strip()[:200]}"
-    for image in (LAB_IMAGE, GRADER_IMAGE):
-        if subprocess.run(["docker", "image", "inspect", image], capture_output=True).returncode:
-            return f"image {image} is not built (docker/README.md)"
+    why = docker_why_not((LAB_IMAGE, GRADER_IMAGE))
+    if why:
+        return why
     try:
         import dockerspawner  # noqa: F401
     except ImportError:
@@ -682,12 +685,7 @@ def docker_hub(accounts):
     env = dict(os.environ, MINIVLLM_HUB_DIR=str(run / "hub"), HUB_CONNECT_IP=ip,
                MINIVLLM_HUB_USERS=",".join(LEARNERS), MINIVLLM_HUB_ADMINS=INSTRUCTOR,
                MINIVLLM_LAB_IMAGE=LAB_IMAGE)
-    log = run / "jupyterhub.log"
-    with open(log, "w") as fh:
-        proc = subprocess.Popen([str(VENV_BIN / "jupyterhub"), "-f", str(wrapper)], cwd=run,
-                                env=env, stdout=fh, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    hub = Hub(f"http://127.0.0.1:{port}", token, proc, log, run / "hub")
+    hub, proc, log = _start_hub(run, wrapper, env, port, token)
     try:
         hub.wait_up(120)
         yield hub
