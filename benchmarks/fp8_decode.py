@@ -89,6 +89,9 @@ def timings(shapes: list[tuple[int, int]], sweep_kernels: list[str]) -> dict:
                         for reg in (96, 112, 128, 160):
                             cfg.clear()
                             cfg.update(BLOCK_N=bn, num_warps=4, num_stages=st)
+                            # the tile step's own choices (folded: EVEN, EXP2) stay
+                            cfg.update({k: v for k, v in saved.items() if k.isupper()
+                                        and k != "BLOCK_N"})
                             if reg:
                                 cfg["maxnreg"] = reg
                             try:

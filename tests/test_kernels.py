@@ -540,7 +540,7 @@ def test_decode_batch_invariant(dtype, cache_dtype, mode, monkeypatch):
 # benchmarks/fp8_decode.py (3 seeds, CPU interpreter): folded at most 0.97 u for 16-bit
 # queries, where the float cache holding the same dequantized values reaches 1.2-2.8 u
 # (it rounds K*scale and V*scale to the query dtype; folded never does); float32 queries
-# 10-32 u, where the exact kernel (the same 128-key tiles) gives 10-36 u and the float
+# 15-30 u, where the exact kernel (the same 128-key tiles) gives 10-22 u and the float
 # cache's 64-key tiles 3-13 u: in float32 the tile's summation order dominates, and exp
 # turns a score's relative error into |score| times it. The bound, per query dtype:
 # (at most this many u, and at most this factor times that kernel's error on the data).
