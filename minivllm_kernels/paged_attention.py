@@ -306,6 +306,46 @@ def _end_split(n0, end, m, l, acc, m_all, l_all, acc_all, v_out_scale, part_m_pt
 
 
 @triton.jit
+def _tile_slots(block_tables_ptr, b, stride_bt, n0, end, BLOCK_N: tl.constexpr,
+                BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    """The cache rows (slots, int64 [BLOCK_N]) of sequence b's keys n0 .. n0 + BLOCK_N - 1
+    through its block table, and which of them exist (< end). Not MASKED: all do (a full
+    tile), so the block-table load takes no mask."""
+    pos = n0 + tl.arange(0, BLOCK_N)
+    pmask = pos < end
+    if MASKED:
+        blk = tl.load(block_tables_ptr + b * stride_bt + pos // BLOCK_SIZE, mask=pmask, other=0)
+    else:
+        blk = tl.load(block_tables_ptr + b * stride_bt + pos // BLOCK_SIZE)
+    return pmask, blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+
+
+@triton.jit
+def _folded_tiles(lo, hi, end, q, k_cache_ptr, v_cache_ptr, ks_cache_ptr, vs_cache_ptr,
+                  block_tables_ptr, b, stride_bt, kvh, d, m, l, acc, m_all, l_all, acc_all,
+                  score_scale, v_out_scale, part_m_ptr, part_l_ptr, part_acc_ptr, heads, gmask,
+                  max_splits, QUERY_GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                  SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, DYNAMIC: tl.constexpr,
+                  PRECISION: tl.constexpr, UPCAST: tl.constexpr, WHOLE: tl.constexpr,
+                  EXP2: tl.constexpr, MASKED: tl.constexpr):
+    """The folded kernel's tiles at keys lo, lo + BLOCK_N, ... < hi (the program's keys
+    end at ``end``): :func:`_attend_tile_folded`, then :func:`_end_split`. The split
+    kernel calls it for the full tiles (not MASKED) and then the last, partial one."""
+    for n0 in range(lo, hi, BLOCK_N):
+        pmask, slot = _tile_slots(block_tables_ptr, b, stride_bt, n0, end, BLOCK_N, BLOCK_SIZE,
+                                  MASKED)
+        m, l, acc = _attend_tile_folded(
+            q, k_cache_ptr, v_cache_ptr, ks_cache_ptr, vs_cache_ptr, slot, pmask, kvh, d, m, l,
+            acc, score_scale, NUM_KV_HEADS, HEAD_DIM, DYNAMIC, PRECISION, UPCAST, MASKED, EXP2)
+        m, l, acc, m_all, l_all, acc_all = _end_split(
+            n0, end, m, l, acc, m_all, l_all, acc_all, v_out_scale, part_m_ptr, part_l_ptr,
+            part_acc_ptr, b, heads, gmask, d, max_splits, NUM_KV_HEADS, QUERY_GROUP, D_PAD,
+            SPLIT, BLOCK_N, WHOLE, EXP2)
+    return m, l, acc, m_all, l_all, acc_all
+
+
+@triton.jit
 def _decode_split_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, ks_cache_ptr, vs_cache_ptr,
         block_tables_ptr, seq_lens_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr,
@@ -357,40 +397,19 @@ def _decode_split_kernel(
             full_end = start
             if EVEN:
                 full_end = start + (end - start) // BLOCK_N * BLOCK_N
-            for n0 in range(start, full_end, BLOCK_N):
-                pos = n0 + tl.arange(0, BLOCK_N)
-                pmask = pos < end
-                blk = tl.load(block_tables_ptr + b * stride_bt + pos // BLOCK_SIZE)
-                slot = blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
-                m, l, acc = _attend_tile_folded(
-                    q, k_cache_ptr, v_cache_ptr, ks_cache_ptr, vs_cache_ptr, slot, pmask, kvh,
-                    d, m, l, acc, score_scale, NUM_KV_HEADS, HEAD_DIM, DYNAMIC, PRECISION,
-                    UPCAST, False, EXP2)
-                m, l, acc, m_all, l_all, acc_all = _end_split(
-                    n0, end, m, l, acc, m_all, l_all, acc_all, v_out_scale, part_m_ptr,
-                    part_l_ptr, part_acc_ptr, b, heads, gmask, d, max_splits, NUM_KV_HEADS,
-                    QUERY_GROUP, D_PAD, SPLIT, BLOCK_N, WHOLE, EXP2)
-            for n0 in range(full_end, end, BLOCK_N):
-                pos = n0 + tl.arange(0, BLOCK_N)
-                pmask = pos < end
-                blk = tl.load(block_tables_ptr + b * stride_bt + pos // BLOCK_SIZE,
-                              mask=pmask, other=0)
-                slot = blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
-                m, l, acc = _attend_tile_folded(
-                    q, k_cache_ptr, v_cache_ptr, ks_cache_ptr, vs_cache_ptr, slot, pmask, kvh,
-                    d, m, l, acc, score_scale, NUM_KV_HEADS, HEAD_DIM, DYNAMIC, PRECISION,
-                    UPCAST, True, EXP2)
-                m, l, acc, m_all, l_all, acc_all = _end_split(
-                    n0, end, m, l, acc, m_all, l_all, acc_all, v_out_scale, part_m_ptr,
-                    part_l_ptr, part_acc_ptr, b, heads, gmask, d, max_splits, NUM_KV_HEADS,
-                    QUERY_GROUP, D_PAD, SPLIT, BLOCK_N, WHOLE, EXP2)
+            for part in tl.static_range(2):  # the full tiles, then the partial one
+                lo = start if part == 0 else full_end
+                hi = full_end if part == 0 else end
+                m, l, acc, m_all, l_all, acc_all = _folded_tiles(
+                    lo, hi, end, q, k_cache_ptr, v_cache_ptr, ks_cache_ptr, vs_cache_ptr,
+                    block_tables_ptr, b, stride_bt, kvh, d, m, l, acc, m_all, l_all, acc_all,
+                    score_scale, v_out_scale, part_m_ptr, part_l_ptr, part_acc_ptr, heads,
+                    gmask, max_splits, QUERY_GROUP, NUM_KV_HEADS, HEAD_DIM, D_PAD, BLOCK_SIZE,
+                    SPLIT, BLOCK_N, DYNAMIC, PRECISION, UPCAST, WHOLE, EXP2, part == 1)
         else:
             for n0 in range(start, end, BLOCK_N):
-                pos = n0 + tl.arange(0, BLOCK_N)
-                pmask = pos < end
-                blk = tl.load(block_tables_ptr + b * stride_bt + pos // BLOCK_SIZE,
-                              mask=pmask, other=0)
-                slot = blk.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+                pmask, slot = _tile_slots(block_tables_ptr, b, stride_bt, n0, end, BLOCK_N,
+                                          BLOCK_SIZE, True)
                 m, l, acc = _attend_tile(
                     q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, ks_cache_ptr,
                     vs_cache_ptr, slot, pmask, pmask[None, :], kvh, d, m, l, acc, sm_scale,
