@@ -15,11 +15,12 @@
 #
 # Chapter 30 measured two things this lab makes you build:
 #
-# - **FP4 weights.** MXFP4 (blocks of 32, a power-of-two E8M0 scale) lost about twice the
-#   KL of NVFP4 (blocks of 16, an E4M3 scale and a float32 tensor scale) at nearly the same
-#   bits per weight. You write both formats; then, in a memory budget that NVFP4
-#   everywhere does not fit, you decide which projections get NVFP4, and the engine runs
-#   your plan with your quantizers.
+# - **FP4 weights.** MXFP4 (blocks of 32, a power-of-two E8M0 scale) lost 2 to 3.5 times
+#   the KL of NVFP4 (blocks of 16, an E4M3 scale and a float32 tensor scale) at nearly the
+#   same bits per weight (chapter 30 prints its own run's ratio on the course's text;
+#   `benchmarks/RESULTS.md` records 2.3x on another). You write both formats; then, in
+#   a memory budget that NVFP4 everywhere does not fit, you decide which projections get
+#   NVFP4, and the engine runs your plan with your quantizers.
 # - **Batch invariance.** Torch's float32 GEMM gives a row different bits depending on
 #   how many rows share the call, so a request's logits change with the batch. You
 #   write a batched matmul whose every row is a function of that row alone, and it goes
