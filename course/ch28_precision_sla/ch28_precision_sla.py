@@ -56,8 +56,8 @@
 # capacity runs are measured live on the embedded SmolLM2-135M-Instruct, on this CPU.
 # Wall-clock time on a shared CPU
 # is noise (it moves with whatever else runs), so latency comes from the bytes-moved cost model
-# and from an H200 run of `benchmarks/precision_sla.py` (its numbers are quoted in
-# section 4 with the command; they were not measured by this notebook).
+# and from an H200 and an H100 run of `benchmarks/precision_sla.py` (their numbers are
+# quoted in section 4 with the command; they were not measured by this notebook).
 
 # %%
 # %matplotlib inline
@@ -647,13 +647,14 @@ rows = [
      Bi(f"H200, batch 64: fp8 KV predicted "
         f"{H200['bf16 KV'][64][1] / H200['fp8 KV'][64][1]:.2f}x faster, measured {sp:.2f}x "
         f"({'slower' if sp < 1 else 'faster'}; this engine's earlier fp8 kernel); H100, "
-        f"batch 64, the folded kernel: {sp100:.2f}x ({'slower' if sp100 < 1 else 'faster'}), "
-        f"though its attention alone is 1.46x faster than bf16's (quoted, not measured here)",
+        f"batch 64, the folded kernel's first version: {sp100:.2f}x "
+        f"({'slower' if sp100 < 1 else 'faster'}), though its attention alone was 1.44x faster "
+        f"than bf16's (1.46x after a later change; quoted, not measured here)",
         f"H200，批次 64：预测 fp8 KV 快 "
         f"{H200['bf16 KV'][64][1] / H200['fp8 KV'][64][1]:.2f}x，实测 {sp:.2f}x"
         f"（{'更慢' if sp < 1 else '更快'}；本引擎早先的 fp8 核函数）；H100，批次 64，"
-        f"folded 核函数：{sp100:.2f}x（{'更慢' if sp100 < 1 else '更快'}），"
-        f"尽管单看注意力它比 bf16 快 1.46x（引用的数字，并非在此测得）")),
+        f"folded 核函数的第一个版本：{sp100:.2f}x（{'更慢' if sp100 < 1 else '更快'}），"
+        f"尽管单看注意力它比 bf16 快 1.44x（此后的一处改动后为 1.46x；引用的数字，并非在此测得）")),
     (Bi("the Pareto choice on SmolLM2 is int8 W + fp16 KV, KL ~3e-3 (course plan estimate)",
         "SmolLM2 上的 Pareto 选择是 int8 W + fp16 KV，KL ~3e-3（课程计划的估计）"),
      Bi(f"under KL <= {KL_BUDGET:g} on every task and a {SLA_MS} ms step: {choice}; int8 W + "
@@ -670,7 +671,8 @@ claims_table(rows, header=(Bi("claim", "论断"), Bi("what we measured here", "�
 #
 # - *"Halving the bytes halves the latency."* Only when the step is bound by those bytes
 #   **and** a kernel reads the small format at full bandwidth. Section 4: fp8 KV, half the
-#   K/V bytes, a measured speed-up of 0.84x at batch 64 (slower steps).
+#   K/V bytes, a measured speed-up at batch 64 of 0.84x on an H200 with the earlier fp8
+#   kernel and 0.98x on an H100 with the folded one (slower steps in both).
 # - *"fp32 KV costs a bit more memory."* It costs exactly 2x the bytes per token of a
 #   16-bit cache; a preallocated pool holds half the tokens. Size `max_num_seqs` (and
 #   `num_gpu_blocks_override` / `kv_cache_memory_bytes`) from the bytes, or the scheduler
