@@ -16,11 +16,11 @@
 # In chapter 2 a KV pool that was too small for the running requests forced preemptions
 # (evict, then recompute). In float32 the recomputed requests came back with the same
 # tokens, and chapter 8 measured why: recompute moves the logits by ~1e-11 nats. In
-# bfloat16 it moves them by up to ~2e-3 nats, about as much as a change of batch does, and in
+# bfloat16 it moves them by up to a few 1e-3 nats, about as much as a change of batch does, and in
 # chapter 8's bfloat16 run (40 requests, 24 greedy tokens, `recompute_rates.json`) 1 of 7
 # preempted requests but 15 of 33 **never**-preempted ones changed their tokens (their
 # batch changed when others were preempted). A bfloat16 token check could not tell a
-# preempting sizing from a batch that merely changed, and it would run ~3x slower. What
+# preempting sizing from a batch that merely changed. What
 # made vLLM's answers wrong under preemption was lost state. The engine build in this
 # lab carries such a **preemption bug** (#16832: outputs wrong after a RECOMPUTE
 # preemption; PR #5349, vllm-gaudi PR #524): a preempted request forgets the tokens it

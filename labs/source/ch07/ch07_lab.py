@@ -15,8 +15,9 @@
 #
 # In chapter 7 a wrong mapping from token positions to KV-cache slots did not make the
 # logits a little less precise: it made the model read another token's K/V. The
-# off-by-one fault (the block index taken from `pos - 1`) left every sequence exact below
-# one block (16 tokens) and sent KL over 1 nat from the first block boundary on. This lab
+# off-by-one fault (the block index taken from `pos - 1`), in decode mode, left every
+# sequence exact below one block (16 tokens) and sent KL over 1 nat from the first block
+# boundary on (in a prefill it hits every position, the early ones hardest). This lab
 # starts from that **broken engine**: the setup cell plants the fault through the step
 # registry (`faults.off_by_one_slots`) on a fragmented pool. You write the mapping
 # yourself; the last test plugs your `slot_mapping` into the engine as its

@@ -319,7 +319,7 @@ for _i, (_a, _b) in enumerate(zip(_want, _mine)):
 # Your two steps make a preempted request come back whole **in float32**. In bfloat16
 # they cannot: the resumed request's K/V and logits come from a prefill over prompt +
 # output, its unpreempted twin's from decodes, and in 8 significand bits the two round
-# differently (chapter 8, section 3: the first resumed token can change). A bfloat16
+# differently (chapter 8, section 4: a resumed request's tokens can change). A bfloat16
 # deployment that must give a request the same tokens whether or not the server was busy
 # therefore avoids preemption altogether. vLLM's documentation gives the knobs: more KV
 # memory, or fewer requests at once (`max_num_seqs`, `max_num_batched_tokens`).

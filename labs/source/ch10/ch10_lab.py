@@ -17,12 +17,13 @@
 #
 # - **an RMSNorm that forgets to upcast** (`faults.rmsnorm_no_upcast`: the mean square
 #   taken in float16). A square past 65504 (any |x| > 255.9) is inf, the row's variance
-#   is inf, and the row normalises to zeros. This model's residual stream carries values
-#   of ~690 from layer 2 on and ~22,500 from layer 11 on, so the fault is natural here:
-#   chapter 10 measured a mean KL of about 7 nats against the correct float16 engine;
-#   float32 does not change at all.
-# - **a residual stream past float16's range.** The unmodified model peaks at ~22.5k, 34 %
-#   of 65504, so it never overflows on its own. `faults.residual_scale_reparam(llm, c)`
+#   is inf, and the row normalises to zeros. This model's residual stream passes 255.9 on
+#   its first token in most layers (chapter 10: about 770 after layer 2, about 25,000 from
+#   layer 11 on), so the fault is natural here: chapter 10 measured a mean KL of about 7
+#   nats against the float32 engine; float32 does not change at all.
+# - **a residual stream past float16's range.** The unmodified model peaks at ~25k
+#   (chapter 10: 24,926, 38 % of 65504, on the first token of its text), so it never
+#   overflows on its own. `faults.residual_scale_reparam(llm, c)`
 #   scales the stream by `c` and compensates exactly (float32 logits unchanged). The
 #   peak sits on the first token; a sequence that starts with `<|im_start|>` (as every
 #   chat prompt does) peaks at ~24.9k, so with `c = 2.75` it reaches ~68k: the MLP output
