@@ -13,8 +13,9 @@
 # %% [markdown] nbgrader={"grade": false, "grade_id": "intro", "locked": true, "schema_version": 3, "solution": false, "task": false}
 # # Lab 29: a precision regression gate and a drift monitor
 #
-# Chapter 29 caught planted regressions (an fp8 KV cache swapped in, a sampling default
-# changed under the users) with a CI gate and a production monitor, and showed the two
+# Chapter 29 caught planted regressions with a CI gate (an fp8 KV cache swapped in and a
+# sampling default changed under the users: both failed it) and a production monitor (the
+# sampling default; the fp8 cache only once requests were shadow-scored), and showed the two
 # ways a gate or a monitor goes wrong: judging a mean without its interval and without
 # the noise floor, and an alarm set so tight that healthy traffic trips it. This lab
 # starts from that broken setup: a monitor configured too tight (`threshold=3`,
