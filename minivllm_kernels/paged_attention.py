@@ -187,6 +187,15 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, ks_cache
 
 
 @triton.jit
+def _exp(x, EXP2: tl.constexpr):
+    """2**x when the softmax runs in base 2 (EXP2: log2(e) already folded into the
+    scores), else e**x."""
+    if EXP2:
+        return tl.exp2(x)
+    return tl.exp(x)
+
+
+@triton.jit
 def _load_raw_tile(cache_ptr, slot, pmask, kvh, d, NUM_KV_HEADS: tl.constexpr,
                    HEAD_DIM: tl.constexpr, OUT_DTYPE: tl.constexpr, MASKED: tl.constexpr):
     """[BLOCK_N, D_PAD] tile of an fp8 cache's stored values, cast to OUT_DTYPE without
@@ -233,12 +242,8 @@ def _attend_tile_folded(q, k_cache_ptr, v_cache_ptr, ks_cache_ptr, vs_cache_ptr,
         s = tl.where(pmask[None, :], s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # see _attend_tile
-    if EXP2:
-        alpha = tl.exp2(m - m_use)
-        p = tl.exp2(s - m_use[:, None])
-    else:
-        alpha = tl.exp(m - m_use)
-        p = tl.exp(s - m_use[:, None])
+    alpha = _exp(m - m_use, EXP2)
+    p = _exp(s - m_use[:, None], EXP2)
     l = l * alpha + tl.sum(p, axis=1)
     if DYNAMIC:
         v = _load_kv_tile(v_cache_ptr, vs_cache_ptr, vs_cache_ptr, slot, pmask, kvh, d,
@@ -259,12 +264,8 @@ def _merge_split(m, l, acc, m_s, l_s, acc_s, EXP2: tl.constexpr):
     :func:`_attend_tile`), not NaN. EXP2: the maxima are in base 2."""
     m_new = tl.maximum(m, m_s)
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    if EXP2:
-        a = tl.exp2(m - m_use)
-        a_s = tl.exp2(m_s - m_use)
-    else:
-        a = tl.exp(m - m_use)
-        a_s = tl.exp(m_s - m_use)
+    a = _exp(m - m_use, EXP2)
+    a_s = _exp(m_s - m_use, EXP2)
     l = tl.fma(l_s, a_s, l * a)
     acc = tl.fma(acc_s, a_s[:, None], acc * a[:, None])
     return m_new, l, acc
