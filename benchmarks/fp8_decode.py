@@ -16,7 +16,8 @@ Two parts, side by side in one run:
    holding this data computes).
 2. **Time** (GPU only; ``--time``): the Llama-3-8B shape (32 query heads, 8 KV heads,
    head_dim 128, block 16, blocks scattered at random), bf16 cache against fp8_e4m3 with
-   each fp8 kernel, at several batch/context shapes, as CUDA-graph replays
+   each fp8 kernel (and the folded kernel with e4m3 NaNs kept, and with bfloat16 products:
+   its ``F16`` setting), at several batch/context shapes, as CUDA-graph replays
    (``triton.testing.do_bench``, median, L2 flushed), with the copy bandwidth measured in
    the same run; then the fp8 kernels' launch choices (splits per program, pipeline depth,
    register cap) at batch 64 / 4k and 256 / 8k (``--sweep folded,exact``).
@@ -59,16 +60,27 @@ def timings(shapes: list[tuple[int, int]], sweep_kernels: list[str]) -> dict:
     vb = torch.randn_like(kb)
     k8, v8 = kb.to(torch.float8_e4m3fn), vb.to(torch.float8_e4m3fn)
     ks = torch.full((Hkv,), 1.0, device="cuda")
-    kernels = [("bf16", kb, vb, {})] + [(f"fp8 {n}", k8, v8, dict(fp8_kernel=n))
-                                        for n in PA.FP8_KERNELS]
+    # the folded kernel as it is, and with its float16 products' other settings (F16:
+    # 2 keeps e4m3 NaNs, 0 multiplies in bfloat16 with the tiles converted by the cast)
+    kernels: list[tuple] = [("bf16", kb, vb, {}, {})]
+    kernels += [(f"fp8 {n}", k8, v8, dict(fp8_kernel=n), {}) for n in PA.FP8_KERNELS]
+    kernels += [("fp8 folded, NaN kept", k8, v8, {}, {"F16": 2}),
+                ("fp8 folded, bf16 products", k8, v8, {}, {"F16": 0})]
+    folded = PA.DECODE_CONFIG_FOLDED
     rows = []
     for B, ctx in shapes:
         q, bt, lens = paged_decode_inputs(num_blocks, B, ctx, H, D, bs, torch.bfloat16, g)
         elems = B * ctx * Hkv * D * 2  # K and V elements read
         r: dict = dict(batch=B, context=ctx)
-        for name, kc, vc, kw in kernels:
-            ms = bench_graph(lambda: PA.paged_attention_decode(  # noqa: B023
-                q, kc, vc, bt, lens, bs, D ** -0.5, ks, ks, max_seq_len=ctx, **kw))
+        for name, kc, vc, kw, override in kernels:
+            saved = dict(folded)
+            folded.update(override)
+            try:
+                ms = bench_graph(lambda: PA.paged_attention_decode(  # noqa: B023
+                    q, kc, vc, bt, lens, bs, D ** -0.5, ks, ks, max_seq_len=ctx, **kw))
+            finally:
+                folded.clear()
+                folded.update(saved)
             r[f"{name} us"] = round(ms * 1e3, 1)
             r[f"{name} frac"] = round(elems * kc.element_size() / (ms * 1e-3) / copy_bw, 3)
         rows.append(r)

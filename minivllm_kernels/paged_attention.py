@@ -32,7 +32,11 @@ the second kernel, as FlashAttention's split-KV heuristic does when it picks one
 
 Precision: scores, softmax and accumulation in float32; K and V are dequantized
 (``stored * scale``) and cast to the query dtype before the dot products, as the
-reference does; on GPUs, float32 dot products use IEEE float32, not TF32.
+reference does; on GPUs, float32 dot products use IEEE float32, not TF32. The default
+kernel for fp8 caches (``fp8_kernel="folded"``) differs, within a tolerance
+(``tests/test_kernels.py``, ``FP8_CONTRACT``): the scales multiply the scores and the
+output, not the tiles, and with 16-bit queries the products run in float16 (bfloat16
+queries scaled into float16 by a power of two, exactly), which every fp8 value is.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from typing import Optional
 
 import torch
 
-from minivllm_kernels._quant import cast_rne, dot, quant_format
+from minivllm_kernels._quant import _INTERPRETED, cast_rne, dot, quant_format
 from minivllm_kernels._triton import INTERPRET, device_ok, next_pow2, tl, triton
 from minivllm_kernels.reshape_and_cache import _per_head
 
@@ -63,17 +67,28 @@ DECODE_CONFIG_QUANT = {"BLOCK_N": 128, "num_warps": 4}
 # EVEN: full tiles run without load masks (the last, partial tile with them); EXP2: the
 # softmax in base 2 (log2(e) folded into the score scale). Together 1-3 % faster at batch
 # >= 64 on an H100 (250.0 against 254.8 us at batch 64 / 4k); both change the rounding,
-# not the contract. Float caches and the exact kernel ignore both.
+# not the contract. F16 (16-bit queries, static scales; see _f16_mode): the products in
+# float16, the fp8 tiles converted with integer instructions instead of the GPU's
+# conversion unit (_fp8_to_f16), with whole sequences per program at large batches
+# (FOLDED_WHOLE_PAIRS_PER_SM): 212-213 against 250-252 us at batch 64 / 4k on an H100,
+# 83 % of copy bandwidth; 1 = an e4m3 NaN reads as a number, 2 = kept NaN (231-234 us).
+# Float caches and the exact kernel ignore all three.
 DECODE_CONFIG_FOLDED = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 4, "maxnreg": 128,
-                        "EVEN": True, "EXP2": True}
+                        "EVEN": True, "EXP2": True, "F16": 1}
 # The decode kernels for fp8 caches (``fp8_kernel``): "folded", the default, a tolerance
 # contract (tests/test_kernels.py, FP8_CONTRACT); "exact", the kernel int8 caches use
 # (each tile dequantized and rounded to the query dtype), whose bits earlier releases gave.
 FP8_KERNELS = ("folded", "exact")
-# fp8 "folded" launches read at most this many splits per program: at batch 64 / 4k on an
-# H100 two splits per program (2,048 programs, then the reduce kernel) took 254 us, whole
-# sequences (512 programs) 262 us. Any value gives the same bits.
+# fp8 "folded" launches read at most this many splits per program (with bfloat16 products,
+# at batch 64 / 4k on an H100, two splits per program took 254 us, whole sequences 262 us)
+# ... unless the batch has FOLDED_WHOLE_PAIRS_PER_SM (sequence, KV head) pairs per SM or
+# more: then whole sequences, about one wave of 4 programs per SM. On an H100 with float16
+# products (F16, integer conversion two values at a time): batch 64 / 4k (3.9 pairs per
+# SM) 217-218 us whole, 236-237 us with 2 splits per program; batch 128 / 4k 410-411
+# against 442-445 us. Batch 32 / 4k (1.9 pairs per SM; e4m3 NaNs kept): 148-149 us whole,
+# 135-136 us with 1-4 splits. Any value gives the same bits.
 FOLDED_MAX_SPLITS_PER_PROGRAM = 2
+FOLDED_WHOLE_PAIRS_PER_SM = 3.5
 # A launch gives each (sequence, KV head) one program that reads all its splits once there
 # are at least this many such pairs per streaming multiprocessor (SM); otherwise one
 # program per split. Tuned on an H200 (132 SMs) by benchmarks/decode_sweep.py.
@@ -196,17 +211,89 @@ def _exp(x, EXP2: tl.constexpr):
 
 
 @triton.jit
+def _fp8_to_f16(x, E4M3: tl.constexpr, KEEP_NAN: tl.constexpr):
+    """fp8 tensor -> float16 tensor, exactly, with integer instructions. The cast
+    (``cvt.rn.f16x2.e4m3x2``, the GPU's conversion unit, one per two values) is what
+    limited the folded kernel on an H100: with it, float16 products took 248-255 us at
+    batch 64 / 4k; with this, 212-213 us (benchmarks/RESULTS.md).
+
+    - e5m2 is float16 with its low byte cut off: each byte moves to the top of a 16-bit
+      word (``prmt``), and that is the value, NaN and inf included.
+    - e4m3 (bits s eeee mmm) becomes s 0eeee mmm 0000000, which read as float16
+      (exponent bias 15, not 7) is **x * 2**-8**, subnormals included; the caller's
+      scales undo the 2**-8. Four values at a time: the high bytes s 0eeee mm (sign kept,
+      magnitude shifted right by one) and the low bytes m 0000000, interleaved by two
+      ``prmt``: 7 instructions per 4 values.
+    - An e4m3 NaN (magnitude 0x7F; a cache holds one only if a NaN was written to it)
+      reads as -+480 x 2**-8, a number. KEEP_NAN keeps it NaN (the magnitude plus one
+      carries into float16's top exponent bit only then), two values at a time: 12
+      instructions per 4 values, 231-234 against 212-213 us at batch 64 / 4k (H100).
+
+    The interpreter (no inline PTX) runs the same bit operations one value at a time;
+    ``tests/test_kernels.py::test_fp8_to_f16_every_byte`` checks all 256 bytes both ways."""
+    if _INTERPRETED:
+        u = x.to(tl.uint8, bitcast=True).to(tl.uint16)
+        if E4M3:
+            h = ((u & 0x80) << 8) | ((u & 0x7F) << 7)
+            if KEEP_NAN:
+                h = tl.where((u & 0x7F) == 0x7F, h | 0x4000, h)
+        else:
+            h = u << 8
+        return h.to(tl.float16, bitcast=True)
+    u8 = x.to(tl.uint8, bitcast=True)
+    if not E4M3:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            prmt.b32 $0, $2, 0, 0x1404;
+            prmt.b32 $1, $2, 0, 0x3424;
+            }""", constraints="=r,=r,r", args=[u8], dtype=tl.float16, is_pure=True, pack=4)
+    if not KEEP_NAN:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 h, l, t;
+            and.b32 t, $2, 0x7F7F7F7F;
+            shr.b32 t, t, 1;
+            lop3.b32 h, $2, 0x80808080, t, 0xE2;
+            shl.b32 l, $2, 7;
+            and.b32 l, l, 0x80808080;
+            prmt.b32 $0, l, h, 0x5140;
+            prmt.b32 $1, l, h, 0x7362;
+            }""", constraints="=r,=r,r", args=[u8], dtype=tl.float16, is_pure=True, pack=4)
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 a, b, t, u;
+        prmt.b32 a, $2, 0, 0x1404;
+        prmt.b32 b, $2, 0, 0x3424;
+        and.b32 t, a, 0x7F007F00;
+        shr.b32 t, t, 1;
+        add.u32 u, t, 0x00800080;
+        lop3.b32 t, a, 0x80008000, t, 0xEA;
+        lop3.b32 $0, u, 0x40004000, t, 0xEA;
+        and.b32 t, b, 0x7F007F00;
+        shr.b32 t, t, 1;
+        add.u32 u, t, 0x00800080;
+        lop3.b32 t, b, 0x80008000, t, 0xEA;
+        lop3.b32 $1, u, 0x40004000, t, 0xEA;
+        }""", constraints="=r,=r,r", args=[u8], dtype=tl.float16, is_pure=True, pack=4)
+
+
+@triton.jit
 def _load_raw_tile(cache_ptr, slot, pmask, kvh, d, NUM_KV_HEADS: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, OUT_DTYPE: tl.constexpr, MASKED: tl.constexpr):
+                   HEAD_DIM: tl.constexpr, OUT_DTYPE: tl.constexpr, MASKED: tl.constexpr,
+                   F16: tl.constexpr = 0):
     """[BLOCK_N, D_PAD] tile of an fp8 cache's stored values, cast to OUT_DTYPE without
     the scale: exact (every fp8 e4m3/e5m2 value is a bfloat16, float16 and float32
-    value), one conversion instruction per element, no float32 detour. Not MASKED: every
-    row exists and HEAD_DIM == D_PAD (a full tile), so the load takes no mask."""
+    value). Not MASKED: every row exists and HEAD_DIM == D_PAD (a full tile), so the
+    load takes no mask. F16 (OUT_DTYPE float16): converted by :func:`_fp8_to_f16` (an
+    e4m3 tile then holds the values times 2**-8, which the caller's scales undo); 2: NaN
+    kept."""
     ptr = cache_ptr + slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM + d[None, :]
     if MASKED:
         x = tl.load(ptr, mask=pmask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
     else:
         x = tl.load(ptr)
+    if F16:
+        return _fp8_to_f16(x, x.dtype == tl.float8e4nv, F16 == 2)
     return x.to(OUT_DTYPE)
 
 
@@ -215,7 +302,7 @@ def _attend_tile_folded(q, k_cache_ptr, v_cache_ptr, ks_cache_ptr, vs_cache_ptr,
                         kvh, d, m, l, acc, score_scale, NUM_KV_HEADS: tl.constexpr,
                         HEAD_DIM: tl.constexpr, DYNAMIC: tl.constexpr,
                         PRECISION: tl.constexpr, UPCAST: tl.constexpr, MASKED: tl.constexpr,
-                        EXP2: tl.constexpr):
+                        EXP2: tl.constexpr, F16: tl.constexpr = 0):
     """:func:`_attend_tile` for an fp8 cache with the scales folded out of the tiles. K
     and V enter the products as stored (:func:`_load_raw_tile`: one exact cast); the
     scores are multiplied by ``score_scale`` (softmax scale x k_scale: a scalar, or per
@@ -231,7 +318,7 @@ def _attend_tile_folded(q, k_cache_ptr, v_cache_ptr, ks_cache_ptr, vs_cache_ptr,
     and the exponentials are in base 2 (one multiply per score fewer: FlashAttention-2's
     ``scale_softmax_log2``)."""
     k = _load_raw_tile(k_cache_ptr, slot, pmask, kvh, d, NUM_KV_HEADS, HEAD_DIM, q.dtype,
-                       MASKED)
+                       MASKED, F16)
     s = dot(q, tl.trans(k), PRECISION, UPCAST)  # [G, N]
     if DYNAMIC:
         ks = tl.load(ks_cache_ptr + slot * NUM_KV_HEADS + kvh, mask=pmask, other=0.0)
@@ -250,9 +337,29 @@ def _attend_tile_folded(q, k_cache_ptr, v_cache_ptr, ks_cache_ptr, vs_cache_ptr,
                           NUM_KV_HEADS, HEAD_DIM, True, True, q.dtype)
     else:
         v = _load_raw_tile(v_cache_ptr, slot, pmask, kvh, d, NUM_KV_HEADS, HEAD_DIM, q.dtype,
-                           MASKED)
+                           MASKED, F16)
     acc = acc * alpha[:, None] + dot(cast_rne(p, v.dtype), v, PRECISION, UPCAST)
     return m_new, l, acc
+
+
+@triton.jit
+def _query_to_f16(q, score_scale):
+    """bfloat16 queries q [G, D] -> float16, scaled by a power of two 2**k so that the
+    largest |q| lies in [2**13, 2**14): exact for every element at least 2**-27 times the
+    largest (float16 keeps 11 significant bits from 2**-14 up; bfloat16 has 8), and
+    smaller ones are off by at most 2**-38 times the largest. ``score_scale`` is
+    multiplied by 2**-k (exact unless it falls below 2**-126: only for |q| < 2**-100).
+    Inf and NaN stay inf and NaN. Then every fp8 value is a float16 value
+    (:func:`_fp8_to_f16`), and the softmax weights are rounded to float16's 11 bits
+    instead of bfloat16's 8: the folded kernel's 16-bit rows measure 0.54-0.87 u against
+    the float cache's 1.22-2.76 u (benchmarks/RESULTS.md)."""
+    qf = q.to(tl.float32)
+    amax = tl.max(tl.max(tl.abs(qf), axis=1), axis=0)
+    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2(amax))
+    k = tl.minimum(tl.maximum(13 - e, -126), 126)
+    up = ((127 + k) << 23).to(tl.float32, bitcast=True)  # 2**k
+    down = ((127 - k) << 23).to(tl.float32, bitcast=True)  # 2**-k
+    return (qf * up).to(tl.float16), score_scale * down
 
 
 @triton.jit
@@ -329,7 +436,7 @@ def _folded_tiles(lo, hi, end, q, k_cache_ptr, v_cache_ptr, ks_cache_ptr, vs_cac
                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                   SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, DYNAMIC: tl.constexpr,
                   PRECISION: tl.constexpr, UPCAST: tl.constexpr, WHOLE: tl.constexpr,
-                  EXP2: tl.constexpr, MASKED: tl.constexpr):
+                  EXP2: tl.constexpr, MASKED: tl.constexpr, F16: tl.constexpr):
     """The folded kernel's tiles at keys lo, lo + BLOCK_N, ... < hi (the program's keys
     end at ``end``): :func:`_attend_tile_folded`, then :func:`_end_split`. The split
     kernel calls it for the full tiles (not MASKED) and then the last, partial one."""
@@ -338,7 +445,8 @@ def _folded_tiles(lo, hi, end, q, k_cache_ptr, v_cache_ptr, ks_cache_ptr, vs_cac
                                   MASKED)
         m, l, acc = _attend_tile_folded(
             q, k_cache_ptr, v_cache_ptr, ks_cache_ptr, vs_cache_ptr, slot, pmask, kvh, d, m, l,
-            acc, score_scale, NUM_KV_HEADS, HEAD_DIM, DYNAMIC, PRECISION, UPCAST, MASKED, EXP2)
+            acc, score_scale, NUM_KV_HEADS, HEAD_DIM, DYNAMIC, PRECISION, UPCAST, MASKED, EXP2,
+            F16)
         m, l, acc, m_all, l_all, acc_all = _end_split(
             n0, end, m, l, acc, m_all, l_all, acc_all, v_out_scale, part_m_ptr, part_l_ptr,
             part_acc_ptr, b, heads, gmask, d, max_splits, NUM_KV_HEADS, QUERY_GROUP, D_PAD,
@@ -357,7 +465,7 @@ def _decode_split_kernel(
         SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr,
         DYNAMIC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
         WHOLE: tl.constexpr, FOLDED: tl.constexpr, EVEN: tl.constexpr = False,
-        EXP2: tl.constexpr = False):
+        EXP2: tl.constexpr = False, F16: tl.constexpr = 0):
     # KV head fastest: programs that run side by side read the heads of the same tokens,
     # which sit next to each other in memory ([slot, kv_head, head_dim]).
     kvh = tl.program_id(0)
@@ -387,6 +495,12 @@ def _decode_split_kernel(
             v_out_scale = tl.load(v_scale_ptr + kvh)
         if EXP2:
             score_scale = score_scale * 1.4426950408889634  # log2(e)
+        if F16:  # float16 products (set by the launcher for 16-bit queries, static scales)
+            if q.dtype == tl.bfloat16:
+                q, score_scale = _query_to_f16(q, score_scale)
+            if k_cache_ptr.dtype.element_ty == tl.float8e4nv:  # tiles hold x * 2**-8
+                score_scale = score_scale * 256.0
+                v_out_scale = v_out_scale * 256.0
         # splits merged so far (WHOLE)
         m_all = tl.full([G_PAD], float("-inf"), tl.float32)
         l_all = tl.zeros([G_PAD], tl.float32)
@@ -406,7 +520,8 @@ def _decode_split_kernel(
                     block_tables_ptr, b, stride_bt, kvh, d, m, l, acc, m_all, l_all, acc_all,
                     score_scale, v_out_scale, part_m_ptr, part_l_ptr, part_acc_ptr, heads,
                     gmask, max_splits, QUERY_GROUP, NUM_KV_HEADS, HEAD_DIM, D_PAD, BLOCK_SIZE,
-                    SPLIT, BLOCK_N, DYNAMIC, PRECISION, UPCAST, WHOLE, EXP2, part == 1)
+                    SPLIT, BLOCK_N, DYNAMIC, PRECISION, UPCAST, WHOLE, EXP2, part == 1,
+                    F16)
         else:
             for n0 in range(start, end, BLOCK_N):
                 pmask, slot = _tile_slots(block_tables_ptr, b, stride_bt, n0, end, BLOCK_N,
@@ -503,6 +618,18 @@ def _check_out_and_scales(q, out, k_scale_cache, v_scale_cache, key_cache, what)
                                  f"{list(want)}, got {tuple(t.shape)} {t.dtype}")
 
 
+def _f16_mode(config: dict, folded: bool, dynamic: bool, q_dtype: torch.dtype,
+              cache_dtype: torch.dtype) -> int:
+    """The folded kernel's float16 products (``config["F16"]``): 0 off (bfloat16 queries
+    multiply in bfloat16, the tiles converted by the cast); 1 the tiles converted with
+    integer instructions (:func:`_fp8_to_f16`; an e4m3 NaN reads as a number); 2 the same
+    with e4m3 NaNs kept. Only for 16-bit queries and static scales (dynamic V scales
+    dequantize V in the tile, which could take a value past float16's range): else 0."""
+    if not (folded and not dynamic and q_dtype in (torch.bfloat16, torch.float16)):
+        return 0
+    return int(config.get("F16", 0))
+
+
 def _upcast(dtype: torch.dtype) -> bool:
     return INTERPRET and dtype == torch.bfloat16
 
@@ -578,7 +705,7 @@ def paged_attention_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     folded = kind == 1 and fp8_kernel == "folded"
     if splits_per_program is None:
         splits_per_program = default_splits_per_program(B, num_kv_heads, max_splits, q.device)
-        if folded:
+        if folded and B * num_kv_heads < FOLDED_WHOLE_PAIRS_PER_SM * _num_sms(q.device):
             splits_per_program = min(splits_per_program, FOLDED_MAX_SPLITS_PER_PROGRAM)
     if (not isinstance(splits_per_program, numbers.Integral)
             or isinstance(splits_per_program, bool) or splits_per_program < 1):
@@ -616,7 +743,8 @@ def paged_attention_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache
         QUERY_GROUP=group, G_PAD=g_pad, NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size, SPLIT=SPLIT_SIZE,
         QUANT=kind != 0, DYNAMIC=dynamic, PRECISION=_dot_precision(q.dtype),
-        UPCAST=_upcast(q.dtype), WHOLE=whole, FOLDED=folded, **config)
+        UPCAST=_upcast(q.dtype), WHOLE=whole, FOLDED=folded,
+        **{**config, "F16": _f16_mode(config, folded, dynamic, q.dtype, key_cache.dtype)})
     if not whole:
         _decode_reduce_kernel[(num_heads, B)](
             part_m, part_l, part_acc, seq_lens, out, out.stride(0), out.stride(1), max_splits,

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from minivllm_kernels import paged_attention as PA
-from minivllm_kernels._triton import INTERPRET
+from minivllm_kernels._triton import INTERPRET, tl, triton
 from minivllm_kernels.activation import silu_and_mul, silu_and_mul_ref
 from minivllm_kernels.batch_invariant import (linear_batch_invariant, matmul_batch_invariant, matmul_ref,
                                      rms_norm_batch_invariant, rms_norm_batch_invariant_ref)
@@ -570,6 +570,53 @@ def test_fp8_folded_error_against_float64(dtype, cache_dtype, mode):
     assert err["folded"] <= bound, f"folded error {err['folded']:.3g} u > {bound} u"
     assert err["folded"] <= factor * err[other], (
         f"folded error {err['folded']:.3g} u > {factor} x the {other}'s {err[other]:.3g} u")
+
+
+@pytest.mark.parametrize("q_factor", [2.0 ** 60, 2.0 ** -60], ids=["2^60", "2^-60"])
+def test_fp8_folded_bf16_queries_past_float16_range(q_factor):
+    """bfloat16 queries far outside float16's range (|q| up to ~2^62, or ~2^-58: a plain
+    cast to float16 gives inf, or 0) still meet the contract: the folded kernel's float16
+    products scale q by a power of two first. Keys are scaled the other way so that the
+    scores, and so the attention weights, stay those of ordinary data."""
+    from tests.fp8_decode_cases import UNIT_ROUNDOFF, normalized_error, random_case
+    case = random_case(3, [1, 130, 700], 8, 2, 128, 16, E4M3, BF16, "head", str(DEVICE),
+                       torch.Generator().manual_seed(91))
+    case["q"] = (case["q"].float() * q_factor).to(BF16)
+    case["k_scale"] = case["k_scale"] / q_factor
+    truth = PA.paged_attention_decode_f64(**case)
+    out = PA.paged_attention_decode(**case)
+    assert torch.isfinite(out).all()
+    err = normalized_error(out, truth, case) / UNIT_ROUNDOFF[BF16]
+    print(f"q x {q_factor:g}: folded error {err:.3g} u")
+    assert err <= FP8_CONTRACT[BF16][0], f"folded error {err:.3g} u"
+
+
+@triton.jit
+def _fp8_to_f16_kernel(x_ptr, out_ptr, E4M3: tl.constexpr, KEEP_NAN: tl.constexpr):
+    i = tl.arange(0, 256)
+    tl.store(out_ptr + i, PA._fp8_to_f16(tl.load(x_ptr + i), E4M3, KEEP_NAN))
+
+
+@pytest.mark.parametrize("keep_nan", [True, False])
+@pytest.mark.parametrize("cache_dtype", [E4M3, E5M2], ids=str)
+def test_fp8_to_f16_every_byte(cache_dtype, keep_nan):
+    """The folded kernel's integer fp8 -> float16 conversion on all 256 bytes: e5m2 gives
+    the value, e4m3 the value times 2**-8 (both exact: compared bit for bit with torch's
+    conversion), NaN stays NaN (e4m3 without KEEP_NAN: its NaN may read as a number).
+    On a GPU this runs the inline PTX; in the interpreter the cast it stands for."""
+    x = torch.arange(256, dtype=torch.uint8).view(cache_dtype)
+    want = x.float() * (2.0 ** -8 if cache_dtype == E4M3 else 1.0)
+    want = want.to(F16)
+    out = torch.empty(256, dtype=F16, device=DEVICE)
+    _fp8_to_f16_kernel[(1,)](x.to(DEVICE), out, E4M3=cache_dtype == E4M3, KEEP_NAN=keep_nan)
+    out = out.cpu()
+    nan = torch.isnan(want)
+    assert nan.sum() == 2 if cache_dtype == E4M3 else 6  # the formats' NaN encodings
+    assert torch.equal(bits(out[~nan]), bits(want[~nan])), [
+        (i, float(want[i]), float(out[i])) for i in range(256)
+        if not nan[i] and bits(out[i:i + 1]) != bits(want[i:i + 1])][:8]
+    if keep_nan or cache_dtype == E5M2:
+        assert torch.isnan(out[nan]).all()
 
 
 def test_fp8_kernel_choice():
