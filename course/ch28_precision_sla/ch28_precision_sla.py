@@ -430,15 +430,18 @@ fig
 # `benchmarks/fp8_decode_probe.py` and RESULTS: it converted each fp8 value to bf16 in
 # its inner loop and read K/V at 44-46 % of the H200's copy bandwidth, where the bf16
 # kernel reads at 91-107 %. Its replacement (`"folded"`) makes decode attention **alone**
-# 1.46x faster than bf16 on an H100 at batch 64 and 4,096-token contexts (254 against
-# 372 us, 70 % of copy bandwidth; `benchmarks/gpu_suite.py`, RESULTS; its first version,
-# without the unmasked tiles and base-2 softmax, 258 us). Yet the H100 rows above, measured
-# with that first version, put the whole step at 0.98x of bf16's at batch 64 (0.94x with
-# the earlier kernel): attention is not all that an fp8 step adds, and where the rest goes
-# is not measured yet. The fp8 cache still buys **capacity** (half the bytes per token,
-# section 1, so twice the sequences in the same pool: the "seqs in 8 GiB" column of
-# section 5), which is often what a serving team wants from it; in this engine it does
-# not yet buy step time. That is a property of **this engine's** kernels, not of fp8 KV: vLLM's fp8 paths on Hopper and Blackwell (FlashAttention 3,
+# faster than bf16 on an H100 at batch 64 and 4,096-token contexts: its first version
+# 1.44x (258 against 372 us), the current one 1.70x (212 against 361 us, 83 % of copy
+# bandwidth; `benchmarks/gpu_suite.py`, RESULTS, 2026-12-06). What the current one
+# changed: it converts the fp8 values with integer instructions, not with the GPU's
+# conversion unit, which had been the limit. Yet the H100 rows above, measured with the
+# first version, put the whole step at 0.98x of bf16's at batch 64 (0.94x with the
+# earlier kernel): attention is not all that an fp8 step adds, and where the rest goes
+# is not measured yet; the step with the current kernel is not measured either. The fp8
+# cache still buys **capacity** (half the bytes per token, section 1, so twice the
+# sequences in the same pool: the "seqs in 8 GiB" column of section 5), which is often
+# what a serving team wants from it; in the steps measured here it did not buy step
+# time. That is a property of **this engine's** kernels, not of fp8 KV: vLLM's fp8 paths on Hopper and Blackwell (FlashAttention 3,
 # FlashInfer, FlashMLA) read the fp8 bytes natively, which is what turns halved bytes
 # into a shorter decode step. (The engine's fp8 **weights** are an emulation that dequantizes to
 # float32, so no GPU speed is claimed for them at all.)
@@ -649,12 +652,14 @@ rows = [
         f"({'slower' if sp < 1 else 'faster'}; this engine's earlier fp8 kernel); H100, "
         f"batch 64, the folded kernel's first version: {sp100:.2f}x "
         f"({'slower' if sp100 < 1 else 'faster'}), though its attention alone was 1.44x faster "
-        f"than bf16's (1.46x after a later change; quoted, not measured here)",
+        f"than bf16's (the current kernel's 1.70x; its step not measured; quoted, not "
+        f"measured here)",
         f"H200，批次 64：预测 fp8 KV 快 "
         f"{H200['bf16 KV'][64][1] / H200['fp8 KV'][64][1]:.2f}x，实测 {sp:.2f}x"
         f"（{'更慢' if sp < 1 else '更快'}；本引擎早先的 fp8 核函数）；H100，批次 64，"
         f"folded 核函数的第一个版本：{sp100:.2f}x（{'更慢' if sp100 < 1 else '更快'}），"
-        f"尽管单看注意力它比 bf16 快 1.44x（此后的一处改动后为 1.46x；引用的数字，并非在此测得）")),
+        f"尽管单看注意力它比 bf16 快 1.44x（当前核函数为 1.70x，其一步尚未测量；引用的数字，"
+        f"并非在此测得）")),
     (Bi("the Pareto choice on SmolLM2 is int8 W + fp16 KV, KL ~3e-3 (course plan estimate)",
         "SmolLM2 上的 Pareto 选择是 int8 W + fp16 KV，KL ~3e-3（课程计划的估计）"),
      Bi(f"under KL <= {KL_BUDGET:g} on every task and a {SLA_MS} ms step: {choice}; int8 W + "
