@@ -611,7 +611,7 @@ def test_fp8_to_f16_every_byte(cache_dtype, keep_nan):
     _fp8_to_f16_kernel[(1,)](x.to(DEVICE), out, E4M3=cache_dtype == E4M3, KEEP_NAN=keep_nan)
     out = out.cpu()
     nan = torch.isnan(want)
-    assert nan.sum() == 2 if cache_dtype == E4M3 else 6  # the formats' NaN encodings
+    assert nan.sum() == (2 if cache_dtype == E4M3 else 6)  # the formats' NaN encodings
     assert torch.equal(bits(out[~nan]), bits(want[~nan])), [
         (i, float(want[i]), float(out[i])) for i in range(256)
         if not nan[i] and bits(out[i:i + 1]) != bits(want[i:i + 1])][:8]
