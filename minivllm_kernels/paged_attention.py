@@ -618,8 +618,7 @@ def _check_out_and_scales(q, out, k_scale_cache, v_scale_cache, key_cache, what)
                                  f"{list(want)}, got {tuple(t.shape)} {t.dtype}")
 
 
-def _f16_mode(config: dict, folded: bool, dynamic: bool, q_dtype: torch.dtype,
-              cache_dtype: torch.dtype) -> int:
+def _f16_mode(config: dict, folded: bool, dynamic: bool, q_dtype: torch.dtype) -> int:
     """The folded kernel's float16 products (``config["F16"]``): 0 off (bfloat16 queries
     multiply in bfloat16, the tiles converted by the cast); 1 the tiles converted with
     integer instructions (:func:`_fp8_to_f16`; an e4m3 NaN reads as a number); 2 the same
@@ -731,6 +730,7 @@ def paged_attention_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache
         config.pop("EVEN", None)
     if not folded:
         config.pop("EXP2", None)
+    config["F16"] = _f16_mode(config, folded, dynamic, q.dtype)
     grid = (num_kv_heads, B, triton.cdiv(max_splits, splits_per_program))
     if "num_stages" not in config:
         config["num_stages"] = decode_num_stages(grid[0] * grid[1] * grid[2], whole, kind != 0,
@@ -743,8 +743,7 @@ def paged_attention_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache
         QUERY_GROUP=group, G_PAD=g_pad, NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size, SPLIT=SPLIT_SIZE,
         QUANT=kind != 0, DYNAMIC=dynamic, PRECISION=_dot_precision(q.dtype),
-        UPCAST=_upcast(q.dtype), WHOLE=whole, FOLDED=folded,
-        **{**config, "F16": _f16_mode(config, folded, dynamic, q.dtype, key_cache.dtype)})
+        UPCAST=_upcast(q.dtype), WHOLE=whole, FOLDED=folded, **config)
     if not whole:
         _decode_reduce_kernel[(num_heads, B)](
             part_m, part_l, part_acc, seq_lens, out, out.stride(0), out.stride(1), max_splits,
