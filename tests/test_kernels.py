@@ -603,7 +603,7 @@ def test_fp8_to_f16_every_byte(cache_dtype, keep_nan):
     """The folded kernel's integer fp8 -> float16 conversion on all 256 bytes: e5m2 gives
     the value, e4m3 the value times 2**-8 (both exact: compared bit for bit with torch's
     conversion), NaN stays NaN (e4m3 without KEEP_NAN: its NaN may read as a number).
-    On a GPU this runs the inline PTX; in the interpreter the cast it stands for."""
+    On a GPU this runs the inline PTX; in the interpreter the same bit operations."""
     x = torch.arange(256, dtype=torch.uint8).view(cache_dtype)
     want = x.float() * (2.0 ** -8 if cache_dtype == E4M3 else 1.0)
     want = want.to(F16)
