@@ -135,9 +135,12 @@ def engine_kl(windows: int, seq_len: int, bootstrap_seeds: int) -> dict:
     TRITON backend with each
     fp8 kernel, and the TORCH backend on the same configuration (a third implementation
     of the same formula, whose distance to the exact kernel is the noise a kernel change
-    is judged by). The spread across seeds: the 95 % interval of the mean over windows
-    resampled with ``bootstrap_seeds`` seeds, for each KL and for the paired difference
-    folded - exact."""
+    is judged by). ``TRITON folded, bf16 products`` is the folded kernel with
+    ``DECODE_CONFIG_FOLDED["F16"] = 0`` (bfloat16 instead of float16 products: its
+    earlier default). The spread across seeds: the 95 % interval of the mean over windows
+    resampled with ``bootstrap_seeds`` seeds, for each KL and for the paired differences
+    against the exact kernel. Runs on CUDA when there is one (compiled kernels), else on
+    the CPU (the interpreter)."""
     import functools
 
     import numpy as np
@@ -147,7 +150,9 @@ def engine_kl(windows: int, seq_len: int, bootstrap_seeds: int) -> dict:
     from minivllm.precision import evalsets as E
     from minivllm.precision.metrics import kl_divergence
 
-    common = dict(max_model_len=seq_len + 8, enforce_eager=True, enable_prefix_caching=False)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    common = dict(max_model_len=seq_len + 8, enforce_eager=True, enable_prefix_caching=False,
+                  device=device)
     base = LLM("smollm2-135m-instruct", dtype="float32", kv_cache_dtype="auto",
                attention_backend="TORCH", **common)
     seqs = E.corpus_sequences(base.get_tokenizer(), seq_len, windows)
@@ -158,9 +163,10 @@ def engine_kl(windows: int, seq_len: int, bootstrap_seeds: int) -> dict:
     # calibrated per-head scales, from the TORCH engine (calibrating runs prefills, which
     # the TRITON engines would run in the interpreter), set into the TRITON engines
     scales = None
-    for name, backend, kernel in (("TORCH", "TORCH", None),
-                                  ("TRITON folded", "TRITON", "folded"),
-                                  ("TRITON exact", "TRITON", "exact")):
+    for name, backend, kernel, f16 in (("TORCH", "TORCH", None, None),
+                                       ("TRITON folded", "TRITON", "folded", None),
+                                       ("TRITON folded, bf16 products", "TRITON", "folded", 0),
+                                       ("TRITON exact", "TRITON", "exact", None)):
         calibrate = dict(calculate_kv_scales=True, kv_scale_granularity="head") \
             if scales is None else {}  # else per-tensor until set_scales below
         llm = LLM("smollm2-135m-instruct", attention_backend=backend, **calibrate, **fp8)
@@ -176,7 +182,14 @@ def engine_kl(windows: int, seq_len: int, bootstrap_seeds: int) -> dict:
                 if isinstance(b, TritonAttentionBackend):
                     b._decode = functools.partial(PA.paged_attention_decode, fp8_kernel=kernel)
         t0 = time.perf_counter()
-        out = llm.score(seqs, mode="decode")
+        saved = dict(PA.DECODE_CONFIG_FOLDED)
+        if f16 is not None:
+            PA.DECODE_CONFIG_FOLDED["F16"] = f16
+        try:
+            out = llm.score(seqs, mode="decode")
+        finally:
+            PA.DECODE_CONFIG_FOLDED.clear()
+            PA.DECODE_CONFIG_FOLDED.update(saved)
         kl[name] = np.array([float(kl_divergence(r, c).mean()) for r, c in zip(ref, out)])
         print(f"{name}: mean KL {kl[name].mean():.6g} nats over {len(seqs)} windows "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -188,8 +201,12 @@ def engine_kl(windows: int, seq_len: int, bootstrap_seeds: int) -> dict:
         m = x[idx].mean(axis=1)
         return [float(np.quantile(m, 0.025)), float(np.quantile(m, 0.975))]
 
-    res = {name: dict(mean=float(v.mean()), ci95=ci(v)) for name, v in kl.items()}
-    for a_, b_ in (("TRITON folded", "TRITON exact"), ("TORCH", "TRITON exact")):
+    res: dict = dict(device=device, windows=len(seqs), seq_len=seq_len)
+    res.update({name: dict(mean=float(v.mean()), ci95=ci(v)) for name, v in kl.items()})
+    for a_, b_ in (("TRITON folded", "TRITON exact"),
+                   ("TRITON folded, bf16 products", "TRITON exact"),
+                   ("TRITON folded", "TRITON folded, bf16 products"),
+                   ("TORCH", "TRITON exact")):
         d = kl[a_] - kl[b_]
         res[f"{a_} - {b_}"] = dict(mean=float(d.mean()), ci95=ci(d))
     print(json.dumps(res), flush=True)

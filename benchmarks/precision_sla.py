@@ -7,7 +7,15 @@ tokens. For each KV-cache dtype (bf16 = "auto", fp8_e4m3) and batch size:
 
 * ``ttft_ms``: the whole ``generate`` call for 1 new token (prefill of batch x context
   tokens plus one sampled token), median of ``--reps``;
-* ``step_ms``: (time for N tokens - time for 1 token) / (N - 1), median of ``--reps``;
+* ``step_ms``: one decode step, timed through ``LLMEngine.step()`` once every request has
+  finished its prefill (N - 1 steps, each checked to have scheduled exactly one token per
+  request: decode only), median of ``--reps``;
+* ``gen_step_ms``: (time of ``generate`` for N tokens - time for 1 token) / (N - 1), the
+  measure this script used until 2026-12-06. With chunked prefill the first requests
+  decode while later ones still prefill, so it mixes prefill chunks (and the prefill
+  kernel) into the "step", and it is noisy: on an H100 at batch 64 / 2k one run of it
+  gave fp8 0.99x bf16 and the median of three 1.14x, where the decode step alone gave
+  1.17x (2026-12-06, ``benchmarks/RESULTS.md``);
 * ``model_step_ms``: the cost model, (weight bytes + batch x context x KV bytes per token)
   / copy bandwidth (measured in the same run): the time a step needs if it only streamed
   its bytes once at the copy bandwidth;
@@ -17,7 +25,7 @@ The fp8 cache halves the K/V bytes, so the cost model predicts a shorter step wh
 K/V bytes are a visible share of the step's bytes; whether the kernel delivers it is what
 this measures. The earlier fp8 decode kernel (``--fp8-kernels exact``) reads at about
 45 % of copy bandwidth on an H200 (``benchmarks/fp8_decode_probe.py``), the bf16 one at
-91-107 %; the default one (``folded``) at 69 % at batch 64 / 4k on an H100
+91-107 %; the default one (``folded``) at 83 % at batch 64 / 4k on an H100
 (``benchmarks/fp8_decode.py``, ``benchmarks/RESULTS.md``).
 
 Usage: ``python benchmarks/precision_sla.py`` (needs CUDA; about 3 minutes on an H200).
@@ -70,14 +78,20 @@ def main() -> int:
     from minivllm_kernels import paged_attention as PA
 
     decode = PA.paged_attention_decode
+    chunk = 16384  # max_num_batched_tokens below
+
+    def warm_steps(B: int) -> int:  # prefill chunks, then 2 more steps
+        return -(-B * args.context // chunk) + 2
+
+    warm_max = warm_steps(max(args.batches))
     for kv, kernel in [("auto", None)] + [("fp8_e4m3", k) for k in args.fp8_kernels]:
         # the TRITON backend imports paged_attention_decode when the engine starts
         PA.paged_attention_decode = functools.partial(decode, fp8_kernel=kernel or "folded")
         llm = LLM(str(folder), device="cuda", dtype="bfloat16", load_format="dummy",
                   skip_tokenizer_init=True, kv_cache_dtype=kv,
-                  max_model_len=args.context + args.new_tokens + 8,
+                  max_model_len=args.context + args.new_tokens + warm_max + 8,
                   max_num_seqs=max(args.batches), kv_cache_memory_bytes=int(40e9),
-                  enable_prefix_caching=False, max_num_batched_tokens=16384)
+                  enable_prefix_caching=False, max_num_batched_tokens=chunk)
         model = llm.llm_engine.model_runner.model
         weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                            if "embed_tokens" not in n) + cfg["hidden_size"] * 2
@@ -93,11 +107,35 @@ def main() -> int:
             torch.cuda.synchronize()
             return time.perf_counter() - t0
 
+        def decode_step(B, n):
+            """Seconds per decode step: n engine steps once all B requests decode."""
+            eng = llm.llm_engine  # noqa: F821 (del below)
+            p = torch.randint(0, cfg["vocab_size"], (B, args.context), generator=gen).tolist()
+            sp = SamplingParams(temperature=0, max_tokens=warm_steps(B) + n + 1,
+                                ignore_eos=True)
+            ids = [eng.add_request(x, sp) for x in p]
+            for _ in range(warm_steps(B)):
+                eng.step()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                eng.step()
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            tokens = [h[-1] for h in list(eng._history)[-n:]]  # tokens scheduled per step
+            eng.abort_request(ids)
+            if tokens != [B] * n:
+                raise RuntimeError(f"timed steps were not decode-only steps of batch {B}: "
+                                   f"tokens scheduled {tokens}")
+            return dt / n
+
         run(1, 2)  # warm
         for B in args.batches:
             pairs = [(run(B, args.new_tokens), run(B, 1)) for _ in range(args.reps)]
-            step = statistics.median((a - b) / (args.new_tokens - 1) for a, b in pairs)
+            gen_step = statistics.median((a - b) / (args.new_tokens - 1) for a, b in pairs)
             ttft = statistics.median(b for _, b in pairs)
+            step = statistics.median(decode_step(B, args.new_tokens - 1)
+                                     for _ in range(args.reps))
             ctx = args.context + args.new_tokens / 2
             model_s = (weight_bytes + B * ctx * kv_per_token) / bw
             rows.append(dict(kv_cache_dtype="bf16" if kv == "auto" else f"{kv} {kernel}",
@@ -105,6 +143,7 @@ def main() -> int:
                              kv_GB=round(B * ctx * kv_per_token / 1e9, 3),
                              weight_GB=round(weight_bytes / 1e9, 2),
                              ttft_ms=round(ttft * 1e3, 1), step_ms=round(step * 1e3, 3),
+                             gen_step_ms=round(gen_step * 1e3, 3),
                              model_step_ms=round(model_s * 1e3, 3),
                              frac_model=round(model_s / step, 3)))
             print(rows[-1], flush=True)

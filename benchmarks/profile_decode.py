@@ -2,6 +2,7 @@
 
     python benchmarks/profile_decode.py                   # Llama-3-8B shape, batch 1
     python benchmarks/profile_decode.py --batch 16 --layers 4
+    python benchmarks/profile_decode.py --batch 64 --context 2048 --kv-gb 24 --kv-cache-dtype fp8_e4m3
 
 Builds the engine on a Llama-3-8B-shaped model with random bf16 weights
 (``load_format="dummy"``), runs a few decode steps under ``torch.profiler`` and prints:
@@ -97,6 +98,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--context", type=int, default=128, help="prompt tokens")
     ap.add_argument("--eager", action="store_true", help="switch the CUDA graphs off")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto (bf16), fp8_e4m3, ...")
+    ap.add_argument("--kv-gb", type=float, default=8.0, help="KV cache memory, GB")
     ap.add_argument("--trace", default=str(ROOT / "reports" / "decode_trace.json"))
     ns = ap.parse_args()
     if not torch.cuda.is_available():
@@ -109,20 +112,23 @@ def main() -> int:
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(cfg))
     llm = LLM(str(folder), device="cuda", dtype="bfloat16", load_format="dummy",
-              skip_tokenizer_init=True, max_model_len=1024, max_num_seqs=max(ns.batch, 1),
-              kv_cache_memory_bytes=int(8e9), enable_prefix_caching=False)
+              skip_tokenizer_init=True, max_model_len=ns.context + 1024,
+              max_num_seqs=max(ns.batch, 1), kv_cache_dtype=ns.kv_cache_dtype,
+              kv_cache_memory_bytes=int(ns.kv_gb * 1e9), enable_prefix_caching=False)
     eng = llm.llm_engine
     runner = eng.model_runner
     if ns.eager:
         runner.cuda_graphs = None
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, cfg["vocab_size"], (ns.batch, ns.context), generator=gen).tolist()
-    sp = SamplingParams(temperature=0, max_tokens=ns.steps * 4 + 8, ignore_eos=True)
+    # every prefill chunk, then warm decode steps: the profile holds decode steps only
+    warm = -(-ns.batch * ns.context // eng.scheduler_config.max_num_batched_tokens) + 3
+    sp = SamplingParams(temperature=0, max_tokens=warm + ns.steps + 8, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                  use_tqdm=False)
     for i, p in enumerate(prompts):
         eng.add_request(p, sp, str(i))
-    for _ in range(3):  # prefill, then warm decode steps
+    for _ in range(warm):
         eng.step()
     torch.cuda.synchronize()
     report = {}

@@ -278,7 +278,7 @@ def test_triton_equals_torch_on_embedded_model(embedded_model_dir):
     outs = {}
     for backend in ("TORCH", "TRITON"):
         llm = LLM(model=str(embedded_model_dir), attention_backend=backend, dtype="float32",
-                  max_model_len=256)
+                  device=DEVICE, max_model_len=256)
         outs[backend] = [o.outputs[0].token_ids for o in llm.chat(msgs, sp, use_tqdm=False)]
         assert llm.stats.num_free_blocks == llm.stats.num_total_blocks
     assert outs["TRITON"] == outs["TORCH"], outs
