@@ -115,6 +115,26 @@ def test_backend_selection_and_errors():
         EngineArgs(load_format="dummy", quantization="int8").validate()
 
 
+@pytest.mark.parametrize("interpret", [True, False], ids=["interpreted", "compiled"])
+def test_triton_backend_device_must_match_the_kernel_mode(monkeypatch, interpret):
+    """The TRITON backend's kernels run on CPU tensors when interpreted and on CUDA tensors
+    when compiled; the other device is refused when the arguments are checked, with the
+    way out, not at the first kernel call (which is where a CPU engine on a GPU machine
+    used to fail)."""
+    from minivllm_kernels import _triton
+
+    monkeypatch.setattr(_triton, "INTERPRET", interpret)
+    ok, wrong = ("cpu", "cuda") if interpret else ("cuda", "cpu")
+    EngineArgs(attention_backend="TRITON", device=ok).validate()
+    EngineArgs(attention_backend="TORCH", device=wrong).validate()
+    with pytest.raises(ValueError, match="TRITON_INTERPRET") as e:
+        EngineArgs(attention_backend="TRITON", device=wrong).validate()
+    assert f"device={wrong!r}" in str(e.value) and "attention_backend='TORCH'" in str(e.value)
+    if interpret:  # the default on CUDA is TRITON: refused alike
+        with pytest.raises(ValueError, match="TRITON_INTERPRET=1 is set"):
+            EngineArgs(device="cuda:1").validate()
+
+
 def test_capture_sizes():
     assert capture_sizes(1) == [1]
     assert capture_sizes(5) == [1, 2, 4, 5]

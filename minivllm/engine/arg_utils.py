@@ -226,7 +226,23 @@ class EngineArgs:
             raise ValueError(f"seed must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
         from minivllm.attention.backends import resolve_attention_backend
 
-        resolve_attention_backend(self.attention_backend, self.device)
+        if resolve_attention_backend(self.attention_backend, self.device) == "TRITON":
+            from minivllm_kernels import _triton
+
+            on_cuda = str(self.device).startswith("cuda")
+            if on_cuda and _triton.INTERPRET:
+                raise ValueError(
+                    f"attention_backend='TRITON' on device={self.device!r} needs compiled "
+                    "kernels, but TRITON_INTERPRET=1 is set in this process (the interpreter "
+                    "runs kernels on CPU tensors). Unset it before importing minivllm, or use "
+                    "device='cpu' or attention_backend='TORCH'.")
+            if not on_cuda and not _triton.INTERPRET:
+                raise ValueError(
+                    f"attention_backend='TRITON' on device={self.device!r} needs Triton's "
+                    "interpreter, and this process compiles the kernels for a GPU "
+                    "(TRITON_INTERPRET is not 1). Use device='cuda', or "
+                    "attention_backend='TORCH', or set TRITON_INTERPRET=1 before importing "
+                    "minivllm.")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.load_format == "dummy" and self.quantization is not None:
