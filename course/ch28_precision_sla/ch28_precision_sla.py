@@ -593,8 +593,8 @@ fig
 # budget. The float32 reference has no KL but its 46,080 bytes per token put its step
 # above the SLA; a configuration with an fp8 KV
 # cache has the cheapest step on paper, and section 4 says how much of it this engine's
-# fp8 kernels deliver on a GPU (the earlier one nothing at batch 64 on an H200, the
-# current one 1.17x of the predicted 1.37x on an H100). Where a seed recommendation is "inside" but not "the cheapest",
+# fp8 kernels deliver on a GPU (the earlier one a slower step, 0.84x, at batch 64 on an
+# H200; the current one 1.17x of the predicted 1.37x on an H100). Where a seed recommendation is "inside" but not "the cheapest",
 # the printed choice costs fewer bytes at the same budget; where the choice differs
 # between tasks, a deployment that serves them all pays for its strictest task (the last
 # table), or routes tasks to separate deployments. Change the budget or the SLA and the
@@ -674,13 +674,13 @@ rows = [
         f"{H200['bf16 KV'][64][1] / H200['fp8 KV'][64][1]:.2f}x faster, measured {sp:.2f}x "
         f"({'slower' if sp < 1 else 'faster'}; this engine's earlier fp8 kernel); H100, "
         f"batch 64, decode steps alone: predicted {pr100:.2f}x, the folded kernel {sp100:.2f}x "
-        f"({'slower' if sp100 < 1 else 'faster'}; its attention alone 1.70x), the earlier "
-        f"kernel {sp100x:.2f}x (quoted, not measured here)",
+        f"({'slower' if sp100 < 1 else 'faster'}; its attention alone 1.70x at 4k contexts), "
+        f"the earlier kernel {sp100x:.2f}x (quoted, not measured here)",
         f"H200，批次 64：预测 fp8 KV 快 "
         f"{H200['bf16 KV'][64][1] / H200['fp8 KV'][64][1]:.2f}x，实测 {sp:.2f}x"
         f"（{'更慢' if sp < 1 else '更快'}；本引擎早先的 fp8 核函数）；H100，批次 64，"
         f"只计 decode 步：预测 {pr100:.2f}x，folded 核函数 {sp100:.2f}x"
-        f"（{'更慢' if sp100 < 1 else '更快'}；单看注意力为 1.70x），早先的核函数 "
+        f"（{'更慢' if sp100 < 1 else '更快'}；单看注意力在 4k 上下文时为 1.70x），早先的核函数 "
         f"{sp100x:.2f}x（引用的数字，并非在此测得）")),
     (Bi("the Pareto choice on SmolLM2 is int8 W + fp16 KV, KL ~3e-3 (course plan estimate)",
         "SmolLM2 上的 Pareto 选择是 int8 W + fp16 KV，KL ~3e-3（课程计划的估计）"),
