@@ -124,6 +124,7 @@ def test_triton_backend_device_must_match_the_kernel_mode(monkeypatch, interpret
     from minivllm_kernels import _triton
 
     monkeypatch.setattr(_triton, "INTERPRET", interpret)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine
     ok, wrong = ("cpu", "cuda") if interpret else ("cuda", "cpu")
     EngineArgs(attention_backend="TRITON", device=ok).validate()
     EngineArgs(attention_backend="TORCH", device=wrong).validate()

@@ -230,7 +230,8 @@ class EngineArgs:
             from minivllm_kernels import _triton
 
             on_cuda = str(self.device).startswith("cuda")
-            if on_cuda and _triton.INTERPRET:
+            # (CUDA asked for on a machine without it: create_engine_config says so)
+            if on_cuda and _triton.INTERPRET and torch.cuda.is_available():
                 raise ValueError(
                     f"attention_backend='TRITON' on device={self.device!r} needs compiled "
                     "kernels, but TRITON_INTERPRET=1 is set in this process (the interpreter "
