@@ -34,6 +34,7 @@ The last line is one JSON object with every number.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -47,6 +48,19 @@ import torch  # noqa: E402
 
 from minivllm_kernels import paged_attention as PA  # noqa: E402
 from tests.fp8_decode_cases import errors  # noqa: E402
+
+
+@contextlib.contextmanager
+def overridden(config: dict, changes: dict):
+    """A module-level launch configuration (``PA.DECODE_CONFIG_FOLDED``, ...) with
+    ``changes`` applied for the block, and restored as it was afterwards."""
+    saved = dict(config)
+    config.update(changes)
+    try:
+        yield config
+    finally:
+        config.clear()
+        config.update(saved)
 
 def timings(shapes: list[tuple[int, int]], sweep_kernels: list[str]) -> dict:
     from benchmarks.gpu_suite import bench_graph, copy_bandwidth, paged_decode_inputs
@@ -66,21 +80,15 @@ def timings(shapes: list[tuple[int, int]], sweep_kernels: list[str]) -> dict:
     kernels += [(f"fp8 {n}", k8, v8, dict(fp8_kernel=n), {}) for n in PA.FP8_KERNELS]
     kernels += [("fp8 folded, NaN kept", k8, v8, {}, {"F16": 2}),
                 ("fp8 folded, bf16 products", k8, v8, {}, {"F16": 0})]
-    folded = PA.DECODE_CONFIG_FOLDED
     rows = []
     for B, ctx in shapes:
         q, bt, lens = paged_decode_inputs(num_blocks, B, ctx, H, D, bs, torch.bfloat16, g)
         elems = B * ctx * Hkv * D * 2  # K and V elements read
         r: dict = dict(batch=B, context=ctx)
         for name, kc, vc, kw, override in kernels:
-            saved = dict(folded)
-            folded.update(override)
-            try:
+            with overridden(PA.DECODE_CONFIG_FOLDED, override):
                 ms = bench_graph(lambda: PA.paged_attention_decode(  # noqa: B023
                     q, kc, vc, bt, lens, bs, D ** -0.5, ks, ks, max_seq_len=ctx, **kw))
-            finally:
-                folded.clear()
-                folded.update(saved)
             r[f"{name} us"] = round(ms * 1e3, 1)
             r[f"{name} frac"] = round(elems * kc.element_size() / (ms * 1e-3) / copy_bw, 3)
         rows.append(r)
@@ -182,14 +190,8 @@ def engine_kl(windows: int, seq_len: int, bootstrap_seeds: int) -> dict:
                 if isinstance(b, TritonAttentionBackend):
                     b._decode = functools.partial(PA.paged_attention_decode, fp8_kernel=kernel)
         t0 = time.perf_counter()
-        saved = dict(PA.DECODE_CONFIG_FOLDED)
-        if f16 is not None:
-            PA.DECODE_CONFIG_FOLDED["F16"] = f16
-        try:
+        with overridden(PA.DECODE_CONFIG_FOLDED, {} if f16 is None else {"F16": f16}):
             out = llm.score(seqs, mode="decode")
-        finally:
-            PA.DECODE_CONFIG_FOLDED.clear()
-            PA.DECODE_CONFIG_FOLDED.update(saved)
         kl[name] = np.array([float(kl_divergence(r, c).mean()) for r, c in zip(ref, out)])
         print(f"{name}: mean KL {kl[name].mean():.6g} nats over {len(seqs)} windows "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)

@@ -122,7 +122,7 @@ def main() -> int:
                 eng.step()
             torch.cuda.synchronize()
             dt = time.perf_counter() - t0
-            tokens = [h[-1] for h in list(eng._history)[-n:]]  # tokens scheduled per step
+            tokens = [h[-1] for h in eng.stats.history[-n:]]  # tokens scheduled per step
             eng.abort_request(ids)
             if tokens != [B] * n:
                 raise RuntimeError(f"timed steps were not decode-only steps of batch {B}: "
